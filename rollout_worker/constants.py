@@ -1,0 +1,101 @@
+"""Every queue name, task name and Redis key the system uses, in one place.
+
+Both sides (workers and the trainer) read these; changing one is a wire-format change.
+"""
+
+from __future__ import annotations
+
+# Queues: `control` runs short orchestration tasks; `collect` runs one task per episode and is
+# scaled by starting more workers on it.
+QUEUE_CONTROL = "control"
+QUEUE_COLLECT = "collect"
+QUEUES = (QUEUE_CONTROL, QUEUE_COLLECT)
+
+# Task names are explicit so the trainer can send tasks by name without importing the worker.
+TASK_SUBMIT = "rollout.submit_batch"
+TASK_COLLECT = "rollout.collect_episode"
+TASK_AGGREGATE = "rollout.aggregate_batch"
+TASK_WATCHDOG = "rollout.batch_watchdog"
+
+KEY_PREFIX = "rollout"
+
+
+def batch_key(batch_id: str, part: str) -> str:
+    return f"{KEY_PREFIX}:batch:{batch_id}:{part}"
+
+
+def receipt_key(batch_id: str) -> str:
+    """JSON receipt: what was asked and what was created (written before any mutation)."""
+    return batch_key(batch_id, "receipt")
+
+
+def episodes_key(batch_id: str) -> str:
+    """Hash index -> episode row JSON; HSETNX makes each episode count exactly once."""
+    return batch_key(batch_id, "episodes")
+
+
+def logs_key(batch_id: str) -> str:
+    """Hash index -> the episode's raw log (its stdout), kept as the episode's record."""
+    return batch_key(batch_id, "logs")
+
+
+def artifacts_key(batch_id: str) -> str:
+    """Hash name -> backend records (job.json, pods.json, events.txt, ...)."""
+    return batch_key(batch_id, "artifacts")
+
+
+def report_key(batch_id: str) -> str:
+    """The final batch report (JSON), written once."""
+    return batch_key(batch_id, "report")
+
+
+def stream_key(batch_id: str) -> str:
+    """Per-batch stream: one entry per collected episode, then one `report` entry.
+
+    A stream (not pub/sub) so a trainer that subscribes late still sees every entry.
+    """
+    return batch_key(batch_id, "events")
+
+
+def flag_key(batch_id: str, name: str) -> str:
+    return batch_key(batch_id, f"flag:{name}")
+
+
+def all_batch_keys(batch_id: str) -> list[str]:
+    return [
+        receipt_key(batch_id),
+        episodes_key(batch_id),
+        logs_key(batch_id),
+        artifacts_key(batch_id),
+        report_key(batch_id),
+        stream_key(batch_id),
+        flag_key(batch_id, "chord"),
+    ]
+
+
+# Deterministic Celery ids: a redelivered submit re-sends the same ids, and the result
+# backend plus our own per-index dedupe make the copies harmless.
+def collect_task_id(batch_id: str, index: int) -> str:
+    return f"{batch_id}.collect.{index}"
+
+
+def aggregate_task_id(batch_id: str) -> str:
+    return f"{batch_id}.aggregate"
+
+
+def group_id(batch_id: str) -> str:
+    return f"{batch_id}.group"
+
+
+def watchdog_task_id(batch_id: str) -> str:
+    return f"{batch_id}.watchdog"
+
+
+# Stream entry types.
+ENTRY_EPISODE = "episode"
+ENTRY_REPORT = "report"
+
+# Labels / names shared by backends.
+LABEL_OWNER = "rollout.dev/owner"
+LABEL_OWNER_VALUE = "rollout"
+LABEL_BATCH = "rollout.dev/batch"

@@ -1,0 +1,51 @@
+"""The project's error hierarchy. Third-party errors are translated into these at the edges."""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class InvalidSpec(RolloutError):
+    """A batch request is malformed or outside what is allowed; nothing was started."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid batch request: " + "; ".join(self.problems))
+
+
+class ConfigError(RolloutError):
+    """A setting (environment variable or option) has a value we cannot use."""
+
+
+class OutputDirError(RolloutError):
+    """The records directory cannot be used (exists already, or is not writable)."""
+
+
+class BackendError(RolloutError):
+    """A backend failed to start, observe, read or delete a run."""
+
+
+class BackendUnavailable(BackendError):
+    """The requested backend cannot run on this machine or configuration."""
+
+
+class TransientBackendError(BackendError):
+    """A backend call failed in a way that a retry may fix (timeouts, 5xx, conflicts)."""
+
+
+class OwnershipError(BackendError):
+    """A resource exists but cannot be proven to be ours, so we refuse to touch it."""
+
+
+class ReceiptMismatch(RolloutError):
+    """A batch id is already in use by a request with a different spec."""
+
+
+class BatchTimeout(RolloutError):
+    """Waiting for a batch report ran past the caller's timeout."""
+
+
+class StackError(RolloutError):
+    """The all-in-one stack (private redis-server and workers) failed to start or died."""

@@ -1,0 +1,123 @@
+"""Settings: one frozen object, built once from the environment at the edge (CLI, worker start).
+
+Every variable is listed in SETTINGS_DOC, which the README and `rollout check` show.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rollout_worker.errors import ConfigError
+
+SETTINGS_DOC: dict[str, str] = {
+    "ROLLOUT_REDIS_URL": "Redis for the broker, results, receipts and reports "
+    "(default redis://127.0.0.1:6379/0)",
+    "ROLLOUT_MAX_BATCH_EPISODES": "largest batch accepted; larger ones are refused (default 5000)",
+    "ROLLOUT_VISIBILITY_TIMEOUT": "seconds before an unacked task is redelivered; must exceed "
+    "every task's run time (default 300)",
+    "ROLLOUT_RESULT_EXPIRES": "seconds Celery keeps task results and chord state; must exceed "
+    "the longest batch plus redelivery delay (default 172800)",
+    "ROLLOUT_RECORD_TTL": "seconds receipts, episode rows, logs and reports stay in Redis "
+    "(default 604800)",
+    "ROLLOUT_COLLECT_BLOCK_SECONDS": "longest a collector waits on one episode before "
+    "requeueing itself (default 2)",
+    "ROLLOUT_COLLECT_GRACE_SECONDS": "after a run's deadline, how long collectors keep waiting "
+    "before marking an episode lost (default 30)",
+    "ROLLOUT_LOCAL_ROOT": "directory for local runs (default <tmp>/rollout-runs)",
+    "ROLLOUT_LOCAL_PYTHON": "interpreter for local sandboxes (default /usr/bin/python3, else the "
+    "worker's own)",
+    "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap when it works)",
+    "ROLLOUT_LOCAL_KEEP_RUNS": "1 keeps local run directories after the report (default 0)",
+    "KUBECONFIG": "kubeconfig for the kubernetes backend (default: in-cluster, then ~/.kube/config)",
+    "ROLLOUT_KUBE_CONTEXT": "kubeconfig context for the kubernetes backend (default: current)",
+}
+
+
+def _default_python() -> str:
+    system = "/usr/bin/python3"
+    return system if os.access(system, os.X_OK) else sys.executable
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    max_batch_episodes: int = 5000
+    visibility_timeout: int = 300
+    result_expires: int = 2 * 24 * 3600
+    record_ttl: int = 7 * 24 * 3600
+    collect_block_seconds: float = 2.0
+    collect_grace_seconds: float = 30.0
+    local_root: Path = Path(tempfile.gettempdir()) / "rollout-runs"
+    local_python: str = ""
+    local_isolation: str = "auto"
+    local_keep_runs: bool = False
+    kubeconfig: str | None = None
+    kube_context: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            problems.append(f"ROLLOUT_REDIS_URL {self.redis_url!r} must start with redis://, "
+                            "rediss:// or unix://")
+        if self.max_batch_episodes < 1:
+            problems.append("ROLLOUT_MAX_BATCH_EPISODES must be >= 1")
+        if self.collect_block_seconds <= 0 or self.collect_block_seconds * 4 > self.visibility_timeout:
+            problems.append("ROLLOUT_COLLECT_BLOCK_SECONDS must be > 0 and well under "
+                            "ROLLOUT_VISIBILITY_TIMEOUT (at most a quarter of it)")
+        # A chord whose state expires before a lost task is redelivered never fires its
+        # callback (see notes/celery.md), so expiry must dominate the redelivery delay.
+        if self.result_expires < 4 * self.visibility_timeout + 3600:
+            problems.append("ROLLOUT_RESULT_EXPIRES must be at least 4 x "
+                            "ROLLOUT_VISIBILITY_TIMEOUT + 3600 seconds (never 0)")
+        if self.local_isolation not in ("auto", "bwrap", "none"):
+            problems.append(f"ROLLOUT_LOCAL_ISOLATION {self.local_isolation!r} is not one of "
+                            "auto, bwrap, none")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if not self.local_python:
+            object.__setattr__(self, "local_python", _default_python())
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+
+        def number(name: str, key: str, kind: type) -> None:
+            if env.get(name):
+                try:
+                    values[key] = kind(env[name])
+                except ValueError as exc:
+                    raise ConfigError(f"{name}={env[name]!r} is not a valid {kind.__name__}") from exc
+
+        if env.get("ROLLOUT_REDIS_URL"):
+            values["redis_url"] = env["ROLLOUT_REDIS_URL"]
+        number("ROLLOUT_MAX_BATCH_EPISODES", "max_batch_episodes", int)
+        number("ROLLOUT_VISIBILITY_TIMEOUT", "visibility_timeout", int)
+        number("ROLLOUT_RESULT_EXPIRES", "result_expires", int)
+        number("ROLLOUT_RECORD_TTL", "record_ttl", int)
+        number("ROLLOUT_COLLECT_BLOCK_SECONDS", "collect_block_seconds", float)
+        number("ROLLOUT_COLLECT_GRACE_SECONDS", "collect_grace_seconds", float)
+        if env.get("ROLLOUT_LOCAL_ROOT"):
+            values["local_root"] = Path(env["ROLLOUT_LOCAL_ROOT"])
+        if env.get("ROLLOUT_LOCAL_PYTHON"):
+            python = env["ROLLOUT_LOCAL_PYTHON"]
+            resolved = shutil.which(python)
+            if not resolved:
+                raise ConfigError(f"ROLLOUT_LOCAL_PYTHON={python!r} is not an executable")
+            values["local_python"] = resolved
+        if env.get("ROLLOUT_LOCAL_ISOLATION"):
+            values["local_isolation"] = env["ROLLOUT_LOCAL_ISOLATION"]
+        values["local_keep_runs"] = env.get("ROLLOUT_LOCAL_KEEP_RUNS", "0") in ("1", "true", "yes")
+        values["kubeconfig"] = env.get("KUBECONFIG") or None
+        values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def with_redis(self, redis_url: str) -> Settings:
+        return replace(self, redis_url=redis_url)

@@ -1,0 +1,166 @@
+"""Turn what a backend saw of an episode (status + log) into a validated EpisodeRow.
+
+Pure functions. Every rule of the guide is checked and every violation is listed on the row:
+an episode is `ok` only when all of them hold, and a row that is not ok never carries reward 1.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from rollout_worker.models import EpisodeObservation, EpisodeRow
+
+# Kubernetes timestamps have 1 s resolution and are truncated, so they may read up to one
+# second early; never late. Comparisons against them need no slack in that direction.
+TIMESTAMP_SLACK = 0.0
+
+
+def parse_events(log: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Split an episode log into JSON events, reporting lines that are not events."""
+    events: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for number, line in enumerate(log.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            problems.append(f"log line {number} is not a JSON event: {line[:80]!r}")
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("event"), str):
+            problems.append(f"log line {number} is not an event object: {line[:80]!r}")
+            continue
+        events.append(value)
+    return events, problems
+
+
+def _number(event: dict[str, Any], key: str) -> float | None:
+    value = event.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> EpisodeRow:
+    """Validate one finished episode. `origin` is the run's creation time (Job created)."""
+    row = EpisodeRow(
+        index=obs.index,
+        pod=obs.episode_id,
+        status="ok",
+        exit_code=obs.exit_code,
+        restart_count=obs.restart_count,
+        phase=obs.phase,
+        node=obs.node,
+        image_id=obs.image_id,
+        created_at=obs.created_at,
+        finished_at=obs.finished_at,
+        timing=dict(obs.timing),
+        collected_at=time.time(),
+    )
+    errors = row.errors
+    if obs.phase != "Succeeded":
+        reason = f" ({obs.reason})" if obs.reason else ""
+        errors.append(f"sandbox phase is {obs.phase}{reason}, expected Succeeded")
+    if obs.restart_count != 0:
+        errors.append(f"container restarted {obs.restart_count} time(s), expected 0")
+    if obs.exit_code != 0:
+        errors.append(f"exit code {obs.exit_code}, expected 0")
+
+    events, problems = parse_events(log)
+    errors.extend(problems)
+    ready = [e for e in events if e.get("event") == "ready"]
+    reward = [e for e in events if e.get("event") == "reward"]
+    if len(ready) != 1 or len(reward) != 1:
+        errors.append(
+            f"expected exactly one ready and one reward event, got {len(ready)} ready and "
+            f"{len(reward)} reward"
+        )
+    r = ready[0] if len(ready) == 1 else None
+    w = reward[0] if len(reward) == 1 else None
+    for event in filter(None, (r, w)):
+        if event.get("episode_id") != obs.episode_id:
+            errors.append(
+                f"{event['event']} event names episode {event.get('episode_id')!r}, "
+                f"but the sandbox is {obs.episode_id!r}"
+            )
+    if r is not None:
+        row.ready_at = _number(r, "at")
+    if w is not None:
+        row.reward_at = _number(w, "at")
+        row.baseline_exit = w.get("baseline_exit")
+        row.tests_exit = w.get("tests_exit")
+        reported = w.get("reward")
+        if reported != 1:
+            errors.append(f"reward is {reported!r}, expected 1")
+        if row.tests_exit != 0:
+            errors.append(f"tests_exit is {row.tests_exit!r} after the action, expected 0")
+        if row.baseline_exit == 0 or not isinstance(row.baseline_exit, int):
+            errors.append(f"baseline_exit is {row.baseline_exit!r}: the baseline must fail")
+        row.reward = 1 if reported == 1 else 0
+    if (r is not None and row.ready_at is None) or (w is not None and row.reward_at is None):
+        errors.append("an event has no numeric 'at' timestamp")
+
+    _check_time_order(row, origin, errors)
+    _cross_check_termination(obs, w, errors)
+
+    if row.ready_at is not None and row.created_at is not None:
+        row.pod_to_ready_seconds = row.ready_at - row.created_at
+    if row.ready_at is not None:
+        row.batch_to_ready_seconds = row.ready_at - origin
+    if row.reward_at is not None:
+        row.batch_to_reward_seconds = row.reward_at - origin
+    if errors:
+        row.status = "failed"
+        row.reward = 0  # a failed episode never hands the trainer a reward
+    return row
+
+
+def _check_time_order(row: EpisodeRow, origin: float, errors: list[str]) -> None:
+    chain = [
+        ("run created", origin),
+        ("sandbox created", row.created_at),
+        ("ready", row.ready_at),
+        ("reward", row.reward_at),
+    ]
+    known = [(name, at) for name, at in chain if at is not None]
+    for (name_a, a), (name_b, b) in zip(known, known[1:], strict=False):
+        if a > b + TIMESTAMP_SLACK:
+            errors.append(
+                f"time order violated: {name_a} ({a:.3f}) is after {name_b} ({b:.3f}); "
+                "check clock synchronisation"
+            )
+
+
+def _cross_check_termination(
+    obs: EpisodeObservation, reward: dict[str, Any] | None, errors: list[str]
+) -> None:
+    if not obs.termination_message:
+        return
+    try:
+        message = orjson.loads(obs.termination_message)
+    except orjson.JSONDecodeError:
+        errors.append("termination message is not JSON")
+        return
+    if reward is None:
+        errors.append("termination message reports an outcome the log does not contain "
+                      "(log cut or lost)")
+        return
+    for key in ("reward", "baseline_exit", "tests_exit", "episode_id"):
+        if message.get(key) != reward.get(key):
+            errors.append(
+                f"termination message {key}={message.get(key)!r} disagrees with the log's "
+                f"{reward.get(key)!r}"
+            )
+
+
+def lost_row(index: int, episode_id: str, reason: str, obs: EpisodeObservation | None) -> EpisodeRow:
+    """A row for an episode that never produced a usable outcome before the deadline."""
+    row = EpisodeRow(index=index, pod=episode_id, status="lost", errors=[reason],
+                     collected_at=time.time())
+    if obs is not None:
+        row.phase, row.node, row.created_at = obs.phase, obs.node, obs.created_at
+        row.exit_code, row.restart_count = obs.exit_code, obs.restart_count
+    return row
