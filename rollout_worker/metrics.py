@@ -121,6 +121,26 @@ def build_report(
     return report
 
 
+def error_report(batch_id: str, status: str, errors: Sequence[str],
+                 request: Mapping[str, Any]) -> dict[str, Any]:
+    """The report of a batch that never ran (rejected request, backend refused to start)."""
+    count = request.get("count")
+    return {
+        "batch_id": batch_id,
+        "ok": False,
+        "status": status,
+        "errors": list(errors),
+        "episodes": count if isinstance(count, int) else None,
+        "collected_episodes": 0,
+        "successful_episodes": 0,
+        "failed_episodes": 0,
+        "lost_episodes": 0,
+        "reward_sum": 0,
+        "backend": request.get("backend"),
+        "pods": [],
+    }
+
+
 def summary(report: Mapping[str, Any]) -> dict[str, Any]:
     """The report without its per-episode rows (what the CLI prints)."""
     return {k: v for k, v in report.items() if k not in ("pods", "errors")} | {

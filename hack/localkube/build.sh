@@ -31,6 +31,7 @@ for arg in "$@"; do
 done
 ((${#components[@]})) || components=("${LOCALKUBE_DEFAULT_COMPONENTS[@]}")
 
+localkube_ensure_tools flock:util-linux
 GO_BIN="$(localkube_go)"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GO111MODULE=on GOFLAGS="-buildvcs=false"
 JOBS="${LOCALKUBE_BUILD_JOBS:-2}"

@@ -233,6 +233,7 @@ status:
 main() {
   local cmd="${1:-}"
   shift || true
+  case "${cmd}" in up|down|status|nodes) localkube_ensure_tools flock:util-linux pgrep:procps ;; esac
   case "${cmd}" in
     up) cmd_up ;;
     down) cmd_down ;;

@@ -1,0 +1,231 @@
+"""The embedded local backend: a batch runs as sandboxed processes on this machine.
+
+The run is supervised by a detached process (see local_supervisor), not by a Celery task, so no
+worker slot is held while episodes run. All workers of a deployment using this backend must
+share the filesystem under ROLLOUT_LOCAL_ROOT (one machine, or a shared volume).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from rollout_worker.backends.base import ReceiptUpdate, RunHandle
+from rollout_worker.backends.local_files import OWNER, RunDir, create_json_exclusive
+from rollout_worker.errors import BackendError, BackendUnavailable, OwnershipError
+from rollout_worker.models import BatchSpec, EpisodeObservation
+from rollout_worker.sandbox import episode_program_text
+from rollout_worker.settings import Settings
+
+POLL_SECONDS = 0.02
+MAX_LOG_BYTES = 8 * 2**20
+
+
+@functools.lru_cache(maxsize=4)
+def probe_bwrap() -> str | None:
+    """None when bubblewrap can build a sandbox here, else why it cannot."""
+    if not shutil.which("bwrap"):
+        return "bwrap is not installed (apt-get install bubblewrap)"
+    try:
+        done = subprocess.run(
+            ["bwrap", "--unshare-all", "--ro-bind", "/", "/", "--uid", "1000", "true"],
+            capture_output=True, timeout=10, text=True,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap failed to run: {exc}"
+    return None if done.returncode == 0 else f"bwrap cannot create namespaces: {done.stderr.strip()}"
+
+
+@functools.lru_cache(maxsize=4)
+def describe_python(python: str) -> tuple[str, str]:
+    """(sys.base_prefix, an image-id-like identity) of the sandbox interpreter."""
+    done = subprocess.run(
+        [python, "-c", "import sys, platform; print(sys.base_prefix); print(platform.python_version())"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )
+    prefix, version = done.stdout.split()
+    real = os.path.realpath(python)
+    digest = hashlib.sha256(Path(real).read_bytes()).hexdigest()[:16]
+    return prefix, f"local://{real}@python{version}:sha256-{digest}"
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.root = settings.local_root
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _isolation(self) -> str:
+        wanted = self.settings.local_isolation
+        problem = probe_bwrap() if wanted in ("auto", "bwrap") else None
+        if wanted == "bwrap" and problem:
+            raise BackendUnavailable(f"ROLLOUT_LOCAL_ISOLATION=bwrap but {problem}")
+        return "bwrap" if wanted in ("auto", "bwrap") and not problem else "none"
+
+    def _dir(self, handle: RunHandle) -> RunDir:
+        return RunDir(Path(handle["run_dir"]))
+
+    # -- protocol ----------------------------------------------------------------------------
+    def preflight(self, spec: BatchSpec) -> list[str]:
+        warnings = []
+        if not os.access(self.settings.local_python, os.X_OK):
+            raise BackendUnavailable(f"sandbox interpreter {self.settings.local_python} is not "
+                                     "executable (ROLLOUT_LOCAL_PYTHON)")
+        if self._isolation() == "none":
+            warnings.append(f"local sandboxes are NOT isolated: {probe_bwrap() or 'disabled'}")
+        return warnings
+
+    def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
+        run_dir = RunDir(self.root / spec.batch_id)
+        python = self.settings.local_python
+        prefix, image_id = describe_python(python)
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+        run = {
+            "owner": OWNER,
+            "batch_id": spec.batch_id,
+            "run_uid": uuid.uuid4().hex,
+            "created_at": time.time(),
+            "spec": spec.to_dict(),
+            "episode_prefix": f"rollout-{spec.batch_id}",
+            "isolation": self._isolation(),
+            "python": python,
+            "python_prefix": prefix,
+            "image_id": image_id,
+            "node": socket.gethostname(),
+        }
+        run_dir.program.parent.mkdir(parents=True, exist_ok=True)
+        if not run_dir.program.exists():
+            tmp = run_dir.program.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(episode_program_text())
+            tmp.chmod(0o644)
+            os.replace(tmp, run_dir.program)
+        # The first start creates run.json; a redelivered start finds it and keeps its origin.
+        create_json_exclusive(run_dir.run_file, run)
+        existing = run_dir.read_json(run_dir.run_file)
+        if not existing or existing.get("batch_id") != spec.batch_id or existing.get("owner") != OWNER:
+            raise OwnershipError(f"{run_dir.path} holds a run that is not batch {spec.batch_id}")
+        handle: RunHandle = {
+            "backend": self.name,
+            "run_dir": str(run_dir.path),
+            "run_uid": existing["run_uid"],
+            "origin": existing["created_at"],
+            "episode_prefix": existing["episode_prefix"],
+            "isolation": existing["isolation"],
+            "node": existing["node"],
+        }
+        record({"run": handle})
+        self._ensure_supervisor(run_dir)
+        return handle
+
+    def _ensure_supervisor(self, run_dir: RunDir) -> None:
+        if run_dir.finished_file.exists():
+            return
+        with open(run_dir.lock_file, "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # a supervisor holds the run
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            subprocess.run(
+                [sys.executable, "-m", "rollout_worker.backends.local_supervisor", "--daemonize",
+                 str(run_dir.path)],
+                check=True, timeout=60, stdin=subprocess.DEVNULL,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise BackendError(f"could not start the local supervisor: {exc}") from exc
+
+    def episode_id(self, handle: RunHandle, index: int) -> str:
+        return f"{handle['episode_prefix']}-{index}"
+
+    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
+        run_dir = self._dir(handle)
+        end = time.monotonic() + timeout
+        while True:
+            status = run_dir.read_json(run_dir.status(index))
+            if status is not None:
+                return EpisodeObservation.from_dict(status)
+            if time.monotonic() >= end:
+                phase = "Running" if run_dir.log(index).exists() else "Pending"
+                return EpisodeObservation(index=index, episode_id=self.episode_id(handle, index),
+                                          phase=phase, node=handle.get("node"))
+            time.sleep(POLL_SECONDS)
+
+    def read_output(self, handle: RunHandle, index: int) -> str:
+        path = self._dir(handle).log(index)
+        try:
+            with open(path, "rb") as log:
+                data = log.read(MAX_LOG_BYTES + 1)
+        except FileNotFoundError:
+            return ""
+        if len(data) > MAX_LOG_BYTES:
+            raise BackendError(f"episode {index} log exceeds {MAX_LOG_BYTES} bytes")
+        return data.decode("utf-8", errors="replace")
+
+    def finish_run(self, handle: RunHandle) -> dict[str, Any]:
+        run_dir = self._dir(handle)
+        finished = run_dir.read_json(run_dir.finished_file) or {}
+        records: dict[str, str] = {}
+        if run_dir.run_file.exists():
+            run = orjson.loads(run_dir.run_file.read_bytes())
+            records["run.json"] = orjson.dumps(run, option=orjson.OPT_INDENT_2).decode()
+        if run_dir.supervisor_log.exists():
+            records["supervisor.log"] = run_dir.supervisor_log.read_text(errors="replace")
+        facts = {"completed_at": finished.get("finished_at"), "isolation": handle["isolation"],
+                 "run_dir": handle["run_dir"]}
+        return {"records": records, "facts": facts}
+
+    def delete_run(self, handle: RunHandle) -> None:
+        run_dir = self._dir(handle)
+        root = self.root.resolve()
+        path = run_dir.path.resolve()
+        if root not in path.parents:
+            raise OwnershipError(f"refusing to delete {path}: it is not under {root}")
+        run = run_dir.read_json(run_dir.run_file)
+        if run is None:
+            if path.exists():
+                raise OwnershipError(f"refusing to delete {path}: it has no run.json of ours")
+            return  # already gone
+        if run.get("owner") != OWNER or run.get("run_uid") != handle.get("run_uid"):
+            raise OwnershipError(
+                f"refusing to delete {path}: its owner/run_uid ({run.get('owner')}, "
+                f"{run.get('run_uid')}) do not match the receipt ({OWNER}, {handle.get('run_uid')})"
+            )
+        self._stop_supervisor(run_dir)
+        shutil.rmtree(path)
+
+    def _stop_supervisor(self, run_dir: RunDir, wait: float = 10.0) -> None:
+        try:
+            pid = int(run_dir.pid_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        end = time.monotonic() + wait
+        with open(run_dir.lock_file, "a+") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return  # nobody holds the run any more
+                except BlockingIOError:
+                    pass
+                if time.monotonic() > end:
+                    raise BackendError(f"local supervisor {pid} did not stop within {wait:.0f}s")
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                time.sleep(0.05)

@@ -1,0 +1,66 @@
+"""The on-disk layout of a local run, shared by the backend (workers) and its supervisor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+OWNER = "rollout"
+
+
+class RunDir:
+    """<local_root>/<batch_id>/: run.json, program/, logs/<i>.log, status/<i>.json, ws/<i>/."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    run_file = property(lambda self: self.path / "run.json")
+    finished_file = property(lambda self: self.path / "finished.json")
+    lock_file = property(lambda self: self.path / "supervisor.lock")
+    pid_file = property(lambda self: self.path / "supervisor.pid")
+    supervisor_log = property(lambda self: self.path / "supervisor.log")
+    program = property(lambda self: self.path / "program" / "episode.py")
+
+    def log(self, index: int) -> Path:
+        return self.path / "logs" / f"{index}.log"
+
+    def stderr(self, index: int) -> Path:
+        return self.path / "logs" / f"{index}.err"
+
+    def status(self, index: int) -> Path:
+        return self.path / "status" / f"{index}.json"
+
+    def workspace(self, index: int) -> Path:
+        return self.path / "ws" / str(index)
+
+    def read_json(self, path: Path) -> dict[str, Any] | None:
+        try:
+            value = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        return value if isinstance(value, dict) else None
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Readers see the old file or the whole new one, never a torn write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(orjson.dumps(value))
+    os.replace(tmp, path)
+
+
+def create_json_exclusive(path: Path, value: Any) -> bool:
+    """Create `path` with `value` unless it exists; True when this call created it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(orjson.dumps(value))
+    try:
+        os.link(tmp, path)  # atomic create-if-absent, with the content already in place
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)

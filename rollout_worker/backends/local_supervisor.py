@@ -1,0 +1,243 @@
+"""The local stand-in for the Job controller: runs one batch's episodes as sandboxed processes.
+
+Started detached by the local backend (`python -m rollout_worker.backends.local_supervisor
+--daemonize RUN_DIR`); it outlives the Celery task that started it. It holds an exclusive lock
+on the run for its lifetime, so a second start is a no-op, and it skips episodes that already
+have a status, so a restart never runs an episode twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout_worker.backends.local_files import RunDir, write_json_atomic
+from rollout_worker.backends.sandbox_command import plan_sandbox
+from rollout_worker.quantities import parse_cpu, parse_memory
+
+FILE_SIZE_LIMIT = 64 * 2**20
+OPEN_FILES_LIMIT = 256
+
+
+@dataclass
+class Running:
+    index: int
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    created_at: float
+    deadline: float
+    killed_for: str | None = None
+
+
+def _limits(memory_bytes: int, cpu_seconds: int) -> Any:
+    def apply() -> None:
+        # rlimits stand in for cgroup limits: address space for memory, CPU seconds for the
+        # CPU share over the episode's lifetime.
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
+
+    return apply
+
+
+class Supervisor:
+    def __init__(self, run_dir: RunDir) -> None:
+        self.dir = run_dir
+        run = run_dir.read_json(run_dir.run_file)
+        if run is None:
+            raise SystemExit(f"no run.json in {run_dir.path}")
+        self.run = run
+        spec = run["spec"]
+        self.count: int = spec["count"]
+        self.parallelism: int = spec["parallelism"]
+        self.action: str = spec["action"]
+        self.origin: float = run["created_at"]
+        self.run_deadline = self.origin + spec["deadline_seconds"]
+        self.episode_timeout: float = spec["episode_timeout_seconds"]
+        res = spec["resources"]
+        # Python maps far more address space than it touches; give the interpreter headroom
+        # over the container-style memory limit so the limit still bounds real use.
+        self.memory_bytes = parse_memory(res["memory_limit"]) + 256 * 2**20
+        self.cpu_seconds = max(1, int(float(parse_cpu(res["cpu_limit"])) * self.episode_timeout) + 1)
+        self.running: dict[int, Running] = {}
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+        self.as_root = os.geteuid() == 0
+
+    def episode_id(self, index: int) -> str:
+        return f"{self.run['episode_prefix']}-{index}"
+
+    def write_status(self, index: int, **fields: Any) -> None:
+        status = {
+            "index": index,
+            "episode_id": self.episode_id(index),
+            "node": self.run["node"],
+            "image_id": self.run["image_id"],
+            "restart_count": 0,
+        } | fields
+        write_json_atomic(self.dir.status(index), status)
+
+    def todo(self) -> deque[int]:
+        pending: deque[int] = deque()
+        for index in range(self.count):
+            if self.dir.status(index).exists():
+                continue
+            if self.dir.log(index).exists():
+                # A previous supervisor died mid-episode: report it, never rerun it silently.
+                self.write_status(index, phase="Failed", reason="SupervisorLost",
+                                  exit_code=None, finished_at=time.time())
+                continue
+            pending.append(index)
+        return pending
+
+    def start(self, index: int) -> None:
+        workspace = self.dir.workspace(index)
+        shutil.rmtree(workspace, ignore_errors=True)
+        workspace.mkdir(parents=True)
+        plan = plan_sandbox(
+            isolation=self.run["isolation"],
+            python=self.run["python"],
+            python_prefix=self.run["python_prefix"],
+            program=self.dir.program,
+            workspace=workspace,
+            episode_id=self.episode_id(index),
+            action=self.action,
+            running_as_root=self.as_root,
+        )
+        if plan.run_as:
+            os.chown(workspace, *plan.run_as)
+        self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
+        created_at = time.time()
+        with open(self.dir.log(index), "wb") as out, open(self.dir.stderr(index), "wb") as err:
+            proc = subprocess.Popen(
+                plan.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=plan.cwd,
+                env=plan.env,
+                start_new_session=True,
+                preexec_fn=_limits(self.memory_bytes, self.cpu_seconds),
+                user=plan.run_as[0] if plan.run_as else None,
+                group=plan.run_as[1] if plan.run_as else None,
+                extra_groups=[] if plan.run_as else None,
+            )
+        pidfd = os.pidfd_open(proc.pid)
+        deadline = min(created_at + self.episode_timeout, self.run_deadline)
+        self.running[pidfd] = Running(index, proc, pidfd, created_at, deadline)
+        self.selector.register(pidfd, selectors.EVENT_READ)
+
+    def finish(self, item: Running) -> None:
+        self.selector.unregister(item.pidfd)
+        os.close(item.pidfd)
+        del self.running[item.pidfd]
+        code = item.proc.wait()
+        finished_at = time.time()
+        reason = item.killed_for
+        if reason is None and code < 0:
+            reason = f"Signal{-code}"
+        elif reason is None and code != 0:
+            reason = "Error"
+        self.write_status(
+            item.index,
+            phase="Succeeded" if code == 0 and item.killed_for is None else "Failed",
+            reason=reason,
+            exit_code=code if code >= 0 else 128 - code,
+            created_at=item.created_at,
+            started_at=item.created_at,
+            finished_at=finished_at,
+            timing={
+                "queue_seconds": item.created_at - self.origin,
+                "run_seconds": finished_at - item.created_at,
+            },
+        )
+        shutil.rmtree(self.dir.workspace(index=item.index), ignore_errors=True)
+
+    def kill(self, item: Running, why: str) -> None:
+        if item.killed_for is None:
+            item.killed_for = why
+            try:
+                os.killpg(item.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def loop(self) -> None:
+        pending = self.todo()
+        while pending or self.running:
+            now = time.time()
+            if self.stopping or now >= self.run_deadline:
+                why = "Stopped" if self.stopping else "DeadlineExceeded"
+                for item in list(self.running.values()):
+                    self.kill(item, why)
+                while pending:
+                    self.write_status(pending.popleft(), phase="Failed", reason=why,
+                                      exit_code=None, finished_at=now)
+            while pending and len(self.running) < self.parallelism:
+                self.start(pending.popleft())
+            for item in list(self.running.values()):
+                if now >= item.deadline:
+                    self.kill(item, "DeadlineExceeded")
+            next_deadline = min([self.run_deadline, *(r.deadline for r in self.running.values())])
+            timeout = max(0.0, min(next_deadline - time.time(), 1.0))
+            for key, _ in self.selector.select(timeout if self.running else 0):
+                self.finish(self.running[key.fd])  # type: ignore[index]
+        write_json_atomic(self.dir.finished_file, {"finished_at": time.time()})
+
+    def request_stop(self, *_: object) -> None:
+        self.stopping = True
+
+
+def serve(path: Path) -> int:
+    run_dir = RunDir(path)
+    lock = open(run_dir.lock_file, "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another supervisor owns this run
+    if run_dir.finished_file.exists():
+        return 0
+    run_dir.pid_file.write_text(str(os.getpid()))
+    supervisor = Supervisor(run_dir)
+    signal.signal(signal.SIGTERM, supervisor.request_stop)
+    signal.signal(signal.SIGINT, supervisor.request_stop)
+    supervisor.loop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--daemonize", action="store_true")
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+    if args.daemonize:
+        # Double fork: the caller reaps the first child at once, the supervisor is adopted by
+        # init, and no zombie is left in a Celery worker.
+        if os.fork() > 0:
+            return 0
+        os.setsid()
+        if os.fork() > 0:
+            os._exit(0)
+        log = os.open(args.run_dir / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    return serve(args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Build the command line of one local sandbox. Pure: no I/O beyond what the caller passes in."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+PROGRAM_MOUNT = "/sandbox/episode.py"
+WORKSPACE_MOUNT = "/workspace"
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    # Set when the sandbox itself cannot switch user (isolation "none" run by root).
+    run_as: tuple[int, int] | None
+
+
+def _system_mounts() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib64", "lib32"):
+        path = Path("/") / top
+        if path.is_symlink():  # merged-/usr systems: /bin -> usr/bin
+            args += ["--symlink", os.readlink(path), f"/{top}"]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), f"/{top}"]
+    return args
+
+
+def plan_sandbox(
+    *,
+    isolation: str,
+    python: str,
+    python_prefix: str,
+    program: Path,
+    workspace: Path,
+    episode_id: str,
+    action: str,
+    running_as_root: bool,
+) -> SandboxPlan:
+    """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
+    network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
+    """
+    base_env = {
+        "EPISODE_ID": episode_id,
+        "ROLLOUT_ACTION": action,
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "LANG": "C.UTF-8",
+    }
+    if isolation == "none":
+        env = base_env | {"ROLLOUT_WORKSPACE": str(workspace), "HOME": str(workspace)}
+        run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
+        return SandboxPlan([python, "-B", str(program)], env, str(workspace), run_as)
+    if isolation != "bwrap":
+        raise ValueError(f"unknown isolation {isolation!r}")
+    argv = [
+        "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+        *_system_mounts(),
+    ]
+    if not python_prefix.startswith("/usr/"):
+        argv += ["--ro-bind", python_prefix, python_prefix]
+    argv += [
+        "--ro-bind", str(program), PROGRAM_MOUNT,
+        "--bind", str(workspace), WORKSPACE_MOUNT,
+        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+        "--chdir", WORKSPACE_MOUNT, "--clearenv",
+    ]
+    env = base_env | {"ROLLOUT_WORKSPACE": WORKSPACE_MOUNT, "HOME": WORKSPACE_MOUNT}
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    argv += ["--", python, "-B", PROGRAM_MOUNT]
+    return SandboxPlan(argv, {}, str(workspace), None)

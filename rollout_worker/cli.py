@@ -1,0 +1,274 @@
+"""`rollout`: run batches, start workers, check a deployment, clean up runs."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+from rich.console import Console
+
+from rollout_worker import constants as k
+from rollout_worker.errors import InvalidSpec, RolloutError
+from rollout_worker.models import (
+    ACTIONS,
+    BACKENDS,
+    DEFAULT_DEADLINE_SECONDS,
+    DEFAULT_IMAGE,
+    DEFAULT_RUNTIME,
+    new_batch_id,
+    parse_spec,
+)
+from rollout_worker.settings import SETTINGS_DOC, Settings
+
+console = Console(stderr=False)
+err = Console(stderr=True)
+
+redis_option = click.option(
+    "--redis-url", envvar="ROLLOUT_REDIS_URL", default=None,
+    help="Redis URL (broker, results, reports). [env ROLLOUT_REDIS_URL]",
+)
+
+
+def _settings(redis_url: str | None) -> Settings:
+    try:
+        settings = Settings.from_env()
+    except RolloutError as exc:
+        raise click.UsageError(str(exc)) from exc
+    return settings.with_redis(redis_url) if redis_url else settings
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Sandboxed RL rollout batches through Celery + Redis."""
+
+
+@cli.command()
+@click.option("--count", type=int, default=10, show_default=True, help="Episodes in the batch.")
+@click.option("--parallelism", type=int, default=None,
+              help="Episodes running at once. [default: count]")
+@click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True)
+@click.option("--image", default=DEFAULT_IMAGE, show_default=True,
+              help="Sandbox image (kubernetes backend).")
+@click.option("--runtime", default=DEFAULT_RUNTIME, show_default=True,
+              help="RuntimeClass (kubernetes backend).")
+@click.option("--deadline", "deadline_seconds", type=int, default=DEFAULT_DEADLINE_SECONDS,
+              show_default=True, help="Seconds the whole run may take.")
+@click.option("--episode-timeout", "episode_timeout_seconds", type=int, default=None,
+              help="Seconds one episode may take. [default: min(120, deadline)]")
+@click.option("--cpu-limit", default="500m", show_default=True)
+@click.option("--memory-limit", default="128Mi", show_default=True)
+@click.option("--action", type=click.Choice(ACTIONS), default="fix", show_default=True,
+              help="The episode's action: fix (the demo agent), none (a failing episode), "
+                   "hang (never finishes).")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="Directory for the records (results.json, logs, receipt.json); must not "
+                   "exist.")
+@click.option("--all-in-one", is_flag=True,
+              help="Start a private redis-server and workers for this run, stop them after.")
+@click.option("--collectors", type=int, default=2, show_default=True,
+              help="Collect workers started by --all-in-one.")
+@click.option("--timeout", type=float, default=None,
+              help="Seconds to wait for the report. [default: deadline + 300]")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@redis_option
+def run(count: int, parallelism: int | None, backend: str, image: str, runtime: str,
+        deadline_seconds: int, episode_timeout_seconds: int | None, cpu_limit: str,
+        memory_limit: str, action: str, output: Path | None, all_in_one: bool, collectors: int,
+        timeout: float | None, as_json: bool, redis_url: str | None) -> None:
+    """Run one batch of episodes through the pipeline and print its report."""
+    from rollout_worker.stack import LocalStack
+    from trainer_stub.records import check_output_dir
+
+    settings = _settings(redis_url)
+    request: dict[str, Any] = {
+        "batch_id": new_batch_id(), "count": count, "parallelism": parallelism,
+        "backend": backend, "image": image, "runtime": runtime,
+        "deadline_seconds": deadline_seconds, "action": action,
+        "resources": {"cpu_limit": cpu_limit, "memory_limit": memory_limit},
+    }
+    if episode_timeout_seconds is not None:
+        request["episode_timeout_seconds"] = episode_timeout_seconds
+    try:
+        parse_spec(request, max_episodes=settings.max_batch_episodes)
+        if output is not None:
+            check_output_dir(output)
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    except RolloutError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if collectors < 1:
+        raise click.UsageError("--collectors must be at least 1")
+
+    with contextlib.ExitStack() as stack:
+        heartbeat = None
+        if all_in_one:
+            local = stack.enter_context(LocalStack(collectors=collectors))
+            settings = settings.with_redis(local.redis_url)
+            heartbeat = local.check_alive
+            err.print(f"all-in-one: redis {local.redis_url}, 1 control + {collectors} collect "
+                      f"workers (logs in {local.dir})")
+        try:
+            report = _submit_and_wait(settings, request, output,
+                                      timeout or deadline_seconds + 300, heartbeat)
+        except RolloutError as exc:
+            raise click.ClickException(str(exc)) from exc
+    _print_report(report, as_json)
+    sys.exit(0 if report.get("ok") else 1)
+
+
+def _submit_and_wait(settings: Settings, request: dict[str, Any], output: Path | None,
+                     timeout: float, heartbeat: Any) -> dict[str, Any]:
+    from trainer_stub.client import RolloutClient
+    from trainer_stub.display import follow
+    from trainer_stub.records import start_records, write_receipt, write_records
+
+    client = RolloutClient(settings.redis_url)
+    batch_id = request["batch_id"]
+    if output is not None:
+        start_records(output, {"batch_id": batch_id, "backend": request["backend"],
+                               "redis_key": k.receipt_key(batch_id), "state": "submitting"})
+    submission = client.submit(**request)
+    err.print(f"batch {batch_id}: {request['count']} episodes submitted")
+    report = follow(client, {batch_id: request["count"]}, err, timeout,
+                    _hint_if_unclaimed(client, batch_id, heartbeat))[batch_id]
+    report["client_job_complete_seconds"] = time.monotonic() - submission.started
+    if output is not None:
+        write_records(output, report, client.logs(batch_id), client.records(batch_id))
+        write_receipt(output, client.receipt(batch_id) | {"state": "reported"})
+        err.print(f"records written to {output}/")
+    client.close()
+    return report
+
+
+def _hint_if_unclaimed(client: Any, batch_id: str, inner: Any) -> Any:
+    started = time.monotonic()
+    hinted = False
+
+    def beat() -> None:
+        nonlocal hinted
+        if inner is not None:
+            inner()
+        if not hinted and time.monotonic() - started > 15 and not client.receipt(batch_id):
+            err.print("[yellow]no worker has taken the batch yet: is a `rollout worker "
+                      "--queues control` running against this Redis?[/yellow]")
+            hinted = True
+
+    return beat
+
+
+def _print_report(report: dict[str, Any], as_json: bool) -> None:
+    from rollout_worker.metrics import summary
+    from trainer_stub.display import print_errors, summary_table
+
+    if as_json:
+        sys.stdout.write(orjson.dumps(summary(report), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    console.print(summary_table([report]))
+    print_errors(err, report)
+
+
+@cli.command()
+@click.option("--queues", "-Q", default=k.QUEUE_CONTROL, show_default=True,
+              help=f"Comma-separated queues: {', '.join(k.QUEUES)}.")
+@click.option("--concurrency", "-c", type=int, default=None,
+              help="Worker slots. [default: 2 for control, 16 for collect]")
+@click.option("--pool", type=click.Choice(["prefork", "threads", "solo"]), default=None,
+              help="[default: prefork for control, threads for collect (I/O-bound waits)]")
+@click.option("--hostname", "-n", default=None, help="Worker node name (Celery -n).")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--events/--no-events", default=False, help="Send task events (for Flower).")
+@redis_option
+def worker(queues: str, concurrency: int | None, pool: str | None, hostname: str | None,
+           loglevel: str, events: bool, redis_url: str | None) -> None:
+    """Start a Celery worker for the given queues."""
+    from rollout_worker.celery_app import create_app
+
+    names = [q.strip() for q in queues.split(",") if q.strip()]
+    unknown = sorted(set(names) - set(k.QUEUES))
+    if not names or unknown:
+        raise click.UsageError(f"unknown queue(s) {unknown}; choose from {list(k.QUEUES)}")
+    collect_only = names == [k.QUEUE_COLLECT]
+    pool = pool or ("threads" if collect_only else "prefork")
+    concurrency = concurrency or (16 if collect_only else 2)
+    if concurrency < 1:
+        raise click.UsageError("--concurrency must be at least 1")
+    app = create_app(_settings(redis_url))
+    argv = ["worker", "-Q", ",".join(names), "-P", pool, "-c", str(concurrency), "-l", loglevel,
+            "--without-gossip", "--without-mingle"]
+    if hostname:
+        argv += ["-n", hostname]
+    if events:
+        argv.append("-E")
+    app.worker_main(argv)
+
+
+@cli.command()
+@redis_option
+@click.option("--timeout", type=float, default=3.0, show_default=True)
+def check(redis_url: str | None, timeout: float) -> None:
+    """Ping Redis and list live workers per queue; exit 1 when something is missing."""
+    import redis as redis_lib
+
+    from rollout_worker.celery_app import create_app
+
+    settings = _settings(redis_url)
+    problems = []
+    try:
+        redis_lib.Redis.from_url(settings.redis_url, socket_timeout=timeout).ping()
+        console.print(f"redis: ok ({settings.redis_url})")
+    except redis_lib.RedisError as exc:
+        raise click.ClickException(f"redis at {settings.redis_url} is not reachable: {exc}") from exc
+    app = create_app(settings, with_tasks=False)
+    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    per_queue: dict[str, list[str]] = {q: [] for q in k.QUEUES}
+    for node, queues in sorted(replies.items()):
+        for queue in queues:
+            per_queue.setdefault(queue["name"], []).append(node)
+    for queue, nodes in per_queue.items():
+        console.print(f"queue {queue}: {len(nodes)} worker(s) {', '.join(nodes)}")
+        if not nodes:
+            problems.append(f"no worker consumes queue {queue!r} (start `rollout worker -Q {queue}`)")
+    for problem in problems:
+        err.print(f"[red]missing[/red] {problem}")
+    sys.exit(1 if problems else 0)
+
+
+@cli.command()
+@click.option("--output", type=click.Path(path_type=Path, exists=True, file_okay=False),
+              required=True, help="The records directory of the run (holds receipt.json).")
+def cleanup(output: Path) -> None:
+    """Delete a kept run, after proving from its receipt that we created it."""
+    from rollout_worker.backends import get_backend
+
+    receipt_file = output / "receipt.json"
+    if not receipt_file.exists():
+        raise click.UsageError(f"{receipt_file} does not exist")
+    receipt = orjson.loads(receipt_file.read_bytes())
+    handle = receipt.get("run")
+    if not isinstance(handle, dict) or "backend" not in handle:
+        raise click.ClickException(f"{receipt_file} records no run: nothing was created")
+    try:
+        get_backend(handle["backend"], _settings(None)).delete_run(handle)
+    except RolloutError as exc:
+        raise click.ClickException(str(exc)) from exc
+    console.print(f"deleted run of batch {receipt.get('batch_id')}")
+
+
+@cli.command()
+def settings() -> None:
+    """List the environment variables that configure workers and clients."""
+    for name, doc in SETTINGS_DOC.items():
+        console.print(f"[bold]{name}[/bold]: {doc}", highlight=False)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

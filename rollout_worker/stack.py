@@ -1,0 +1,179 @@
+"""An all-in-one stack for one run or one test session: a private redis-server and workers.
+
+Everything it starts lives in a temporary directory and is stopped on exit, so nothing is
+left running. Workers are real `rollout worker` processes: one on `control`, N on `collect`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from rollout_worker import constants as k
+from rollout_worker.errors import StackError
+
+REDIS_START_SECONDS = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class WorkerProc:
+    name: str
+    queue: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class LocalStack:
+    collectors: int = 2
+    collect_concurrency: int = 8
+    control_concurrency: int = 2
+    extra_env: dict[str, str] = field(default_factory=dict)
+    keep_dir: bool = False
+
+    def __post_init__(self) -> None:
+        if self.collectors < 1:
+            raise StackError("an all-in-one stack needs at least one collect worker")
+        self.dir = Path(tempfile.mkdtemp(prefix="rollout-stack-"))
+        self.port = 0
+        self.redis_proc: subprocess.Popen[bytes] | None = None
+        self.workers: list[WorkerProc] = []
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "ROLLOUT_REDIS_URL": self.redis_url,
+            "ROLLOUT_LOCAL_ROOT": str(self.dir / "runs"),
+            **self.extra_env,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> LocalStack:
+        try:
+            self._start_redis()
+            self.start_worker(k.QUEUE_CONTROL, "control", pool="prefork",
+                              concurrency=self.control_concurrency)
+            for n in range(self.collectors):
+                self.start_worker(k.QUEUE_COLLECT, f"collect{n + 1}", pool="threads",
+                                  concurrency=self.collect_concurrency)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_redis(self) -> None:
+        server = shutil.which("redis-server")
+        if not server:
+            raise StackError("redis-server is not installed (apt-get install redis-server)")
+        self.port = free_port()
+        log = open(self.dir / "redis.log", "wb")  # noqa: SIM115 - owned by the child
+        self.redis_proc = subprocess.Popen(
+            [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.redis_url)
+        end = time.monotonic() + REDIS_START_SECONDS
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError as exc:
+                if self.redis_proc.poll() is not None or time.monotonic() > end:
+                    raise StackError(f"redis-server did not start: {exc}; see "
+                                     f"{self.dir / 'redis.log'}") from exc
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def start_worker(self, queue: str, name: str, *, pool: str, concurrency: int) -> WorkerProc:
+        log = self.dir / f"worker-{name}.log"
+        cmd = [sys.executable, "-m", "rollout_worker.cli", "worker", "--queues", queue,
+               "--pool", pool, "--concurrency", str(concurrency), "--hostname",
+               f"{name}@%h", "--loglevel", "INFO"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        worker = WorkerProc(name, queue, proc, log)
+        self.workers.append(worker)
+        return worker
+
+    def check_alive(self) -> None:
+        """Raise StackError with the log tail of any process that died."""
+        for worker in self.workers:
+            if worker.proc.poll() is not None:
+                tail = worker.log.read_text(errors="replace")[-2000:]
+                raise StackError(f"worker {worker.name} exited with {worker.proc.returncode}:\n"
+                                 f"{tail}")
+        if self.redis_proc is not None and self.redis_proc.poll() is not None:
+            raise StackError("the stack's redis-server exited")
+
+    def stop_worker(self, worker: WorkerProc, sig: int = signal.SIGTERM,
+                    wait: float = 20.0) -> None:
+        if worker.proc.poll() is None:
+            try:
+                os.killpg(worker.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                worker.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.proc.pid, signal.SIGKILL)
+                worker.proc.wait()
+
+    def stop(self) -> None:
+        self._stop_supervisors()
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                try:
+                    os.killpg(worker.proc.pid, signal.SIGTERM)  # warm shutdown
+                except ProcessLookupError:
+                    pass
+        for worker in self.workers:
+            self.stop_worker(worker)
+        if self.redis_proc is not None and self.redis_proc.poll() is None:
+            self.redis_proc.terminate()
+            try:
+                self.redis_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.redis_proc.kill()
+                self.redis_proc.wait()
+        if not self.keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _stop_supervisors(self) -> None:
+        """Local runs still going (a run abandoned by its caller) end with the stack."""
+        for pid_file in (self.dir / "runs").glob("*/supervisor.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            except (ValueError, ProcessLookupError, PermissionError):
+                pass
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

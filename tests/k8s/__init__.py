@@ -1,0 +1,1 @@
+"""Tests against a real Kubernetes API server (see hack/localkube/README.md)."""

@@ -1,0 +1,136 @@
+"""The local Kubernetes (hack/localkube) works for what the project needs from it:
+the pinned control plane, Jobs at scale on KWOK nodes, and Pod logs through the API server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from . import cluster as kc
+
+pytestmark = pytest.mark.k8s
+
+JOB_COMPLETIONS = 1000
+JOB_PARALLELISM = 200
+
+
+def _pod_template(labels: dict[str, str]) -> dict:
+    return {
+        "metadata": {"labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [
+                # Never pulled or run: KWOK simulates the container.
+                {"name": "main", "image": "rollout.invalid/noop:1", "command": ["true"]}
+            ],
+            **kc.kwok_placement(),
+        },
+    }
+
+
+def test_version_reports_pinned_release(k8s_cluster):
+    if not k8s_cluster.local:
+        pytest.skip("checks the locally built control plane; KUBECONFIG points elsewhere")
+    pinned = kc.pinned_versions()["K8S_VERSION"]
+    info = k8s_cluster.version()
+    assert info.git_version == pinned
+    major, minor = pinned.lstrip("v").split(".")[:2]
+    assert (info.major, info.minor) == (major, minor)
+    assert info.git_tree_state == "clean"
+
+
+def test_job_with_1000_completions_on_kwok_nodes(k8s_cluster, k8s_namespace, kwok_nodes):
+    name = "burst"
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {
+            "completions": JOB_COMPLETIONS,
+            "parallelism": JOB_PARALLELISM,
+            "backoffLimit": 0,
+            "template": _pod_template({"app": name}),
+        },
+    }
+    t0 = time.monotonic()
+    k8s_cluster.batch.create_namespaced_job(k8s_namespace, job)
+
+    def complete():
+        status = k8s_cluster.batch.read_namespaced_job_status(name, k8s_namespace).status
+        for cond in status.conditions or []:
+            if cond.type == "Failed" and cond.status == "True":
+                pytest.fail(f"Job failed: {cond.reason}: {cond.message}")
+            if cond.type == "Complete" and cond.status == "True":
+                return status
+        return None
+
+    status = kc.wait_for(complete, 300, f"Job {name} to complete", interval=1)
+    elapsed = time.monotonic() - t0
+    assert status.succeeded == JOB_COMPLETIONS
+    assert not status.failed
+
+    # Count the Pods through a list (raw JSON: deserialising 1000 Pods into models is slow).
+    resp = k8s_cluster.core.list_namespaced_pod(
+        k8s_namespace,
+        label_selector=f"batch.kubernetes.io/job-name={name}",
+        _preload_content=False,
+    )
+    pods = json.loads(resp.data)["items"]
+    phases: dict[str, int] = {}
+    for pod in pods:
+        phase = pod["status"].get("phase", "?")
+        phases[phase] = phases.get(phase, 0) + 1
+    assert phases.get("Succeeded", 0) == JOB_COMPLETIONS, phases
+    assert {pod["spec"].get("nodeName") for pod in pods} <= set(kwok_nodes)
+    print(f"job {JOB_COMPLETIONS}x/{JOB_PARALLELISM} completed in {elapsed:.1f}s")
+
+
+def _running_pod(k8s_cluster, namespace: str, name: str) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}}
+    pod.update(_pod_template({"app": name}))
+    k8s_cluster.core.create_namespaced_pod(namespace, pod)
+    kc.wait_for(
+        lambda: k8s_cluster.core.read_namespaced_pod_status(name, namespace).status.phase
+        == "Running",
+        60,
+        f"Pod {namespace}/{name} Running on a KWOK node",
+    )
+
+
+def _read_log_when(k8s_cluster, namespace: str, name: str, expected: str) -> str:
+    # KWOK serves the log once its informer has seen the Logs object: poll the first reads.
+    last = {"text": None}
+
+    def read():
+        last["text"] = k8s_cluster.core.read_namespaced_pod_log(name, namespace)
+        return last["text"] == expected
+
+    try:
+        kc.wait_for(read, 30, f"log of Pod {namespace}/{name}", interval=0.5)
+    except TimeoutError:
+        pass
+    return last["text"]
+
+
+def test_simulated_pod_log_through_api_server(k8s_cluster, k8s_namespace, kwok_nodes, kwok_logs):
+    lines = ["rollout episode 1 started", "step=1 reward=0.25", "episode done: ok"]
+    _running_pod(k8s_cluster, k8s_namespace, "logger")
+    kwok_logs("logger", lines)
+    expected = "".join(f"{line}\n" for line in lines)
+    assert _read_log_when(k8s_cluster, k8s_namespace, "logger", expected) == expected
+
+
+def test_cluster_logs_match_pods_by_namespace(k8s_cluster, k8s_namespace, kwok_nodes, tmp_path):
+    lines = ["served by a ClusterLogs rule"]
+    _running_pod(k8s_cluster, k8s_namespace, "any-pod")
+    path = kc.write_cri_log(tmp_path / "cluster.log", lines)
+    name = f"{k8s_namespace}-logs"
+    kc.create_cluster_logs(k8s_cluster, name, path, namespaces=[k8s_namespace])
+    try:
+        expected = "served by a ClusterLogs rule\n"
+        assert _read_log_when(k8s_cluster, k8s_namespace, "any-pod", expected) == expected
+    finally:
+        kc.delete_cluster_logs(k8s_cluster, name)

@@ -1,0 +1,62 @@
+"""The guide's records of a run, written to an output directory that must not exist yet."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from rollout_worker.errors import OutputDirError
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuse an existing path (never overwrite an experiment) or an unwritable parent."""
+    if path.exists() or path.is_symlink():
+        raise OutputDirError(f"output directory {path} already exists; choose a new one "
+                             "(records are never overwritten)")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise OutputDirError(f"parent directory {parent} of --output does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputDirError(f"parent directory {parent} of --output is not writable")
+
+
+def _json(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n"
+
+
+def start_records(path: Path, receipt: dict[str, Any]) -> None:
+    """Create the directory and the receipt before anything is submitted."""
+    check_output_dir(path)
+    path.mkdir()
+    write_receipt(path, receipt)
+
+
+def write_receipt(path: Path, receipt: dict[str, Any]) -> None:
+    tmp = path / ".receipt.json.tmp"
+    tmp.write_bytes(_json(receipt))
+    os.replace(tmp, path / "receipt.json")
+
+
+def write_records(path: Path, report: dict[str, Any], logs: dict[int, str],
+                  records: dict[str, str]) -> list[str]:
+    """results.json, one log per episode (<pod>.log), and the backend's records."""
+    written = []
+    (path / "results.json").write_bytes(_json(report))
+    written.append("results.json")
+    pods = {row["index"]: row["pod"] for row in report.get("pods", [])}
+    for index, text in sorted(logs.items()):
+        name = f"{pods.get(index, f'episode-{index}')}.log"
+        if _SAFE_NAME.match(name):
+            (path / name).write_text(text)
+            written.append(name)
+    for name, text in sorted(records.items()):
+        if _SAFE_NAME.match(name) and name not in ("results.json", "receipt.json"):
+            (path / name).write_text(text)
+            written.append(name)
+    return written
