@@ -29,7 +29,9 @@ console = Console(stderr=False)
 err = Console(stderr=True)
 
 redis_option = click.option(
-    "--redis-url", envvar="ROLLOUT_REDIS_URL", default=None,
+    "--redis-url",
+    envvar="ROLLOUT_REDIS_URL",
+    default=None,
     help="Redis URL (broker, results, reports). [env ROLLOUT_REDIS_URL]",
 )
 
@@ -49,46 +51,102 @@ def cli() -> None:
 
 @cli.command()
 @click.option("--count", type=int, default=10, show_default=True, help="Episodes in the batch.")
-@click.option("--parallelism", type=int, default=None,
-              help="Episodes running at once. [default: count]")
+@click.option(
+    "--parallelism", type=int, default=None, help="Episodes running at once. [default: count]"
+)
 @click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True)
-@click.option("--image", default=DEFAULT_IMAGE, show_default=True,
-              help="Sandbox image (kubernetes backend).")
-@click.option("--runtime", default=DEFAULT_RUNTIME, show_default=True,
-              help="RuntimeClass (kubernetes backend).")
-@click.option("--deadline", "deadline_seconds", type=int, default=DEFAULT_DEADLINE_SECONDS,
-              show_default=True, help="Seconds the whole run may take.")
-@click.option("--episode-timeout", "episode_timeout_seconds", type=int, default=None,
-              help="Seconds one episode may take. [default: min(120, deadline)]")
+@click.option(
+    "--image", default=DEFAULT_IMAGE, show_default=True, help="Sandbox image (kubernetes backend)."
+)
+@click.option(
+    "--runtime",
+    default=DEFAULT_RUNTIME,
+    show_default=True,
+    help="RuntimeClass (kubernetes backend).",
+)
+@click.option(
+    "--deadline",
+    "deadline_seconds",
+    type=int,
+    default=DEFAULT_DEADLINE_SECONDS,
+    show_default=True,
+    help="Seconds the whole run may take.",
+)
+@click.option(
+    "--episode-timeout",
+    "episode_timeout_seconds",
+    type=int,
+    default=None,
+    help="Seconds one episode may take. [default: min(120, deadline)]",
+)
 @click.option("--cpu-limit", default="500m", show_default=True)
 @click.option("--memory-limit", default="128Mi", show_default=True)
-@click.option("--action", type=click.Choice(ACTIONS), default="fix", show_default=True,
-              help="The episode's action: fix (the demo agent), none (a failing episode), "
-                   "hang (never finishes).")
-@click.option("--output", type=click.Path(path_type=Path), default=None,
-              help="Directory for the records (results.json, logs, receipt.json); must not "
-                   "exist.")
-@click.option("--all-in-one", is_flag=True,
-              help="Start a private redis-server and workers for this run, stop them after.")
-@click.option("--collectors", type=int, default=2, show_default=True,
-              help="Collect workers started by --all-in-one.")
-@click.option("--timeout", type=float, default=None,
-              help="Seconds to wait for the report. [default: deadline + 300]")
+@click.option(
+    "--action",
+    type=click.Choice(ACTIONS),
+    default="fix",
+    show_default=True,
+    help="The episode's action: fix (the demo agent), none (a failing episode), "
+    "hang (never finishes).",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory for the records (results.json, logs, receipt.json); must not exist.",
+)
+@click.option(
+    "--all-in-one",
+    is_flag=True,
+    help="Start a private redis-server and workers for this run, stop them after.",
+)
+@click.option(
+    "--collectors",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Collect workers started by --all-in-one.",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Seconds to wait for the report. [default: deadline + 300]",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @redis_option
-def run(count: int, parallelism: int | None, backend: str, image: str, runtime: str,
-        deadline_seconds: int, episode_timeout_seconds: int | None, cpu_limit: str,
-        memory_limit: str, action: str, output: Path | None, all_in_one: bool, collectors: int,
-        timeout: float | None, as_json: bool, redis_url: str | None) -> None:
+def run(
+    count: int,
+    parallelism: int | None,
+    backend: str,
+    image: str,
+    runtime: str,
+    deadline_seconds: int,
+    episode_timeout_seconds: int | None,
+    cpu_limit: str,
+    memory_limit: str,
+    action: str,
+    output: Path | None,
+    all_in_one: bool,
+    collectors: int,
+    timeout: float | None,
+    as_json: bool,
+    redis_url: str | None,
+) -> None:
     """Run one batch of episodes through the pipeline and print its report."""
     from rollout_worker.stack import LocalStack
     from trainer_stub.records import check_output_dir
 
     settings = _settings(redis_url)
     request: dict[str, Any] = {
-        "batch_id": new_batch_id(), "count": count, "parallelism": parallelism,
-        "backend": backend, "image": image, "runtime": runtime,
-        "deadline_seconds": deadline_seconds, "action": action,
+        "batch_id": new_batch_id(),
+        "count": count,
+        "parallelism": parallelism,
+        "backend": backend,
+        "image": image,
+        "runtime": runtime,
+        "deadline_seconds": deadline_seconds,
+        "action": action,
         "resources": {"cpu_limit": cpu_limit, "memory_limit": memory_limit},
     }
     if episode_timeout_seconds is not None:
@@ -110,19 +168,23 @@ def run(count: int, parallelism: int | None, backend: str, image: str, runtime: 
             local = stack.enter_context(LocalStack(collectors=collectors))
             settings = settings.with_redis(local.redis_url)
             heartbeat = local.check_alive
-            err.print(f"all-in-one: redis {local.redis_url}, 1 control + {collectors} collect "
-                      f"workers (logs in {local.dir})")
+            err.print(
+                f"all-in-one: redis {local.redis_url}, 1 control + {collectors} collect "
+                f"workers (logs in {local.dir})"
+            )
         try:
-            report = _submit_and_wait(settings, request, output,
-                                      timeout or deadline_seconds + 300, heartbeat)
+            report = _submit_and_wait(
+                settings, request, output, timeout or deadline_seconds + 300, heartbeat
+            )
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
     _print_report(report, as_json)
     sys.exit(0 if report.get("ok") else 1)
 
 
-def _submit_and_wait(settings: Settings, request: dict[str, Any], output: Path | None,
-                     timeout: float, heartbeat: Any) -> dict[str, Any]:
+def _submit_and_wait(
+    settings: Settings, request: dict[str, Any], output: Path | None, timeout: float, heartbeat: Any
+) -> dict[str, Any]:
     from trainer_stub.client import RolloutClient
     from trainer_stub.display import follow
     from trainer_stub.records import start_records, write_receipt, write_records
@@ -130,13 +192,20 @@ def _submit_and_wait(settings: Settings, request: dict[str, Any], output: Path |
     client = RolloutClient(settings.redis_url)
     batch_id = request["batch_id"]
     if output is not None:
-        start_records(output, {"batch_id": batch_id, "backend": request["backend"],
-                               "redis_key": k.receipt_key(batch_id), "state": "submitting"})
+        start_records(
+            output,
+            {
+                "batch_id": batch_id,
+                "backend": request["backend"],
+                "redis_key": k.receipt_key(batch_id),
+                "state": "submitting",
+            },
+        )
     submission = client.submit(**request)
     err.print(f"batch {batch_id}: {request['count']} episodes submitted")
-    report = follow(client, {batch_id: request["count"]}, err, timeout,
-                    _hint_if_unclaimed(client, batch_id, heartbeat))[batch_id]
-    report["client_job_complete_seconds"] = time.monotonic() - submission.started
+    report = follow(
+        client, [submission], err, timeout, _hint_if_unclaimed(client, batch_id, heartbeat)
+    )[batch_id]
     if output is not None:
         write_records(output, report, client.logs(batch_id), client.records(batch_id))
         write_receipt(output, client.receipt(batch_id) | {"state": "reported"})
@@ -154,8 +223,10 @@ def _hint_if_unclaimed(client: Any, batch_id: str, inner: Any) -> Any:
         if inner is not None:
             inner()
         if not hinted and time.monotonic() - started > 15 and not client.receipt(batch_id):
-            err.print("[yellow]no worker has taken the batch yet: is a `rollout worker "
-                      "--queues control` running against this Redis?[/yellow]")
+            err.print(
+                "[yellow]no worker has taken the batch yet: is a `rollout worker "
+                "--queues control` running against this Redis?[/yellow]"
+            )
             hinted = True
 
     return beat
@@ -173,18 +244,39 @@ def _print_report(report: dict[str, Any], as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--queues", "-Q", default=k.QUEUE_CONTROL, show_default=True,
-              help=f"Comma-separated queues: {', '.join(k.QUEUES)}.")
-@click.option("--concurrency", "-c", type=int, default=None,
-              help="Worker slots. [default: 2 for control, 16 for collect]")
-@click.option("--pool", type=click.Choice(["prefork", "threads", "solo"]), default=None,
-              help="[default: prefork for control, threads for collect (I/O-bound waits)]")
+@click.option(
+    "--queues",
+    "-Q",
+    default=k.QUEUE_CONTROL,
+    show_default=True,
+    help=f"Comma-separated queues: {', '.join(k.QUEUES)}.",
+)
+@click.option(
+    "--concurrency",
+    "-c",
+    type=int,
+    default=None,
+    help="Worker slots. [default: 2 for control, 16 for collect]",
+)
+@click.option(
+    "--pool",
+    type=click.Choice(["prefork", "threads", "solo"]),
+    default=None,
+    help="[default: prefork for control, threads for collect (I/O-bound waits)]",
+)
 @click.option("--hostname", "-n", default=None, help="Worker node name (Celery -n).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--events/--no-events", default=False, help="Send task events (for Flower).")
 @redis_option
-def worker(queues: str, concurrency: int | None, pool: str | None, hostname: str | None,
-           loglevel: str, events: bool, redis_url: str | None) -> None:
+def worker(
+    queues: str,
+    concurrency: int | None,
+    pool: str | None,
+    hostname: str | None,
+    loglevel: str,
+    events: bool,
+    redis_url: str | None,
+) -> None:
     """Start a Celery worker for the given queues."""
     from rollout_worker.celery_app import create_app
 
@@ -198,8 +290,19 @@ def worker(queues: str, concurrency: int | None, pool: str | None, hostname: str
     if concurrency < 1:
         raise click.UsageError("--concurrency must be at least 1")
     app = create_app(_settings(redis_url))
-    argv = ["worker", "-Q", ",".join(names), "-P", pool, "-c", str(concurrency), "-l", loglevel,
-            "--without-gossip", "--without-mingle"]
+    argv = [
+        "worker",
+        "-Q",
+        ",".join(names),
+        "-P",
+        pool,
+        "-c",
+        str(concurrency),
+        "-l",
+        loglevel,
+        "--without-gossip",
+        "--without-mingle",
+    ]
     if hostname:
         argv += ["-n", hostname]
     if events:
@@ -222,7 +325,9 @@ def check(redis_url: str | None, timeout: float) -> None:
         redis_lib.Redis.from_url(settings.redis_url, socket_timeout=timeout).ping()
         console.print(f"redis: ok ({settings.redis_url})")
     except redis_lib.RedisError as exc:
-        raise click.ClickException(f"redis at {settings.redis_url} is not reachable: {exc}") from exc
+        raise click.ClickException(
+            f"redis at {settings.redis_url} is not reachable: {exc}"
+        ) from exc
     app = create_app(settings, with_tasks=False)
     replies = app.control.inspect(timeout=timeout).active_queues() or {}
     per_queue: dict[str, list[str]] = {q: [] for q in k.QUEUES}
@@ -232,15 +337,21 @@ def check(redis_url: str | None, timeout: float) -> None:
     for queue, nodes in per_queue.items():
         console.print(f"queue {queue}: {len(nodes)} worker(s) {', '.join(nodes)}")
         if not nodes:
-            problems.append(f"no worker consumes queue {queue!r} (start `rollout worker -Q {queue}`)")
+            problems.append(
+                f"no worker consumes queue {queue!r} (start `rollout worker -Q {queue}`)"
+            )
     for problem in problems:
         err.print(f"[red]missing[/red] {problem}")
     sys.exit(1 if problems else 0)
 
 
 @cli.command()
-@click.option("--output", type=click.Path(path_type=Path, exists=True, file_okay=False),
-              required=True, help="The records directory of the run (holds receipt.json).")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    required=True,
+    help="The records directory of the run (holds receipt.json).",
+)
 def cleanup(output: Path) -> None:
     """Delete a kept run, after proving from its receipt that we created it."""
     from rollout_worker.backends import get_backend

@@ -31,8 +31,11 @@ def dedupe_rows(rows: Iterable[EpisodeRow]) -> dict[int, EpisodeRow]:
 
 def _spread(values: list[float], prefix: str) -> dict[str, float | None]:
     if not values:
-        return {f"{prefix}_p50_seconds": None, f"{prefix}_p95_seconds": None,
-                f"{prefix}_max_seconds": None}
+        return {
+            f"{prefix}_p50_seconds": None,
+            f"{prefix}_p95_seconds": None,
+            f"{prefix}_max_seconds": None,
+        }
     return {
         f"{prefix}_p50_seconds": percentile(values, 0.5),
         f"{prefix}_p95_seconds": percentile(values, 0.95),
@@ -121,8 +124,9 @@ def build_report(
     return report
 
 
-def error_report(batch_id: str, status: str, errors: Sequence[str],
-                 request: Mapping[str, Any]) -> dict[str, Any]:
+def error_report(
+    batch_id: str, status: str, errors: Sequence[str], request: Mapping[str, Any]
+) -> dict[str, Any]:
     """The report of a batch that never ran (rejected request, backend refused to start)."""
     count = request.get("count")
     return {

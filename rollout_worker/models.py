@@ -104,8 +104,10 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
         )
 
     count = _int_field(data, "count", 10, problems)
-    parallelism = count if data.get("parallelism") is None else _int_field(
-        data, "parallelism", count, problems
+    parallelism = (
+        count
+        if data.get("parallelism") is None
+        else _int_field(data, "parallelism", count, problems)
     )
     if count < 1:
         problems.append(f"count must be at least 1, got {count}")
@@ -138,7 +140,9 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
 
     deadline = _int_field(data, "deadline_seconds", DEFAULT_DEADLINE_SECONDS, problems)
     if not 1 <= deadline <= MAX_DEADLINE_SECONDS:
-        problems.append(f"deadline_seconds must be within 1..{MAX_DEADLINE_SECONDS}, got {deadline}")
+        problems.append(
+            f"deadline_seconds must be within 1..{MAX_DEADLINE_SECONDS}, got {deadline}"
+        )
     episode_timeout = _int_field(
         data, "episode_timeout_seconds", min(DEFAULT_EPISODE_TIMEOUT_SECONDS, deadline), problems
     )
@@ -206,14 +210,18 @@ def _parse_resources(data: Any, problems: list[str]) -> Resources:
     if cpu_req <= 0 or mem_req <= 0:
         problems.append("resources: requests must be greater than zero")
     if cpu_req > cpu_lim:
-        problems.append(f"resources: cpu_request {res.cpu_request} exceeds cpu_limit {res.cpu_limit}")
+        problems.append(
+            f"resources: cpu_request {res.cpu_request} exceeds cpu_limit {res.cpu_limit}"
+        )
     if mem_req > mem_lim:
         problems.append(
-            f"resources: memory_request {res.memory_request} exceeds memory_limit {res.memory_limit}"
+            f"resources: memory_request {res.memory_request} exceeds "
+            f"memory_limit {res.memory_limit}"
         )
     if mem_lim < 32 * 2**20:
-        problems.append(f"resources: memory_limit {res.memory_limit} is below 32Mi; Python "
-                        "cannot start in less")
+        problems.append(
+            f"resources: memory_limit {res.memory_limit} is below 32Mi; Python cannot start in less"
+        )
     return res
 
 

@@ -35,7 +35,8 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap when it works)",
     "ROLLOUT_KEEP_RUNS": "1 keeps a run (local directory, Kubernetes namespace) after its report; "
     "`rollout cleanup` deletes it later (default 0)",
-    "KUBECONFIG": "kubeconfig for the kubernetes backend (default: in-cluster, then ~/.kube/config)",
+    "KUBECONFIG": "kubeconfig for the kubernetes backend "
+    "(default: in-cluster, then ~/.kube/config)",
     "ROLLOUT_KUBE_CONTEXT": "kubeconfig context for the kubernetes backend (default: current)",
 }
 
@@ -64,21 +65,31 @@ class Settings:
     def __post_init__(self) -> None:
         problems = []
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            problems.append(f"ROLLOUT_REDIS_URL {self.redis_url!r} must start with redis://, "
-                            "rediss:// or unix://")
+            problems.append(
+                f"ROLLOUT_REDIS_URL {self.redis_url!r} must start with redis://, "
+                "rediss:// or unix://"
+            )
         if self.max_batch_episodes < 1:
             problems.append("ROLLOUT_MAX_BATCH_EPISODES must be >= 1")
-        if self.collect_block_seconds <= 0 or self.collect_block_seconds * 4 > self.visibility_timeout:
-            problems.append("ROLLOUT_COLLECT_BLOCK_SECONDS must be > 0 and well under "
-                            "ROLLOUT_VISIBILITY_TIMEOUT (at most a quarter of it)")
+        if (
+            self.collect_block_seconds <= 0
+            or self.collect_block_seconds * 4 > self.visibility_timeout
+        ):
+            problems.append(
+                "ROLLOUT_COLLECT_BLOCK_SECONDS must be > 0 and well under "
+                "ROLLOUT_VISIBILITY_TIMEOUT (at most a quarter of it)"
+            )
         # A chord whose state expires before a lost task is redelivered never fires its
         # callback (see notes/celery.md), so expiry must dominate the redelivery delay.
         if self.result_expires < 4 * self.visibility_timeout + 3600:
-            problems.append("ROLLOUT_RESULT_EXPIRES must be at least 4 x "
-                            "ROLLOUT_VISIBILITY_TIMEOUT + 3600 seconds (never 0)")
+            problems.append(
+                "ROLLOUT_RESULT_EXPIRES must be at least 4 x "
+                "ROLLOUT_VISIBILITY_TIMEOUT + 3600 seconds (never 0)"
+            )
         if self.local_isolation not in ("auto", "bwrap", "none"):
-            problems.append(f"ROLLOUT_LOCAL_ISOLATION {self.local_isolation!r} is not one of "
-                            "auto, bwrap, none")
+            problems.append(
+                f"ROLLOUT_LOCAL_ISOLATION {self.local_isolation!r} is not one of auto, bwrap, none"
+            )
         if problems:
             raise ConfigError("; ".join(problems))
         if not self.local_python:
@@ -94,7 +105,9 @@ class Settings:
                 try:
                     values[key] = kind(env[name])
                 except ValueError as exc:
-                    raise ConfigError(f"{name}={env[name]!r} is not a valid {kind.__name__}") from exc
+                    raise ConfigError(
+                        f"{name}={env[name]!r} is not a valid {kind.__name__}"
+                    ) from exc
 
         if env.get("ROLLOUT_REDIS_URL"):
             values["redis_url"] = env["ROLLOUT_REDIS_URL"]

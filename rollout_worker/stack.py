@@ -6,6 +6,7 @@ left running. Workers are real `rollout worker` processes: one on `control`, N o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -73,11 +74,16 @@ class LocalStack:
     def start(self) -> LocalStack:
         try:
             self._start_redis()
-            self.start_worker(k.QUEUE_CONTROL, "control", pool="prefork",
-                              concurrency=self.control_concurrency)
+            self.start_worker(
+                k.QUEUE_CONTROL, "control", pool="prefork", concurrency=self.control_concurrency
+            )
             for n in range(self.collectors):
-                self.start_worker(k.QUEUE_COLLECT, f"collect{n + 1}", pool="threads",
-                                  concurrency=self.collect_concurrency)
+                self.start_worker(
+                    k.QUEUE_COLLECT,
+                    f"collect{n + 1}",
+                    pool="threads",
+                    concurrency=self.collect_concurrency,
+                )
         except BaseException:
             self.stop()
             raise
@@ -90,9 +96,24 @@ class LocalStack:
         self.port = free_port()
         log = open(self.dir / "redis.log", "wb")  # noqa: SIM115 - owned by the child
         self.redis_proc = subprocess.Popen(
-            [server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                server,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+                "--daemonize",
+                "no",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         client = redis.Redis.from_url(self.redis_url)
         end = time.monotonic() + REDIS_START_SECONDS
@@ -102,20 +123,40 @@ class LocalStack:
                 return
             except redis.ConnectionError as exc:
                 if self.redis_proc.poll() is not None or time.monotonic() > end:
-                    raise StackError(f"redis-server did not start: {exc}; see "
-                                     f"{self.dir / 'redis.log'}") from exc
+                    raise StackError(
+                        f"redis-server did not start: {exc}; see {self.dir / 'redis.log'}"
+                    ) from exc
                 time.sleep(0.05)
             finally:
                 client.close()
 
     def start_worker(self, queue: str, name: str, *, pool: str, concurrency: int) -> WorkerProc:
         log = self.dir / f"worker-{name}.log"
-        cmd = [sys.executable, "-m", "rollout_worker.cli", "worker", "--queues", queue,
-               "--pool", pool, "--concurrency", str(concurrency), "--hostname",
-               f"{name}@%h", "--loglevel", "INFO"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollout_worker.cli",
+            "worker",
+            "--queues",
+            queue,
+            "--pool",
+            pool,
+            "--concurrency",
+            str(concurrency),
+            "--hostname",
+            f"{name}@%h",
+            "--loglevel",
+            "INFO",
+        ]
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         worker = WorkerProc(name, queue, proc, log)
         self.workers.append(worker)
         return worker
@@ -125,18 +166,18 @@ class LocalStack:
         for worker in self.workers:
             if worker.proc.poll() is not None:
                 tail = worker.log.read_text(errors="replace")[-2000:]
-                raise StackError(f"worker {worker.name} exited with {worker.proc.returncode}:\n"
-                                 f"{tail}")
+                raise StackError(
+                    f"worker {worker.name} exited with {worker.proc.returncode}:\n{tail}"
+                )
         if self.redis_proc is not None and self.redis_proc.poll() is not None:
             raise StackError("the stack's redis-server exited")
 
-    def stop_worker(self, worker: WorkerProc, sig: int = signal.SIGTERM,
-                    wait: float = 20.0) -> None:
+    def stop_worker(
+        self, worker: WorkerProc, sig: int = signal.SIGTERM, wait: float = 20.0
+    ) -> None:
         if worker.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.proc.pid, sig)
-            except ProcessLookupError:
-                pass
             try:
                 worker.proc.wait(wait)
             except subprocess.TimeoutExpired:
@@ -147,10 +188,8 @@ class LocalStack:
         self._stop_supervisors()
         for worker in self.workers:
             if worker.proc.poll() is None:
-                try:
-                    os.killpg(worker.proc.pid, signal.SIGTERM)  # warm shutdown
-                except ProcessLookupError:
-                    pass
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker.proc.pid, signal.SIGTERM)  # warm shutdown, all at once
         for worker in self.workers:
             self.stop_worker(worker)
         if self.redis_proc is not None and self.redis_proc.poll() is None:
@@ -166,14 +205,16 @@ class LocalStack:
     def _stop_supervisors(self) -> None:
         """Local runs still going (a run abandoned by its caller) end with the stack."""
         for pid_file in (self.dir / "runs").glob("*/supervisor.pid"):
-            try:
+            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
                 os.kill(int(pid_file.read_text()), signal.SIGTERM)
-            except (ValueError, ProcessLookupError, PermissionError):
-                pass
 
     def __enter__(self) -> LocalStack:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

@@ -7,6 +7,7 @@ an episode row is recorded (and streamed) only by the first writer, the report i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -91,16 +92,19 @@ class Store:
         return [EpisodeRow.from_dict(orjson.loads(value)) for value in raw.values()]
 
     # -- records and report ------------------------------------------------------------------
-    def save_records(self, batch_id: str, records: dict[str, str]) -> None:
+    def save_records(self, batch_id: str, records: Mapping[str, str]) -> None:
         if records:
             key = k.artifacts_key(batch_id)
-            self.redis.hset(key, mapping=records)
+            self.redis.hset(key, mapping=dict(records.items()))
             self.redis.expire(key, self.ttl)
 
     def publish_report(self, batch_id: str, report: dict[str, Any]) -> bool:
         keys = [k.report_key(batch_id), k.stream_key(batch_id)]
-        return bool(self._publish_report(keys=keys, args=[dumps(report), self.ttl,
-                                                          report.get("status", "")]))
+        return bool(
+            self._publish_report(
+                keys=keys, args=[dumps(report), self.ttl, report.get("status", "")]
+            )
+        )
 
     def report(self, batch_id: str) -> dict[str, Any] | None:
         raw = self.redis.get(k.report_key(batch_id))

@@ -76,19 +76,23 @@ def submit_batch(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     except InvalidSpec as exc:
         batch_id = request.get("batch_id")
         if isinstance(batch_id, str) and re.fullmatch(r"[a-z0-9][-a-z0-9]{0,39}", batch_id):
-            rt.store.publish_report(batch_id, error_report(batch_id, "rejected", exc.problems,
-                                                           request))
+            rt.store.publish_report(
+                batch_id, error_report(batch_id, "rejected", exc.problems, request)
+            )
         log.warning("rejected batch %s: %s", batch_id, exc)
         return {"batch_id": batch_id, "status": "rejected", "errors": exc.problems}
 
     store = rt.store
-    fresh = store.create_receipt(spec.batch_id, {
-        "batch_id": spec.batch_id,
-        "spec": spec.to_dict(),
-        "backend": spec.backend,
-        "received_at": time.time(),
-        "task_id": self.request.id,
-    })
+    fresh = store.create_receipt(
+        spec.batch_id,
+        {
+            "batch_id": spec.batch_id,
+            "spec": spec.to_dict(),
+            "backend": spec.backend,
+            "received_at": time.time(),
+            "task_id": self.request.id,
+        },
+    )
     if not fresh:
         receipt = store.load_receipt(spec.batch_id) or {}
         if _comparable(receipt.get("spec")) != _comparable(spec.to_dict()):
@@ -104,7 +108,7 @@ def submit_batch(self: Task, request: dict[str, Any]) -> dict[str, Any]:
         handle = backend.start_run(spec, lambda fields: store.update_receipt(spec.batch_id, fields))
     except TransientBackendError as exc:
         if self.request.retries < SUBMIT_RETRIES:
-            raise self.retry(countdown=2 ** self.request.retries, exc=exc) from exc
+            raise self.retry(countdown=2**self.request.retries, exc=exc) from exc
         return _fail(store, spec, "error", [f"backend failed after retries: {exc}"])
     except BackendError as exc:
         return _fail(store, spec, "error", [str(exc)])
@@ -123,8 +127,7 @@ def _comparable(spec: Any) -> Any:
 
 
 def _fail(store: Store, spec: BatchSpec, status: str, errors: list[str]) -> dict[str, Any]:
-    store.publish_report(spec.batch_id, error_report(spec.batch_id, status, errors,
-                                                     spec.to_dict()))
+    store.publish_report(spec.batch_id, error_report(spec.batch_id, status, errors, spec.to_dict()))
     return {"batch_id": spec.batch_id, "status": status, "errors": errors}
 
 
@@ -132,8 +135,12 @@ def _dispatch(app: Celery, spec: BatchSpec) -> None:
     batch_id = spec.batch_id
     header = group(
         [
-            app.signature(k.TASK_COLLECT, args=(batch_id, index), queue=k.QUEUE_COLLECT,
-                          task_id=k.collect_task_id(batch_id, index))
+            app.signature(
+                k.TASK_COLLECT,
+                args=(batch_id, index),
+                queue=k.QUEUE_COLLECT,
+                task_id=k.collect_task_id(batch_id, index),
+            )
             for index in range(spec.count)
         ],
         task_id=k.group_id(batch_id),
@@ -168,9 +175,13 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
             raise self.retry(countdown=0, max_retries=None)
         else:
             log_text = ""
-            row = lost_row(index, obs.episode_id,
-                           f"still {obs.phase} {spec.deadline_seconds}s after the run started "
-                           "(deadline) and the collection grace period", obs)
+            row = lost_row(
+                index,
+                obs.episode_id,
+                f"still {obs.phase} {spec.deadline_seconds}s after the run started "
+                "(deadline) and the collection grace period",
+                obs,
+            )
     except TransientBackendError as exc:
         if time.time() < give_up_at:
             raise self.retry(countdown=1, max_retries=None, exc=exc) from exc
@@ -197,9 +208,16 @@ def finalize(rt: Runtime, batch_id: str, finalized_by: str) -> dict[str, Any] | 
     if finalized_by == "watchdog":
         for index in range(spec.count):
             if not store.has_episode(batch_id, index):
-                store.record_episode(batch_id, lost_row(
-                    index, backend.episode_id(handle, index),
-                    "never collected before the batch deadline (watchdog)", None), "")
+                store.record_episode(
+                    batch_id,
+                    lost_row(
+                        index,
+                        backend.episode_id(handle, index),
+                        "never collected before the batch deadline (watchdog)",
+                        None,
+                    ),
+                    "",
+                )
     batch_errors: list[str] = []
     facts: dict[str, Any] = {}
     try:
@@ -220,7 +238,8 @@ def finalize(rt: Runtime, batch_id: str, finalized_by: str) -> dict[str, Any] | 
             "finalized_by": finalized_by,
             "completed_at": completed_at,
             "job_complete_seconds": (completed_at - float(handle["origin"]))
-            if completed_at else None,
+            if completed_at
+            else None,
             "reported_at": time.time(),
             **{f"run_{name}": value for name, value in facts.items() if name != "completed_at"},
         },
@@ -249,8 +268,9 @@ def batch_watchdog(self: Task, batch_id: str) -> dict[str, Any]:
         spec = spec_from_dict(receipt["spec"])
         due = _give_up_at(spec, receipt["run"], rt.settings) + WATCHDOG_EXTRA_SECONDS
         if time.time() < due:
-            raise self.retry(countdown=min(WATCHDOG_STEP_SECONDS, due - time.time()),
-                             max_retries=None)
+            raise self.retry(
+                countdown=min(WATCHDOG_STEP_SECONDS, due - time.time()), max_retries=None
+            )
     finalize(rt, batch_id, "watchdog")
     return {"batch_id": batch_id, "status": "finalized"}
 

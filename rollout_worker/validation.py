@@ -6,6 +6,7 @@ an episode is `ok` only when all of them hold, and a row that is not ok never ca
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -126,7 +127,7 @@ def _check_time_order(row: EpisodeRow, origin: float, errors: list[str]) -> None
         ("reward", row.reward_at),
     ]
     known = [(name, at) for name, at in chain if at is not None]
-    for (name_a, a), (name_b, b) in zip(known, known[1:], strict=False):
+    for (name_a, a), (name_b, b) in itertools.pairwise(known):
         if a > b + TIMESTAMP_SLACK:
             errors.append(
                 f"time order violated: {name_a} ({a:.3f}) is after {name_b} ({b:.3f}); "
@@ -145,8 +146,9 @@ def _cross_check_termination(
         errors.append("termination message is not JSON")
         return
     if reward is None:
-        errors.append("termination message reports an outcome the log does not contain "
-                      "(log cut or lost)")
+        errors.append(
+            "termination message reports an outcome the log does not contain (log cut or lost)"
+        )
         return
     for key in ("reward", "baseline_exit", "tests_exit", "episode_id"):
         if message.get(key) != reward.get(key):
@@ -156,10 +158,13 @@ def _cross_check_termination(
             )
 
 
-def lost_row(index: int, episode_id: str, reason: str, obs: EpisodeObservation | None) -> EpisodeRow:
+def lost_row(
+    index: int, episode_id: str, reason: str, obs: EpisodeObservation | None
+) -> EpisodeRow:
     """A row for an episode that never produced a usable outcome before the deadline."""
-    row = EpisodeRow(index=index, pod=episode_id, status="lost", errors=[reason],
-                     collected_at=time.time())
+    row = EpisodeRow(
+        index=index, pod=episode_id, status="lost", errors=[reason], collected_at=time.time()
+    )
     if obs is not None:
         row.phase, row.node, row.created_at = obs.phase, obs.node, obs.created_at
         row.exit_code, row.restart_count = obs.exit_code, obs.restart_count

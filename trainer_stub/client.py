@@ -46,8 +46,9 @@ class RolloutClient:
         self.redis_url = redis_url
         self.redis = redis.Redis.from_url(redis_url)
         self.celery = Celery("rollout-trainer", broker=redis_url, set_as_current=False)
-        self.celery.conf.update(task_serializer="json", accept_content=["json"],
-                                broker_connection_retry_on_startup=True)
+        self.celery.conf.update(
+            task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True
+        )
 
     def submit(self, **request: Any) -> Submission:
         """Validate and send one batch; returns at once with its id."""
@@ -59,8 +60,12 @@ class RolloutClient:
         return Submission(request["batch_id"], request, request["submitted_at"])
 
     # -- reading -----------------------------------------------------------------------------
-    def entries(self, batch_ids: list[str], timeout: float | None = None,
-                heartbeat: Callable[[], None] | None = None) -> Iterator[tuple[str, Entry]]:
+    def entries(
+        self,
+        batch_ids: list[str],
+        timeout: float | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, Entry]]:
         """Yield (batch_id, entry) from all batches' streams until each has its report.
 
         `heartbeat` runs about once a second while waiting; an exception from it stops the wait.
@@ -80,7 +85,7 @@ class RolloutClient:
                 block = max(1, min(BLOCK_MS, int(remaining * 1000)))
             if heartbeat is not None:
                 heartbeat()
-            for stream, items in self.redis.xread(cursors, block=block) or []:  # type: ignore[arg-type]
+            for stream, items in self.redis.xread(cursors, block=block) or []:
                 stream = stream.decode()
                 for entry_id, data in items:
                     cursors[stream] = entry_id
@@ -99,8 +104,11 @@ class RolloutClient:
     def wait(self, batch_id: str, timeout: float | None = None) -> dict[str, Any]:
         return self.wait_many([batch_id], timeout)[batch_id]
 
-    def wait_many(self, batch_ids: list[str], timeout: float | None = None,
-                  ) -> dict[str, dict[str, Any]]:
+    def wait_many(
+        self,
+        batch_ids: list[str],
+        timeout: float | None = None,
+    ) -> dict[str, dict[str, Any]]:
         reports: dict[str, dict[str, Any]] = {}
         for batch_id, entry in self.entries(batch_ids, timeout):
             if entry.type == k.ENTRY_REPORT:

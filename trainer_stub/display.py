@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,13 +11,22 @@ from rich.live import Live
 from rich.table import Table
 
 from rollout_worker import constants as k
-from trainer_stub.client import Entry, RolloutClient
+from trainer_stub.client import Entry, RolloutClient, Submission
 
 METRICS = (
-    "episodes", "successful_episodes", "failed_episodes", "lost_episodes", "reward_sum",
-    "parallelism", "batch_to_all_ready_seconds", "pod_to_ready_p50_seconds",
-    "pod_to_ready_p95_seconds", "pod_to_ready_max_seconds", "batch_to_all_rewards_seconds",
-    "job_complete_seconds", "client_job_complete_seconds",
+    "episodes",
+    "successful_episodes",
+    "failed_episodes",
+    "lost_episodes",
+    "reward_sum",
+    "parallelism",
+    "batch_to_all_ready_seconds",
+    "pod_to_ready_p50_seconds",
+    "pod_to_ready_p95_seconds",
+    "pod_to_ready_max_seconds",
+    "batch_to_all_rewards_seconds",
+    "job_complete_seconds",
+    "client_job_complete_seconds",
 )
 
 
@@ -43,23 +53,42 @@ class Progress:
         for batch_id, total in self.totals.items():
             c = self.counts[batch_id]
             done = c["ok"] + c["failed"] + c["lost"]
-            table.add_row(batch_id, f"{done}/{total}", str(c["ok"]), str(c["failed"]),
-                          str(c["lost"]), str(c["rewards"]), self.status[batch_id])
+            table.add_row(
+                batch_id,
+                f"{done}/{total}",
+                str(c["ok"]),
+                str(c["failed"]),
+                str(c["lost"]),
+                str(c["rewards"]),
+                self.status[batch_id],
+            )
         return table
 
 
-def follow(client: RolloutClient, batches: dict[str, int], console: Console,
-           timeout: float | None, heartbeat: Callable[[], None] | None = None,
-           ) -> dict[str, dict[str, Any]]:
-    """Wait for every batch's report, redrawing the progress table as entries arrive."""
+def follow(
+    client: RolloutClient,
+    submissions: Iterable[Submission],
+    console: Console,
+    timeout: float | None,
+    heartbeat: Callable[[], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Wait for every batch's report, redrawing the progress table as entries arrive.
+
+    Adds `client_job_complete_seconds` (submit -> report seen here) to each report.
+    """
+    started = {s.batch_id: s for s in submissions}
+    batches = {b: int(s.spec["count"]) for b, s in started.items()}
     progress = Progress(batches)
     reports: dict[str, dict[str, Any]] = {}
-    with Live(progress.table(), console=console, refresh_per_second=8,
-              transient=not console.is_terminal) as live:
+    with Live(
+        progress.table(), console=console, refresh_per_second=8, transient=not console.is_terminal
+    ) as live:
         for batch_id, entry in client.entries(list(batches), timeout, heartbeat):
             progress.update(batch_id, entry)
             if entry.type == k.ENTRY_REPORT:
-                reports[batch_id] = client.report(batch_id) or {}
+                report = client.report(batch_id) or {}
+                report["client_job_complete_seconds"] = time.monotonic() - started[batch_id].started
+                reports[batch_id] = report
             live.update(progress.table())
     if not console.is_terminal:
         console.print(progress.table())

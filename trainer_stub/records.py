@@ -17,8 +17,10 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 def check_output_dir(path: Path) -> None:
     """Refuse an existing path (never overwrite an experiment) or an unwritable parent."""
     if path.exists() or path.is_symlink():
-        raise OutputDirError(f"output directory {path} already exists; choose a new one "
-                             "(records are never overwritten)")
+        raise OutputDirError(
+            f"output directory {path} already exists; choose a new one "
+            "(records are never overwritten)"
+        )
     parent = path.absolute().parent
     if not parent.is_dir():
         raise OutputDirError(f"parent directory {parent} of --output does not exist")
@@ -43,8 +45,9 @@ def write_receipt(path: Path, receipt: dict[str, Any]) -> None:
     os.replace(tmp, path / "receipt.json")
 
 
-def write_records(path: Path, report: dict[str, Any], logs: dict[int, str],
-                  records: dict[str, str]) -> list[str]:
+def write_records(
+    path: Path, report: dict[str, Any], logs: dict[int, str], records: dict[str, str]
+) -> list[str]:
     """results.json, one log per episode (<pod>.log), and the backend's records."""
     written = []
     (path / "results.json").write_bytes(_json(report))

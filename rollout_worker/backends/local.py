@@ -7,6 +7,7 @@ share the filesystem under ROLLOUT_LOCAL_ROOT (one machine, or a shared volume).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -42,19 +43,30 @@ def probe_bwrap() -> str | None:
     try:
         done = subprocess.run(
             ["bwrap", "--unshare-all", "--ro-bind", "/", "/", "--uid", "1000", "true"],
-            capture_output=True, timeout=10, text=True,
+            capture_output=True,
+            timeout=10,
+            text=True,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap failed to run: {exc}"
-    return None if done.returncode == 0 else f"bwrap cannot create namespaces: {done.stderr.strip()}"
+    return (
+        None if done.returncode == 0 else f"bwrap cannot create namespaces: {done.stderr.strip()}"
+    )
 
 
 @functools.lru_cache(maxsize=4)
 def describe_python(python: str) -> tuple[str, str]:
     """(sys.base_prefix, an image-id-like identity) of the sandbox interpreter."""
     done = subprocess.run(
-        [python, "-c", "import sys, platform; print(sys.base_prefix); print(platform.python_version())"],
-        capture_output=True, text=True, timeout=30, check=True,
+        [
+            python,
+            "-c",
+            "import sys, platform; print(sys.base_prefix); print(platform.python_version())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     prefix, version = done.stdout.split()
     real = os.path.realpath(python)
@@ -84,8 +96,10 @@ class LocalBackend:
     def preflight(self, spec: BatchSpec) -> list[str]:
         warnings = []
         if not os.access(self.settings.local_python, os.X_OK):
-            raise BackendUnavailable(f"sandbox interpreter {self.settings.local_python} is not "
-                                     "executable (ROLLOUT_LOCAL_PYTHON)")
+            raise BackendUnavailable(
+                f"sandbox interpreter {self.settings.local_python} is not "
+                "executable (ROLLOUT_LOCAL_PYTHON)"
+            )
         if self._isolation() == "none":
             warnings.append(f"local sandboxes are NOT isolated: {probe_bwrap() or 'disabled'}")
         return warnings
@@ -117,7 +131,11 @@ class LocalBackend:
         # The first start creates run.json; a redelivered start finds it and keeps its origin.
         create_json_exclusive(run_dir.run_file, run)
         existing = run_dir.read_json(run_dir.run_file)
-        if not existing or existing.get("batch_id") != spec.batch_id or existing.get("owner") != OWNER:
+        if (
+            not existing
+            or existing.get("batch_id") != spec.batch_id
+            or existing.get("owner") != OWNER
+        ):
             raise OwnershipError(f"{run_dir.path} holds a run that is not batch {spec.batch_id}")
         handle: RunHandle = {
             "backend": self.name,
@@ -143,9 +161,16 @@ class LocalBackend:
             fcntl.flock(lock, fcntl.LOCK_UN)
         try:
             subprocess.run(
-                [sys.executable, "-m", "rollout_worker.backends.local_supervisor", "--daemonize",
-                 str(run_dir.path)],
-                check=True, timeout=60, stdin=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-m",
+                    "rollout_worker.backends.local_supervisor",
+                    "--daemonize",
+                    str(run_dir.path),
+                ],
+                check=True,
+                timeout=60,
+                stdin=subprocess.DEVNULL,
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise BackendError(f"could not start the local supervisor: {exc}") from exc
@@ -162,8 +187,12 @@ class LocalBackend:
                 return EpisodeObservation.from_dict(status)
             if time.monotonic() >= end:
                 phase = "Running" if run_dir.log(index).exists() else "Pending"
-                return EpisodeObservation(index=index, episode_id=self.episode_id(handle, index),
-                                          phase=phase, node=handle.get("node"))
+                return EpisodeObservation(
+                    index=index,
+                    episode_id=self.episode_id(handle, index),
+                    phase=phase,
+                    node=handle.get("node"),
+                )
             time.sleep(POLL_SECONDS)
 
     def read_output(self, handle: RunHandle, index: int) -> str:
@@ -184,10 +213,13 @@ class LocalBackend:
         if run_dir.run_file.exists():
             run = orjson.loads(run_dir.run_file.read_bytes())
             records["run.json"] = orjson.dumps(run, option=orjson.OPT_INDENT_2).decode()
-        if run_dir.supervisor_log.exists():
+        if run_dir.supervisor_log.exists() and run_dir.supervisor_log.stat().st_size:
             records["supervisor.log"] = run_dir.supervisor_log.read_text(errors="replace")
-        facts = {"completed_at": finished.get("finished_at"), "isolation": handle["isolation"],
-                 "run_dir": handle["run_dir"]}
+        facts = {
+            "completed_at": finished.get("finished_at"),
+            "isolation": handle["isolation"],
+            "run_dir": handle["run_dir"],
+        }
         return {"records": records, "facts": facts}
 
     def delete_run(self, handle: RunHandle) -> None:
@@ -224,8 +256,6 @@ class LocalBackend:
                     pass
                 if time.monotonic() > end:
                     raise BackendError(f"local supervisor {pid} did not stop within {wait:.0f}s")
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
                 time.sleep(0.05)

@@ -9,6 +9,7 @@ have a status, so a restart never runs an episode twice.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import resource
@@ -72,7 +73,9 @@ class Supervisor:
         # Python maps far more address space than it touches; give the interpreter headroom
         # over the container-style memory limit so the limit still bounds real use.
         self.memory_bytes = parse_memory(res["memory_limit"]) + 256 * 2**20
-        self.cpu_seconds = max(1, int(float(parse_cpu(res["cpu_limit"])) * self.episode_timeout) + 1)
+        self.cpu_seconds = max(
+            1, int(float(parse_cpu(res["cpu_limit"])) * self.episode_timeout) + 1
+        )
         self.running: dict[int, Running] = {}
         self.selector = selectors.DefaultSelector()
         self.stopping = False
@@ -98,8 +101,13 @@ class Supervisor:
                 continue
             if self.dir.log(index).exists():
                 # A previous supervisor died mid-episode: report it, never rerun it silently.
-                self.write_status(index, phase="Failed", reason="SupervisorLost",
-                                  exit_code=None, finished_at=time.time())
+                self.write_status(
+                    index,
+                    phase="Failed",
+                    reason="SupervisorLost",
+                    exit_code=None,
+                    finished_at=time.time(),
+                )
                 continue
             pending.append(index)
         return pending
@@ -170,10 +178,8 @@ class Supervisor:
     def kill(self, item: Running, why: str) -> None:
         if item.killed_for is None:
             item.killed_for = why
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(item.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def loop(self) -> None:
         pending = self.todo()
@@ -184,8 +190,13 @@ class Supervisor:
                 for item in list(self.running.values()):
                     self.kill(item, why)
                 while pending:
-                    self.write_status(pending.popleft(), phase="Failed", reason=why,
-                                      exit_code=None, finished_at=now)
+                    self.write_status(
+                        pending.popleft(),
+                        phase="Failed",
+                        reason=why,
+                        exit_code=None,
+                        finished_at=now,
+                    )
             while pending and len(self.running) < self.parallelism:
                 self.start(pending.popleft())
             for item in list(self.running.values()):
@@ -194,7 +205,7 @@ class Supervisor:
             next_deadline = min([self.run_deadline, *(r.deadline for r in self.running.values())])
             timeout = max(0.0, min(next_deadline - time.time(), 1.0))
             for key, _ in self.selector.select(timeout if self.running else 0):
-                self.finish(self.running[key.fd])  # type: ignore[index]
+                self.finish(self.running[key.fd])
         write_json_atomic(self.dir.finished_file, {"finished_at": time.time()})
 
     def request_stop(self, *_: object) -> None:

@@ -60,17 +60,36 @@ def plan_sandbox(
     if isolation != "bwrap":
         raise ValueError(f"unknown isolation {isolation!r}")
     argv = [
-        "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_GID),
         *_system_mounts(),
     ]
     if not python_prefix.startswith("/usr/"):
         argv += ["--ro-bind", python_prefix, python_prefix]
     argv += [
-        "--ro-bind", str(program), PROGRAM_MOUNT,
-        "--bind", str(workspace), WORKSPACE_MOUNT,
-        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-        "--chdir", WORKSPACE_MOUNT, "--clearenv",
+        "--ro-bind",
+        str(program),
+        PROGRAM_MOUNT,
+        "--bind",
+        str(workspace),
+        WORKSPACE_MOUNT,
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "--chdir",
+        WORKSPACE_MOUNT,
+        "--clearenv",
     ]
     env = base_env | {"ROLLOUT_WORKSPACE": WORKSPACE_MOUNT, "HOME": WORKSPACE_MOUNT}
     for key, value in env.items():

@@ -8,6 +8,8 @@ Environment: EPISODE_ID (the sandbox's name), ROLLOUT_WORKSPACE (default /worksp
 ROLLOUT_ACTION (fix | none | hang; default fix).
 """
 
+from __future__ import annotations
+
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ import sys
 import time
 
 BUGGY = "def shipping(total):\n    return 0 if total > 99 else 10\n"
-TESTS = '''import unittest
+TESTS = """import unittest
 
 from shipping import shipping
 
@@ -33,11 +35,11 @@ class ShippingTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
-'''
+"""
 TERMINATION_LOG = "/dev/termination-log"
 
 
-def emit(event, **data):
+def emit(event: str, **data: object) -> dict[str, object]:
     record = {"event": event, "at": time.time(), "episode_id": os.environ["EPISODE_ID"]}
     record.update(data)
     sys.stdout.write(json.dumps(record) + "\n")
@@ -45,18 +47,18 @@ def emit(event, **data):
     return record
 
 
-def run_tests():
+def run_tests() -> tuple[int, str]:
     done = subprocess.run(
         [sys.executable, "-B", "test_shipping.py"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        universal_newlines=True,
+        text=True,
         timeout=60,
     )
     return done.returncode, done.stdout
 
 
-def act(action):
+def act(action: str) -> None:
     """Stand-in for the agent's action (a model's patch in a real rollout)."""
     if action == "hang":
         while True:
@@ -68,12 +70,14 @@ def act(action):
             handle.write(source.replace("total > 99", "total >= 99"))
 
 
-def record_outcome(reward_event):
+def record_outcome(reward_event: dict[str, object]) -> None:
     # Kubernetes carries this file back in the Pod status: the outcome survives even if the
     # log stream is cut or never read.
     if os.path.exists(TERMINATION_LOG):
-        summary = {k: reward_event[k] for k in ("at", "episode_id", "reward", "baseline_exit",
-                                                 "tests_exit")}
+        summary = {
+            k: reward_event[k]
+            for k in ("at", "episode_id", "reward", "baseline_exit", "tests_exit")
+        }
         try:
             with open(TERMINATION_LOG, "w") as handle:
                 handle.write(json.dumps(summary))
@@ -81,7 +85,7 @@ def record_outcome(reward_event):
             pass
 
 
-def main():
+def main() -> int:
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")
     action = os.environ.get("ROLLOUT_ACTION", "fix")
     os.chdir(workspace)
