@@ -1,0 +1,62 @@
+import pytest
+
+from rollout_worker.errors import InvalidSpec
+from rollout_worker.models import parse_spec, spec_from_dict
+
+
+def problems(request, max_episodes=100):
+    with pytest.raises(InvalidSpec) as info:
+        parse_spec(request, max_episodes=max_episodes)
+    return " | ".join(info.value.problems)
+
+
+def test_defaults_follow_the_guide():
+    spec = parse_spec({"count": 10}, max_episodes=100)
+    assert (spec.count, spec.parallelism) == (10, 10)
+    assert spec.image == "python:3.12-alpine" and spec.runtime == "cube"
+    assert spec.deadline_seconds == 240
+    assert spec.resources.cpu_request == "100m" and spec.resources.memory_limit == "128Mi"
+    assert spec.batch_id  # generated when missing
+
+
+@pytest.mark.parametrize(
+    ("request_", "expected"),
+    [
+        ({"count": 0}, "count must be at least 1"),
+        ({"count": 5, "parallelism": 6}, "1 <= parallelism <= count (5)"),
+        ({"count": 5, "parallelism": 0}, "1 <= parallelism <= count"),
+        ({"count": "ten"}, "count must be an integer"),
+        ({"count": True}, "count must be an integer"),
+        ({"count": 101}, "exceeds the configured maximum of 100"),
+        ({"image": "Not An Image"}, "not a valid image reference"),
+        ({"runtime": "Cube_Runtime"}, "not a valid RuntimeClass name"),
+        ({"backend": "ssh"}, "backend 'ssh' is not one of"),
+        ({"deadline_seconds": 0}, "deadline_seconds must be within"),
+        ({"deadline_seconds": 10, "episode_timeout_seconds": 11}, "episode_timeout_seconds"),
+        ({"resources": {"cpu_limit": "lots"}}, "cpu quantity 'lots'"),
+        ({"resources": {"memory_limit": "12Qi"}}, "memory quantity '12Qi'"),
+        ({"resources": {"cpu_request": "2", "cpu_limit": "1"}}, "exceeds cpu_limit"),
+        ({"resources": {"memory_limit": "16Mi", "memory_request": "8Mi"}}, "below 32Mi"),
+        ({"resources": {"gpu": "1"}}, "unknown resources fields"),
+        ({"action": "delete-everything"}, "action"),
+        ({"batch_id": "Has Spaces"}, "batch_id"),
+        ({"colour": "blue"}, "unknown fields ['colour']"),
+    ],
+)
+def test_bad_input_is_refused_with_what_is_allowed(request_, expected):
+    assert expected in problems(request_)
+
+
+def test_all_problems_are_reported_at_once():
+    text = problems({"count": 0, "image": "BAD", "runtime": "X"})
+    assert "count" in text and "image" in text and "runtime" in text
+
+
+def test_oversized_batch_is_refused_not_truncated():
+    with pytest.raises(InvalidSpec, match="split it into several batches"):
+        parse_spec({"count": 5001}, max_episodes=5000)
+
+
+def test_spec_round_trips_through_json_dict():
+    spec = parse_spec({"count": 3, "parallelism": 2, "labels": {"round": "7"}}, max_episodes=10)
+    assert spec_from_dict(spec.to_dict()) == spec
