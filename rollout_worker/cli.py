@@ -26,7 +26,7 @@ from rollout_worker.models import (
 from rollout_worker.settings import SETTINGS_DOC, Settings
 
 console = Console(stderr=False)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 redis_option = click.option(
     "--redis-url",

@@ -13,7 +13,7 @@ from trainer_stub.client import RolloutClient
 from trainer_stub.display import follow, print_errors, summary_table
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,0 +1,87 @@
+"""The command lines as users run them (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers]
+
+
+def rollout(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "rollout_worker.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_running(tmp_path):
+    out = tmp_path / "rl-parallel-10"
+    done = rollout("run", "--count", "10", "--all-in-one", "--output", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["episodes"], report["successful_episodes"], report["reward_sum"]) == (10, 10, 10)
+    assert report["client_job_complete_seconds"] > 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["ok"] is True and len(results["pods"]) == 10
+    for row in results["pods"]:
+        log = (out / f"{row['pod']}.log").read_text()
+        assert '"event": "ready"' in log and '"event": "reward"' in log
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["batch_id"] == report["batch_id"] and receipt["run"]["run_uid"]
+    stack_dir = re.search(r"logs in (\S+)\)", done.stderr).group(1)
+    assert not os.path.exists(stack_dir)
+    leftovers = subprocess.run(["pgrep", "-f", stack_dir], capture_output=True, text=True)
+    assert leftovers.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--count", "0"], "count must be at least 1"),
+        (["--count", "5", "--parallelism", "6"], "parallelism"),
+        (["--count", "5", "--image", "NOT VALID"], "image"),
+        (["--count", "5", "--memory-limit", "lots"], "memory quantity"),
+        (["--count", "6000"], "configured maximum"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_starts(tmp_path, args, message):
+    out = tmp_path / "out"
+    done = rollout("run", *args, "--all-in-one", "--output", str(out), timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "all-in-one" not in done.stderr  # no stack was started
+    assert not out.exists()
+
+
+def test_existing_output_directory_is_never_overwritten(tmp_path):
+    done = rollout("run", "--count", "1", "--all-in-one", "--output", str(tmp_path), timeout=60)
+    assert done.returncode == 2 and "already exists" in done.stderr
+
+
+def test_trainer_stub_runs_rounds_concurrently(stack):
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer_stub.cli", "--rounds", "3", "--count", "5", "--json"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "ROLLOUT_REDIS_URL": stack.redis_url},
+    )
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(reports) == 3 and len({r["batch_id"] for r in reports}) == 3
+    assert all(r["reward_sum"] == 5 and r["ok"] for r in reports)
+    assert sorted(r["labels"]["round"] for r in reports) == ["0", "1", "2"]
+
+
+def test_check_reports_workers_per_queue(stack):
+    done = rollout("check", env={"ROLLOUT_REDIS_URL": stack.redis_url}, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "queue control: 1 worker" in done.stdout
+    assert "queue collect: 2 worker" in done.stdout
+
+
+def test_check_fails_clearly_without_redis():
+    done = rollout("check", "--redis-url", "redis://127.0.0.1:1/0", timeout=60)
+    assert done.returncode != 0 and "not reachable" in done.stderr
