@@ -14,8 +14,13 @@ pytestmark = [pytest.mark.redis, pytest.mark.workers]
 
 
 def rollout(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "rollout_worker.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_worker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_running(tmp_path):
@@ -65,7 +70,9 @@ def test_existing_output_directory_is_never_overwritten(tmp_path):
 def test_trainer_stub_runs_rounds_concurrently(stack):
     done = subprocess.run(
         [sys.executable, "-m", "trainer_stub.cli", "--rounds", "3", "--count", "5", "--json"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "ROLLOUT_REDIS_URL": stack.redis_url},
     )
     assert done.returncode == 0, done.stderr

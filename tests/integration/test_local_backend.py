@@ -35,8 +35,10 @@ def test_runs_each_episode_once_in_its_own_workspace_with_bounded_parallelism(ba
     assert again["origin"] == handle["origin"] and again["run_uid"] == handle["run_uid"]
     assert receipt["run"]["run_uid"] == handle["run_uid"]
     observations = run_all(backend, handle, 6)
-    rows = [validate_episode(o, backend.read_output(handle, o.index), handle["origin"])
-            for o in observations]
+    rows = [
+        validate_episode(o, backend.read_output(handle, o.index), handle["origin"])
+        for o in observations
+    ]
     assert [r.status for r in rows] == ["ok"] * 6, [r.errors for r in rows]
     assert len({r.pod for r in rows}) == 6
     # Each episode ran exactly once: one ready line per log, even after the second start.
@@ -54,8 +56,16 @@ def test_runs_each_episode_once_in_its_own_workspace_with_bounded_parallelism(ba
 
 
 def test_deadlines_kill_hung_episodes_and_unstarted_ones_fail(backend):
-    spec = parse_spec({"count": 3, "parallelism": 1, "action": "hang", "deadline_seconds": 3,
-                       "episode_timeout_seconds": 1}, max_episodes=10)
+    spec = parse_spec(
+        {
+            "count": 3,
+            "parallelism": 1,
+            "action": "hang",
+            "deadline_seconds": 3,
+            "episode_timeout_seconds": 1,
+        },
+        max_episodes=10,
+    )
     handle = backend.start_run(spec, lambda _: None)
     started = time.monotonic()
     observations = run_all(backend, handle, 3, timeout=30)

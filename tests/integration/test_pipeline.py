@@ -88,8 +88,9 @@ def test_a_fix_that_does_not_fix_yields_a_failed_report_never_reward_1(client):
 
 
 def test_a_hung_episode_is_reported_at_its_deadline(client):
-    submission = client.submit(count=2, parallelism=2, action="hang", deadline_seconds=4,
-                               episode_timeout_seconds=2)
+    submission = client.submit(
+        count=2, parallelism=2, action="hang", deadline_seconds=4, episode_timeout_seconds=2
+    )
     report = client.wait(submission.batch_id, timeout=120)
     assert report["ok"] is False and report["reward_sum"] == 0
     assert all("DeadlineExceeded" in " ".join(row["errors"]) for row in report["pods"])

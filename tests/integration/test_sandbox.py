@@ -15,7 +15,8 @@ PROBE = textwrap.dedent(
     """
     import json, os, socket
     facts = {"uid": os.getuid(), "gid": os.getgid()}
-    facts["cap_eff"] = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0]
+    status = open("/proc/self/status").read().splitlines()
+    facts["cap_eff"] = [l.split()[1] for l in status if l.startswith("CapEff")][0]
     try:
         socket.create_connection(("1.1.1.1", 53), timeout=1)
         facts["network"] = "reachable"
@@ -46,11 +47,19 @@ def test_bwrap_sandbox_is_unprivileged_offline_and_read_only(tmp_path):
     workspace.mkdir()
     (tmp_path / "host-secret").write_text("x")
     prefix, _ = describe_python("/usr/bin/python3")
-    plan = plan_sandbox(isolation="bwrap", python="/usr/bin/python3", python_prefix=prefix,
-                        program=program, workspace=workspace, episode_id="probe",
-                        action="fix", running_as_root=os.geteuid() == 0)
-    done = subprocess.run(plan.argv, env=plan.env or None, cwd=plan.cwd, capture_output=True,
-                          text=True, timeout=30)
+    plan = plan_sandbox(
+        isolation="bwrap",
+        python="/usr/bin/python3",
+        python_prefix=prefix,
+        program=program,
+        workspace=workspace,
+        episode_id="probe",
+        action="fix",
+        running_as_root=os.geteuid() == 0,
+    )
+    done = subprocess.run(
+        plan.argv, env=plan.env or None, cwd=plan.cwd, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0, done.stderr
     facts = json.loads(done.stdout)
     assert (facts["uid"], facts["gid"]) == (1000, 1000)
@@ -71,8 +80,9 @@ def test_episode_program_runs_standalone(tmp_path):
     program = tmp_path / "episode.py"
     program.write_text(episode_program_text())
     env = {"EPISODE_ID": "e-1", "ROLLOUT_WORKSPACE": str(tmp_path), "PATH": os.environ["PATH"]}
-    done = subprocess.run([sys.executable, "-B", str(program)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-B", str(program)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     ready, reward = (json.loads(line) for line in done.stdout.splitlines())
     assert ready["event"] == "ready" and ready["episode_id"] == "e-1"
@@ -80,9 +90,13 @@ def test_episode_program_runs_standalone(tmp_path):
     assert ready["at"] <= reward["at"]
     assert "total >= 99" in (tmp_path / "shipping.py").read_text()
 
-    failing = subprocess.run([sys.executable, "-B", str(program)],
-                             env=env | {"ROLLOUT_ACTION": "none"}, capture_output=True,
-                             text=True, timeout=60)
+    failing = subprocess.run(
+        [sys.executable, "-B", str(program)],
+        env=env | {"ROLLOUT_ACTION": "none"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert failing.returncode != 0
     assert json.loads(failing.stdout.splitlines()[1])["reward"] == 0
 

@@ -15,16 +15,29 @@ def test_percentile_interpolates_linearly():
 
 
 def ok_row(index, created, ready, reward, origin=100.0):
-    return EpisodeRow(index=index, pod=f"p-{index}", status="ok", reward=1, created_at=created,
-                      ready_at=ready, reward_at=reward, pod_to_ready_seconds=ready - created,
-                      batch_to_ready_seconds=ready - origin,
-                      batch_to_reward_seconds=reward - origin, node="n1", image_id="img")
+    return EpisodeRow(
+        index=index,
+        pod=f"p-{index}",
+        status="ok",
+        reward=1,
+        created_at=created,
+        ready_at=ready,
+        reward_at=reward,
+        pod_to_ready_seconds=ready - created,
+        batch_to_ready_seconds=ready - origin,
+        batch_to_reward_seconds=reward - origin,
+        node="n1",
+        image_id="img",
+    )
 
 
 def test_report_metrics_match_the_guides_definitions():
     spec = parse_spec({"count": 3, "parallelism": 3}, max_episodes=10)
-    rows = [ok_row(0, 100.5, 101.0, 103.0), ok_row(1, 100.5, 102.0, 104.0),
-            ok_row(2, 101.0, 104.0, 109.0)]
+    rows = [
+        ok_row(0, 100.5, 101.0, 103.0),
+        ok_row(1, 100.5, 102.0, 104.0),
+        ok_row(2, 101.0, 104.0, 109.0),
+    ]
     report = build_report(spec, rows, origin=100.0)
     assert report["ok"] is True and report["status"] == "succeeded"
     assert (report["episodes"], report["successful_episodes"], report["reward_sum"]) == (3, 3, 3)

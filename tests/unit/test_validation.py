@@ -7,16 +7,27 @@ ORIGIN = 1000.0
 
 
 def obs(**changes):
-    base = dict(index=0, episode_id="rollout-x-0", phase="Succeeded", created_at=1001.0,
-                finished_at=1005.0, exit_code=0, restart_count=0, node="n", image_id="i")
+    base = dict(
+        index=0,
+        episode_id="rollout-x-0",
+        phase="Succeeded",
+        created_at=1001.0,
+        finished_at=1005.0,
+        exit_code=0,
+        restart_count=0,
+        node="n",
+        image_id="i",
+    )
     base.update(changes)
     return EpisodeObservation(**base)
 
 
 def log(ready_at=1002.0, reward_at=1003.0, episode="rollout-x-0", **reward):
     fields = {"reward": 1, "baseline_exit": 1, "tests_exit": 0, "tests_output": "OK"} | reward
-    lines = [{"event": "ready", "at": ready_at, "episode_id": episode},
-             {"event": "reward", "at": reward_at, "episode_id": episode, **fields}]
+    lines = [
+        {"event": "ready", "at": ready_at, "episode_id": episode},
+        {"event": "reward", "at": reward_at, "episode_id": episode, **fields},
+    ]
     return "\n".join(json.dumps(line) for line in lines) + "\n"
 
 
@@ -43,13 +54,22 @@ def test_every_guide_rule_is_enforced():
     check(validate_episode(obs(created_at=999.0), log(), ORIGIN), "time order")
     check(validate_episode(obs(), log().splitlines()[0], ORIGIN), "exactly one ready and one")
     check(validate_episode(obs(), log() + log(), ORIGIN), "got 2 ready and 2 reward")
-    check(validate_episode(obs(), "Traceback (most recent call last)\n" + log(), ORIGIN),
-          "not a JSON event")
+    check(
+        validate_episode(obs(), "Traceback (most recent call last)\n" + log(), ORIGIN),
+        "not a JSON event",
+    )
 
 
 def test_termination_message_is_cross_checked_with_the_log():
-    message = json.dumps({"reward": 1, "baseline_exit": 1, "tests_exit": 0,
-                          "episode_id": "rollout-x-0", "at": 1003.0})
+    message = json.dumps(
+        {
+            "reward": 1,
+            "baseline_exit": 1,
+            "tests_exit": 0,
+            "episode_id": "rollout-x-0",
+            "at": 1003.0,
+        }
+    )
     assert validate_episode(obs(termination_message=message), log(), ORIGIN).status == "ok"
     cut = log().splitlines()[0]
     check(validate_episode(obs(termination_message=message), cut, ORIGIN), "log cut or lost")
