@@ -135,33 +135,31 @@ def main() -> None:
         t_noop = noop_chord(stack, n)
         t_pipe, report = pipeline(stack, n, p)
     t_alone = backend_alone(n, p)
-    print(f"\n1. orchestration, N={n} episodes, parallelism {p}")
-    print(
-        f"  no-op Celery chord of N tasks        {t_noop:8.2f} s  ({t_noop / n * 1000:.2f} ms/task)"
+    latency = (
+        report["reported_at"] - report["run_created_at"] - report["batch_to_all_rewards_seconds"]
     )
-    print(f"  local backend alone (no Celery)      {t_alone:8.2f} s")
-    print(f"  our pipeline, submit -> report       {t_pipe:8.2f} s")
     overhead = (t_pipe - t_alone) / n
+    print(f"\n1. orchestration, N={n} episodes, parallelism {p}")
+    row("no-op Celery chord of N tasks", t_noop, n, "task")
+    row("local backend alone (no Celery)", t_alone, n, "episode")
+    row("our pipeline, submit -> report", t_pipe, n, "episode")
     print(
-        f"  pipeline overhead over the backend   {overhead * 1000:8.2f} ms/episode "
-        f"({overhead / (t_noop / n):.2f}x a no-op chord task)"
+        f"  pipeline overhead over the backend: {overhead * 1000:.2f} ms/episode "
+        f"= {overhead / (t_noop / n):.2f}x a no-op chord task"
     )
-    print(
-        f"  report latency (last reward -> report published) "
-        f"{report['reported_at'] - report['run_created_at'] - report['batch_to_all_rewards_seconds']:.3f} s"
-    )
+    print(f"  report latency (last reward -> report published): {latency:.3f} s")
 
     m = args.pool_episodes
     t_bare = bare_pool(m, p)
     t_local = backend_alone(m, p)
     print(f"\n2. sandbox cost, {m} episodes, parallelism {p}")
-    print(
-        f"  bare process pool (no isolation)     {t_bare:8.2f} s  ({t_bare / m * 1000:.1f} ms/episode)"
-    )
-    print(
-        f"  local backend (bwrap + supervisor)   {t_local:8.2f} s  ({t_local / m * 1000:.1f} ms/episode)"
-    )
-    print(f"  ratio local/bare                     {t_local / t_bare:8.2f}x")
+    row("bare process pool (no isolation)", t_bare, m, "episode")
+    row("local backend (bwrap + supervisor)", t_local, m, "episode")
+    print(f"  ratio local/bare: {t_local / t_bare:.2f}x")
+
+
+def row(label: str, seconds: float, n: int, unit: str) -> None:
+    print(f"  {label:<36} {seconds:8.2f} s  ({seconds / n * 1000:.2f} ms/{unit})")
 
 
 if __name__ == "__main__":
