@@ -35,6 +35,18 @@ class TransientBackendError(BackendError):
     """A backend call failed in a way that a retry may fix (timeouts, 5xx, conflicts)."""
 
 
+class ResourceNotFound(BackendError):
+    """The API server says the object does not exist (404)."""
+
+
+class ResourceConflict(BackendError):
+    """The object already exists or changed under us (409)."""
+
+
+class CapacityError(BackendError):
+    """The cluster cannot hold the requested parallelism; the message shows the arithmetic."""
+
+
 class OwnershipError(BackendError):
     """A resource exists but cannot be proven to be ours, so we refuse to touch it."""
 

@@ -69,6 +69,13 @@ class BatchSpec:
     action: str = "fix"
     submitted_at: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)
+    # Kubernetes placement and policy (ignored by the local backend).
+    image_pull_policy: str = "IfNotPresent"
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    capacity_check: str = "error"  # error | warn | off
+    # Keep the run (namespace, local directory) after the report, for `rollout cleanup`.
+    keep_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +178,8 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
         problems.append("labels must map short names ([A-Za-z0-9_.-]) to strings (<= 256 chars)")
         labels = {}
 
+    placement = _parse_placement(data, problems)
+
     if problems:
         raise InvalidSpec(problems)
     return BatchSpec(
@@ -186,7 +195,47 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
         action=str(action),
         submitted_at=float(submitted_at),
         labels=dict(labels),
+        **placement,
     )
+
+
+PULL_POLICIES = ("IfNotPresent", "Never", "Always")
+CAPACITY_CHECKS = ("error", "warn", "off")
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def _parse_placement(data: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    pull = data.get("image_pull_policy", "IfNotPresent")
+    if pull not in PULL_POLICIES:
+        problems.append(f"image_pull_policy {pull!r} is not one of {list(PULL_POLICIES)}")
+    check = data.get("capacity_check", "error")
+    if check not in CAPACITY_CHECKS:
+        problems.append(f"capacity_check {check!r} is not one of {list(CAPACITY_CHECKS)}")
+    selector = data.get("node_selector") or {}
+    if not isinstance(selector, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
+    ):
+        problems.append("node_selector must map label names to string values")
+        selector = {}
+    tolerations = data.get("tolerations") or []
+    if not isinstance(tolerations, list) or not all(
+        isinstance(t, Mapping) and set(t) <= _TOLERATION_KEYS for t in tolerations
+    ):
+        problems.append(
+            f"tolerations must be a list of objects with keys from {sorted(_TOLERATION_KEYS)}"
+        )
+        tolerations = []
+    keep = data.get("keep_run", False)
+    if not isinstance(keep, bool):
+        problems.append(f"keep_run must be true or false, got {keep!r}")
+        keep = False
+    return {
+        "image_pull_policy": str(pull),
+        "capacity_check": str(check),
+        "node_selector": dict(selector),
+        "tolerations": [dict(t) for t in tolerations],
+        "keep_run": keep,
+    }
 
 
 def _parse_resources(data: Any, problems: list[str]) -> Resources:

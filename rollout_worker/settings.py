@@ -33,11 +33,11 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_LOCAL_PYTHON": "interpreter for local sandboxes (default /usr/bin/python3, else the "
     "worker's own)",
     "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap when it works)",
-    "ROLLOUT_KEEP_RUNS": "1 keeps a run (local directory, Kubernetes namespace) after its report; "
-    "`rollout cleanup` deletes it later (default 0)",
     "KUBECONFIG": "kubeconfig for the kubernetes backend "
     "(default: in-cluster, then ~/.kube/config)",
     "ROLLOUT_KUBE_CONTEXT": "kubeconfig context for the kubernetes backend (default: current)",
+    "ROLLOUT_KUBE_JOB_TTL": "ttlSecondsAfterFinished of batch Jobs, a safety net for runs nobody "
+    "cleans up (default 86400)",
 }
 
 
@@ -58,7 +58,7 @@ class Settings:
     local_root: Path = Path(tempfile.gettempdir()) / "rollout-runs"
     local_python: str = ""
     local_isolation: str = "auto"
-    keep_runs: bool = False
+    kube_job_ttl_seconds: int = 24 * 3600
     kubeconfig: str | None = None
     kube_context: str | None = None
 
@@ -127,7 +127,7 @@ class Settings:
             values["local_python"] = resolved
         if env.get("ROLLOUT_LOCAL_ISOLATION"):
             values["local_isolation"] = env["ROLLOUT_LOCAL_ISOLATION"]
-        values["keep_runs"] = env.get("ROLLOUT_KEEP_RUNS", "0") in ("1", "true", "yes")
+        number("ROLLOUT_KUBE_JOB_TTL", "kube_job_ttl_seconds", int)
         values["kubeconfig"] = env.get("KUBECONFIG") or None
         values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
         values.update(overrides)

@@ -168,7 +168,7 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
     try:
         obs = backend.wait_episode(handle, index, rt.settings.collect_block_seconds)
         if obs.terminal:
-            log_text = backend.read_output(handle, index)
+            log_text = backend.read_output(handle, obs)
             row = validate_episode(obs, log_text, float(handle["origin"]))
         elif time.time() < give_up_at:
             # Not done: free the slot and queue again behind the others (bounded by the deadline).
@@ -221,7 +221,7 @@ def finalize(rt: Runtime, batch_id: str, finalized_by: str) -> dict[str, Any] | 
     batch_errors: list[str] = []
     facts: dict[str, Any] = {}
     try:
-        finished = backend.finish_run(handle)
+        finished = backend.finish_run(spec, handle)
         store.save_records(batch_id, finished.get("records", {}))
         facts = finished.get("facts", {})
     except BackendError as exc:
@@ -244,7 +244,7 @@ def finalize(rt: Runtime, batch_id: str, finalized_by: str) -> dict[str, Any] | 
             **{f"run_{name}": value for name, value in facts.items() if name != "completed_at"},
         },
     )
-    if store.publish_report(batch_id, report) and not rt.settings.keep_runs:
+    if store.publish_report(batch_id, report) and not spec.keep_run:
         try:
             backend.delete_run(handle)
         except BackendError as exc:

@@ -15,7 +15,7 @@ def get_backend(name: str, settings: Settings) -> Backend:
 
         return LocalBackend(settings)
     if name == "kubernetes":
-        raise BackendUnavailable(
-            "the kubernetes backend is not part of this build yet; use --backend local"
-        )
+        from rollout_worker.backends.kubernetes import KubernetesBackend
+
+        return KubernetesBackend(settings)
     raise BackendUnavailable(f"unknown backend {name!r}; known: local, kubernetes")

@@ -32,10 +32,10 @@ class Backend(Protocol):
     def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
         """Observe episode `index`, waiting up to `timeout` seconds for it to be terminal."""
 
-    def read_output(self, handle: RunHandle, index: int) -> str:
+    def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         """The episode's log (its stdout)."""
 
-    def finish_run(self, handle: RunHandle) -> dict[str, Any]:
+    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
         """Once every episode is collected: records (name -> text) and facts about the run.
 
         Returns {"records": {...}, "facts": {"completed_at": unix time or None, ...}}.

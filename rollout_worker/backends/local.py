@@ -195,18 +195,18 @@ class LocalBackend:
                 )
             time.sleep(POLL_SECONDS)
 
-    def read_output(self, handle: RunHandle, index: int) -> str:
-        path = self._dir(handle).log(index)
+    def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
+        path = self._dir(handle).log(obs.index)
         try:
             with open(path, "rb") as log:
                 data = log.read(MAX_LOG_BYTES + 1)
         except FileNotFoundError:
             return ""
         if len(data) > MAX_LOG_BYTES:
-            raise BackendError(f"episode {index} log exceeds {MAX_LOG_BYTES} bytes")
+            raise BackendError(f"episode {obs.index} log exceeds {MAX_LOG_BYTES} bytes")
         return data.decode("utf-8", errors="replace")
 
-    def finish_run(self, handle: RunHandle) -> dict[str, Any]:
+    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
         run_dir = self._dir(handle)
         finished = run_dir.read_json(run_dir.finished_file) or {}
         records: dict[str, str] = {}

@@ -36,14 +36,14 @@ def test_runs_each_episode_once_in_its_own_workspace_with_bounded_parallelism(ba
     assert receipt["run"]["run_uid"] == handle["run_uid"]
     observations = run_all(backend, handle, 6)
     rows = [
-        validate_episode(o, backend.read_output(handle, o.index), handle["origin"])
+        validate_episode(o, backend.read_output(handle, o), handle["origin"])
         for o in observations
     ]
     assert [r.status for r in rows] == ["ok"] * 6, [r.errors for r in rows]
     assert len({r.pod for r in rows}) == 6
     # Each episode ran exactly once: one ready line per log, even after the second start.
-    for index in range(6):
-        assert backend.read_output(handle, index).count('"ready"') == 1
+    for obs in observations:
+        assert backend.read_output(handle, obs).count('"ready"') == 1
     # Parallelism 2: never more than two episodes alive at the same time.
     spans = sorted((o.created_at, o.finished_at) for o in observations)
     for start, _ in spans:
@@ -71,7 +71,7 @@ def test_deadlines_kill_hung_episodes_and_unstarted_ones_fail(backend):
     observations = run_all(backend, handle, 3, timeout=30)
     assert time.monotonic() - started < 10
     assert all(o.phase == "Failed" and o.reason == "DeadlineExceeded" for o in observations)
-    row = validate_episode(observations[0], backend.read_output(handle, 0), handle["origin"])
+    row = validate_episode(observations[0], backend.read_output(handle, observations[0]), handle["origin"])
     assert row.status == "failed" and row.reward == 0
     assert any("DeadlineExceeded" in e for e in row.errors)
 

@@ -261,10 +261,18 @@ def kwok_node_manifest(
             ],
             "allocatable": dict(quantity),
             "capacity": dict(quantity),
+            # Empty fields are filled in by KWOK's node-initialize stage.
             "nodeInfo": {
                 "architecture": "amd64",
                 "operatingSystem": "linux",
                 "kubeletVersion": kubelet_version or pinned_versions()["K8S_VERSION"],
+                "bootID": "",
+                "containerRuntimeVersion": "",
+                "kernelVersion": "",
+                "kubeProxyVersion": "",
+                "machineID": "",
+                "osImage": "",
+                "systemUUID": "",
             },
         },
     }

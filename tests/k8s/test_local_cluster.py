@@ -89,8 +89,13 @@ def test_job_with_1000_completions_on_kwok_nodes(k8s_cluster, k8s_namespace, kwo
 
 
 def _running_pod(k8s_cluster, namespace: str, name: str) -> None:
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}}
-    pod.update(_pod_template({"app": name}))
+    template = _pod_template({"app": name})
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, **template["metadata"]},
+        "spec": template["spec"],
+    }
     k8s_cluster.core.create_namespaced_pod(namespace, pod)
     kc.wait_for(
         lambda: k8s_cluster.core.read_namespaced_pod_status(name, namespace).status.phase

@@ -1,0 +1,146 @@
+"""Kubernetes objects of a batch, built as plain dicts. Pure: same spec in, same objects out.
+
+One namespace per batch holds a ConfigMap with the episode program, a deny-all NetworkPolicy
+and one Indexed Job (completion index = episode index). Every object carries our owner and
+batch labels; cleanup refuses anything without them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_worker import constants as k
+from rollout_worker.models import BatchSpec
+
+JOB_NAME = "rollout"
+CONFIGMAP_NAME = "episode"
+CONTAINER_NAME = "episode"
+PROGRAM_DIR = "/demo"
+PROGRAM_KEY = "episode.py"
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+SANDBOX_UID = 1000
+
+
+def namespace_name(batch_id: str) -> str:
+    return f"rollout-{batch_id}"
+
+
+def owner_labels(spec: BatchSpec) -> dict[str, str]:
+    return {k.LABEL_OWNER: k.LABEL_OWNER_VALUE, k.LABEL_BATCH: spec.batch_id}
+
+
+def namespace_manifest(spec: BatchSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": namespace_name(spec.batch_id), "labels": owner_labels(spec)},
+    }
+
+
+def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": CONFIGMAP_NAME,
+            "namespace": namespace_name(spec.batch_id),
+            "labels": owner_labels(spec),
+        },
+        "data": {PROGRAM_KEY: program},
+    }
+
+
+def network_policy_manifest(spec: BatchSpec) -> dict[str, Any]:
+    """Sandboxes get no network: no ingress, no egress (enforced where the CNI supports it)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": "deny-all",
+            "namespace": namespace_name(spec.batch_id),
+            "labels": owner_labels(spec),
+        },
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]},
+    }
+
+
+def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[str, Any]:
+    res = spec.resources
+    labels = owner_labels(spec)
+    pod_spec: dict[str, Any] = {
+        "runtimeClassName": spec.runtime,
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": spec.episode_timeout_seconds,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsUser": SANDBOX_UID,
+            "runAsGroup": SANDBOX_UID,
+            "fsGroup": SANDBOX_UID,
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": CONTAINER_NAME,
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": ["python", "-B", f"{PROGRAM_DIR}/{PROGRAM_KEY}"],
+                "env": [
+                    {
+                        "name": "EPISODE_ID",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                    },
+                    {"name": "ROLLOUT_ACTION", "value": spec.action},
+                    {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
+                ],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": True,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+                "resources": {
+                    "requests": {"cpu": res.cpu_request, "memory": res.memory_request},
+                    "limits": {"cpu": res.cpu_limit, "memory": res.memory_limit},
+                },
+                "terminationMessagePolicy": "File",
+                "volumeMounts": [
+                    {"name": "program", "mountPath": PROGRAM_DIR, "readOnly": True},
+                    {"name": "workspace", "mountPath": "/workspace"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "program", "configMap": {"name": CONFIGMAP_NAME}},
+            {"name": "workspace", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+        ],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": JOB_NAME,
+            "namespace": namespace_name(spec.batch_id),
+            "labels": labels,
+        },
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": spec.count,
+            "parallelism": spec.parallelism,
+            # One attempt per episode, like the guide's backoffLimit 0, but per index: one
+            # failed episode no longer stops the others.
+            "backoffLimitPerIndex": 0,
+            "maxFailedIndexes": spec.count,
+            "podReplacementPolicy": "Failed",
+            "activeDeadlineSeconds": spec.deadline_seconds,
+            "ttlSecondsAfterFinished": ttl_seconds_after_finished,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
