@@ -96,6 +96,37 @@ def cli() -> None:
     help="Directory for the records (results.json, logs, receipt.json); must not exist.",
 )
 @click.option(
+    "--keep/--no-keep",
+    default=None,
+    help="Keep the run after the report, for `rollout cleanup --output`. "
+    "[default: keep on kubernetes when --output is given, else delete]",
+)
+@click.option(
+    "--capacity-check",
+    type=click.Choice(["error", "warn", "off"]),
+    default="error",
+    show_default=True,
+    help="What to do when the cluster lacks room (kubernetes).",
+)
+@click.option(
+    "--node-selector",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Node label the sandboxes require (kubernetes; repeatable).",
+)
+@click.option(
+    "--toleration",
+    multiple=True,
+    metavar="KEY[=VALUE]:EFFECT",
+    help="Taint the sandboxes tolerate (kubernetes; repeatable).",
+)
+@click.option(
+    "--image-pull-policy",
+    type=click.Choice(["IfNotPresent", "Never", "Always"]),
+    default="IfNotPresent",
+    show_default=True,
+)
+@click.option(
     "--all-in-one",
     is_flag=True,
     help="Start a private redis-server and workers for this run, stop them after.",
@@ -127,6 +158,11 @@ def run(
     memory_limit: str,
     action: str,
     output: Path | None,
+    keep: bool | None,
+    capacity_check: str,
+    node_selector: tuple[str, ...],
+    toleration: tuple[str, ...],
+    image_pull_policy: str,
     all_in_one: bool,
     collectors: int,
     timeout: float | None,
@@ -148,6 +184,11 @@ def run(
         "deadline_seconds": deadline_seconds,
         "action": action,
         "resources": {"cpu_limit": cpu_limit, "memory_limit": memory_limit},
+        "keep_run": keep if keep is not None else (backend == "kubernetes" and bool(output)),
+        "capacity_check": capacity_check,
+        "image_pull_policy": image_pull_policy,
+        "node_selector": dict(_pair(item, "--node-selector") for item in node_selector),
+        "tolerations": [_toleration(item) for item in toleration],
     }
     if episode_timeout_seconds is not None:
         request["episode_timeout_seconds"] = episode_timeout_seconds
@@ -182,6 +223,27 @@ def run(
     sys.exit(0 if report.get("ok") else 1)
 
 
+def _pair(text: str, option: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise click.UsageError(f"{option} {text!r} must look like KEY=VALUE")
+    return key, value
+
+
+def _toleration(text: str) -> dict[str, str]:
+    """'key=value:NoSchedule' -> Equal, 'key:NoSchedule' -> Exists."""
+    target, sep, effect = text.rpartition(":")
+    if not sep or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute") or not target:
+        raise click.UsageError(
+            f"--toleration {text!r} must look like KEY[=VALUE]:EFFECT with "
+            "EFFECT NoSchedule, PreferNoSchedule or NoExecute"
+        )
+    key, eq, value = target.partition("=")
+    if eq:
+        return {"key": key, "operator": "Equal", "value": value, "effect": effect}
+    return {"key": key, "operator": "Exists", "effect": effect}
+
+
 def _submit_and_wait(
     settings: Settings, request: dict[str, Any], output: Path | None, timeout: float, heartbeat: Any
 ) -> dict[str, Any]:
@@ -212,6 +274,24 @@ def _submit_and_wait(
         err.print(f"records written to {output}/")
     client.close()
     return report
+
+
+def _mirror_receipt(client: Any, batch_id: str, output: Path, inner: Any) -> Any:
+    """Keep receipt.json in step with the Redis receipt while the run is created, so the
+    directory names every object (namespace, UIDs) even if this client dies mid-run."""
+    from trainer_stub.records import write_receipt
+
+    last: dict[str, Any] = {}
+
+    def beat() -> None:
+        nonlocal last
+        inner()
+        receipt = client.receipt(batch_id)
+        if receipt and receipt != last:
+            write_receipt(output, receipt | {"state": "running"})
+            last = receipt
+
+    return beat
 
 
 def _hint_if_unclaimed(client: Any, batch_id: str, inner: Any) -> Any:
@@ -361,6 +441,17 @@ def cleanup(output: Path) -> None:
         raise click.UsageError(f"{receipt_file} does not exist")
     receipt = orjson.loads(receipt_file.read_bytes())
     handle = receipt.get("run")
+    if not isinstance(handle, dict) and receipt.get("namespace") and receipt.get("uid"):
+        # The run was cut short after creating its namespace: the receipt still proves it.
+        handle = {
+            "backend": "kubernetes",
+            "batch_id": receipt.get("run_id"),
+            "namespace": receipt["namespace"],
+            "namespace_uid": receipt["uid"],
+            "job_name": "rollout",
+            "job_uid": receipt.get("job_uid"),
+            "context": receipt.get("context"),
+        }
     if not isinstance(handle, dict) or "backend" not in handle:
         raise click.ClickException(f"{receipt_file} records no run: nothing was created")
     try:

@@ -35,6 +35,36 @@ def parse_memory(text: str) -> int:
     return int(number * scale)
 
 
+_ANY = re.compile(
+    r"^([+]?[0-9]+(?:\.[0-9]*)?|[+]?\.[0-9]+)(?:([eE][-+]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?$"
+)
+_ANY_SCALE = {
+    **{s: Decimal(v) for s, v in _BINARY.items()},
+    "Pi": Decimal(2**50),
+    "Ei": Decimal(2**60),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal(10**3),
+    "M": Decimal(10**6),
+    "G": Decimal(10**9),
+    "T": Decimal(10**12),
+    "P": Decimal(10**15),
+    "E": Decimal(10**18),
+}
+
+
+def parse_quantity(text: str) -> Decimal:
+    """Any Kubernetes quantity as the API server returns it ('1k', '4Ti', '1900m', '1e3')."""
+    match = _ANY.match(str(text).strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity")
+    number = Decimal(match.group(1))
+    if match.group(2):
+        return number * Decimal(10) ** int(match.group(2)[1:])
+    return number * _ANY_SCALE.get(match.group(3) or "", Decimal(1))
+
+
 def format_memory(size: int) -> str:
     for suffix in ("Ti", "Gi", "Mi", "Ki"):
         if size >= _BINARY[suffix] and size % (_BINARY[suffix] // 1024 or 1) == 0:

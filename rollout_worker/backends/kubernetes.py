@@ -44,7 +44,7 @@ from rollout_worker.manifests import (
     network_policy_manifest,
 )
 from rollout_worker.models import BatchSpec, EpisodeObservation
-from rollout_worker.quantities import format_memory, parse_cpu, parse_memory
+from rollout_worker.quantities import format_memory, parse_quantity
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
@@ -123,8 +123,10 @@ def capacity_plan(
     runtime_scheduling: dict[str, Any],
 ) -> tuple[int, str]:
     """How many sandboxes of this spec fit on the schedulable nodes, and the arithmetic."""
-    cpu = parse_cpu(spec.resources.cpu_request) + parse_cpu(overhead.get("cpu", "0"))
-    mem = parse_memory(spec.resources.memory_request) + parse_memory(overhead.get("memory", "0"))
+    cpu = parse_quantity(spec.resources.cpu_request) + parse_quantity(overhead.get("cpu", "0"))
+    mem = parse_quantity(spec.resources.memory_request) + parse_quantity(
+        overhead.get("memory", "0")
+    )
     selector = {**spec.node_selector, **(runtime_scheduling.get("nodeSelector") or {})}
     tolerations = [*spec.tolerations, *(runtime_scheduling.get("tolerations") or [])]
     used: dict[str, list[Decimal]] = {}
@@ -136,13 +138,13 @@ def capacity_plan(
         slot[2] += 1
         for container in pod["spec"].get("containers", []):
             requests = (container.get("resources") or {}).get("requests") or {}
-            slot[0] += parse_cpu(requests.get("cpu", "0"))
-            slot[1] += parse_memory(requests.get("memory", "0"))
+            slot[0] += parse_quantity(requests.get("cpu", "0"))
+            slot[1] += parse_quantity(requests.get("memory", "0"))
         for name, value in ((pod["spec"].get("overhead")) or {}).items():
             if name == "cpu":
-                slot[0] += parse_cpu(value)
+                slot[0] += parse_quantity(value)
             elif name == "memory":
-                slot[1] += parse_memory(value)
+                slot[1] += parse_quantity(value)
     fits_total, lines = 0, []
     for node in nodes:
         meta, node_spec = node["metadata"], node.get("spec", {})
@@ -166,9 +168,9 @@ def capacity_plan(
             continue
         alloc = node.get("status", {}).get("allocatable", {})
         use = used.get(name, [Decimal(0), Decimal(0), Decimal(0)])
-        free_cpu = parse_cpu(alloc.get("cpu", "0")) - use[0]
-        free_mem = parse_memory(alloc.get("memory", "0")) - use[1]
-        free_pods = int(alloc.get("pods", "110")) - int(use[2])
+        free_cpu = parse_quantity(alloc.get("cpu", "0")) - use[0]
+        free_mem = parse_quantity(alloc.get("memory", "0")) - use[1]
+        free_pods = int(parse_quantity(alloc.get("pods", "110"))) - int(use[2])
         fits = max(
             0,
             min(
@@ -185,11 +187,11 @@ def capacity_plan(
     per_pod = (
         f"(cpu {spec.resources.cpu_request} + overhead {overhead.get('cpu', '0')}, "
         f"memory {spec.resources.memory_request} + overhead "
-        f"{overhead.get('memory', '0')} = {format_memory(mem)})"
+        f"{overhead.get('memory', '0')} = {format_memory(int(mem))})"
     )
     text = (
         f"parallelism {spec.parallelism} x {per_pod} = cpu {cpu * spec.parallelism:g}, "
-        f"memory {format_memory(mem * spec.parallelism)}; {len(lines)} schedulable node(s) "
+        f"memory {format_memory(int(mem * spec.parallelism))}; {len(lines)} schedulable node(s) "
         f"fit {fits_total} sandbox(es)" + "".join(f"\n  {line}" for line in lines)
     )
     return fits_total, text
