@@ -1,0 +1,118 @@
+from decimal import Decimal
+
+from rollout_worker.backends.kubernetes import capacity_plan
+from rollout_worker.manifests import job_manifest, namespace_manifest
+from rollout_worker.models import parse_spec
+from rollout_worker.quantities import parse_quantity
+
+
+def spec(**changes):
+    return parse_spec({"count": 10, "backend": "kubernetes", **changes}, max_episodes=100)
+
+
+def test_job_has_the_guides_shape_and_security():
+    job = job_manifest(
+        spec(parallelism=4, image="python:3.12-alpine", runtime="cube"),
+        ttl_seconds_after_finished=600,
+    )
+    js = job["spec"]
+    assert js["completionMode"] == "Indexed"
+    assert (js["completions"], js["parallelism"], js["activeDeadlineSeconds"]) == (10, 4, 240)
+    assert js["backoffLimitPerIndex"] == 0 and js["ttlSecondsAfterFinished"] == 600
+    pod = js["template"]["spec"]
+    assert pod["runtimeClassName"] == "cube" and pod["restartPolicy"] == "Never"
+    assert pod["automountServiceAccountToken"] is False
+    sc = pod["securityContext"]
+    assert (sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"], sc["runAsNonRoot"]) == (
+        1000,
+        1000,
+        1000,
+        True,
+    )
+    (container,) = pod["containers"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["resources"] == {
+        "requests": {"cpu": "100m", "memory": "64Mi"},
+        "limits": {"cpu": "500m", "memory": "128Mi"},
+    }
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EPISODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["program"]["configMap"]["name"] == "episode"
+    assert "emptyDir" in volumes["workspace"]
+    labels = job["metadata"]["labels"]
+    assert labels == js["template"]["metadata"]["labels"]
+    assert labels["rollout.dev/owner"] == "rollout"
+
+
+def test_every_object_is_labelled_with_owner_and_batch():
+    s = spec(batch_id="abc123")
+    ns = namespace_manifest(s)
+    assert ns["metadata"]["name"] == "rollout-abc123"
+    assert ns["metadata"]["labels"] == {
+        "rollout.dev/owner": "rollout",
+        "rollout.dev/batch": "abc123",
+    }
+
+
+def node(name, cpu="4", memory="8Gi", pods="110", taints=(), labels=None, ready="True"):
+    return {
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": {"taints": list(taints)},
+        "status": {
+            "allocatable": {"cpu": cpu, "memory": memory, "pods": pods},
+            "conditions": [{"type": "Ready", "status": ready}],
+        },
+    }
+
+
+def test_capacity_counts_runtime_overhead_per_node():
+    s = spec(parallelism=10)  # 100m / 64Mi requests
+    nodes = [node("a", memory="4Gi"), node("b", memory="4Gi")]
+    # Without overhead 64 sandboxes fit per 4Gi node; with 768Mi overhead only 4 (832Mi each).
+    fits, text = capacity_plan(s, nodes, [], {"memory": "768Mi"}, {})
+    assert fits == 8
+    assert "768Mi" in text and "832Mi" in text and "fit 8" in text
+    fits, _ = capacity_plan(s, nodes, [], {}, {})
+    assert fits == 80
+
+
+def test_capacity_skips_unschedulable_tainted_and_unselected_nodes_and_subtracts_usage():
+    s = spec(parallelism=2, node_selector={"pool": "sandbox"})
+    nodes = [
+        node("ok", labels={"pool": "sandbox"}, cpu="1"),
+        node(
+            "tainted",
+            labels={"pool": "sandbox"},
+            taints=[{"key": "dedicated", "value": "x", "effect": "NoSchedule"}],
+        ),
+        node("other-pool", labels={"pool": "web"}),
+        node("not-ready", labels={"pool": "sandbox"}, ready="False"),
+    ]
+    busy = [
+        {
+            "spec": {
+                "nodeName": "ok",
+                "containers": [{"resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}}],
+            }
+        }
+    ]
+    fits, text = capacity_plan(s, nodes, busy, {}, {})
+    assert fits == 5  # (1 - 0.5 cpu) / 100m
+    assert "ok:" in text and "tainted" not in text and "other-pool" not in text
+    tolerant = spec(
+        parallelism=2,
+        node_selector={"pool": "sandbox"},
+        tolerations=[{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    assert capacity_plan(tolerant, nodes, busy, {}, {})[0] == 5 + 40
+
+
+def test_quantities_as_the_api_server_writes_them():
+    assert parse_quantity("1k") == 1000
+    assert parse_quantity("4Ti") == 4 * 2**40
+    assert parse_quantity("1900m") == Decimal("1.9")
+    assert parse_quantity("1e3") == 1000
+    assert parse_quantity("8048284Ki") == 8048284 * 1024
