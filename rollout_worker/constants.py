@@ -70,6 +70,7 @@ def all_batch_keys(batch_id: str) -> list[str]:
         report_key(batch_id),
         stream_key(batch_id),
         flag_key(batch_id, "chord"),
+        states_key(batch_id),
     ]
 
 
@@ -94,6 +95,16 @@ def watchdog_task_id(batch_id: str) -> str:
 # Stream entry types.
 ENTRY_EPISODE = "episode"
 ENTRY_REPORT = "report"
+ENTRY_STATE = "state"  # progress of one episode, before its row is collected
+
+# Progress states in the order an episode passes them; a state never goes back.
+STATES = ("pending", "running", "ready", "rewarded")
+
+
+def states_key(batch_id: str) -> str:
+    """Hash index -> the furthest progress state seen (dedupes state entries)."""
+    return batch_key(batch_id, "states")
+
 
 # Labels / names shared by backends.
 LABEL_OWNER = "rollout.dev/owner"

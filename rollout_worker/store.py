@@ -41,6 +41,18 @@ return 1
 """
 
 
+# KEYS: states, stream; ARGV: index, state, rank, ttl. Only a state further on is recorded.
+_PUBLISH_STATE = """
+local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[3]) <= old then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XADD', KEYS[2], '*', 'type', 'state', 'index', ARGV[1], 'state', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
+
+
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
@@ -52,6 +64,7 @@ class Store:
         self._create_receipt = client.register_script(_CREATE_RECEIPT)
         self._record_episode = client.register_script(_RECORD_EPISODE)
         self._publish_report = client.register_script(_PUBLISH_REPORT)
+        self._publish_state = client.register_script(_PUBLISH_STATE)
 
     @classmethod
     def from_url(cls, url: str, ttl: int) -> Store:
@@ -90,6 +103,12 @@ class Store:
     def episode_rows(self, batch_id: str) -> list[EpisodeRow]:
         raw = self.redis.hgetall(k.episodes_key(batch_id))
         return [EpisodeRow.from_dict(orjson.loads(value)) for value in raw.values()]
+
+    def publish_state(self, batch_id: str, index: int, state: str) -> bool:
+        """Stream an episode's progress (running, ready, rewarded) once per state."""
+        rank = k.STATES.index(state)
+        keys = [k.states_key(batch_id), k.stream_key(batch_id)]
+        return bool(self._publish_state(keys=keys, args=[index, state, rank, self.ttl]))
 
     # -- records and report ------------------------------------------------------------------
     def save_records(self, batch_id: str, records: Mapping[str, str]) -> None:

@@ -24,7 +24,7 @@ from rollout_worker import constants as k
 from rollout_worker.backends import Backend, get_backend
 from rollout_worker.errors import BackendError, InvalidSpec, TransientBackendError
 from rollout_worker.metrics import build_report, error_report
-from rollout_worker.models import BatchSpec, parse_spec, spec_from_dict
+from rollout_worker.models import BatchSpec, EpisodeRow, parse_spec, spec_from_dict
 from rollout_worker.settings import Settings
 from rollout_worker.store import Store
 from rollout_worker.validation import lost_row, validate_episode
@@ -62,6 +62,12 @@ def runtime(app: Celery) -> Runtime:
 
 def _give_up_at(spec: BatchSpec, handle: dict[str, Any], settings: Settings) -> float:
     return float(handle["origin"]) + spec.deadline_seconds + settings.collect_grace_seconds
+
+
+def _watchdog_countdown(spec: BatchSpec, handle: dict[str, Any], settings: Settings) -> float:
+    """Seconds until the watchdog should look again: at most a step, never past its due time."""
+    due = _give_up_at(spec, handle, settings) + WATCHDOG_EXTRA_SECONDS
+    return max(0.0, min(WATCHDOG_STEP_SECONDS, due - time.time()))
 
 
 # -- submit ----------------------------------------------------------------------------------
@@ -117,7 +123,7 @@ def submit_batch(self: Task, request: dict[str, Any]) -> dict[str, Any]:
     # Send, then flag: a crash in between re-sends the same task ids, which the result
     # backend and the per-index row store both absorb.
     if not store.has_flag(spec.batch_id, "chord"):
-        _dispatch(self.app, spec)
+        _dispatch(self.app, spec, _watchdog_countdown(spec, handle, rt.settings))
         store.set_flag(spec.batch_id, "chord")
     return {"batch_id": spec.batch_id, "status": "started", "warnings": warnings}
 
@@ -131,7 +137,7 @@ def _fail(store: Store, spec: BatchSpec, status: str, errors: list[str]) -> dict
     return {"batch_id": spec.batch_id, "status": status, "errors": errors}
 
 
-def _dispatch(app: Celery, spec: BatchSpec) -> None:
+def _dispatch(app: Celery, spec: BatchSpec, watchdog_countdown: float) -> None:
     batch_id = spec.batch_id
     header = group(
         [
@@ -148,31 +154,36 @@ def _dispatch(app: Celery, spec: BatchSpec) -> None:
     body = app.signature(k.TASK_AGGREGATE, args=(batch_id,), queue=k.QUEUE_CONTROL)
     chord(header, body).apply_async(task_id=k.aggregate_task_id(batch_id))
     app.signature(k.TASK_WATCHDOG, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async(
-        task_id=k.watchdog_task_id(batch_id), countdown=WATCHDOG_STEP_SECONDS
+        task_id=k.watchdog_task_id(batch_id), countdown=watchdog_countdown
     )
 
 
 # -- collect ---------------------------------------------------------------------------------
-def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
-    rt = runtime(self.app)
-    store = rt.store
-    if store.has_episode(batch_id, index):
-        return {"index": index, "recorded": False}
-    receipt = store.load_receipt(batch_id)
-    if not receipt or "run" not in receipt:
-        return {"index": index, "error": "no receipt or run for this batch"}
-    spec = spec_from_dict(receipt["spec"])
-    handle = receipt["run"]
+class NotYet(Exception):
+    """The episode is still running and its batch is within its deadline."""
+
+
+def observe_and_record(
+    rt: Runtime,
+    batch_id: str,
+    spec: BatchSpec,
+    handle: dict[str, Any],
+    index: int,
+    block: float,
+    final: bool,
+) -> EpisodeRow:
+    """Collect one episode: validate it if it ended, else (when `final` or past the deadline)
+    record it as lost, else raise NotYet. The first row recorded for an index wins."""
     backend = rt.backend(handle["backend"])
-    give_up_at = _give_up_at(spec, handle, rt.settings)
     try:
-        obs = backend.wait_episode(handle, index, rt.settings.collect_block_seconds)
+        obs = backend.wait_episode(handle, index, block)
         if obs.terminal:
             log_text = backend.read_output(handle, obs)
             row = validate_episode(obs, log_text, float(handle["origin"]))
-        elif time.time() < give_up_at:
-            # Not done: free the slot and queue again behind the others (bounded by the deadline).
-            raise self.retry(countdown=0, max_retries=None)
+        elif not final and time.time() < _give_up_at(spec, handle, rt.settings):
+            if obs.phase == "Running":
+                rt.store.publish_state(batch_id, index, "running")
+            raise NotYet
         else:
             log_text = ""
             row = lost_row(
@@ -182,13 +193,47 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
                 "(deadline) and the collection grace period",
                 obs,
             )
-    except TransientBackendError as exc:
-        if time.time() < give_up_at:
-            raise self.retry(countdown=1, max_retries=None, exc=exc) from exc
-        row, log_text = lost_row(index, backend.episode_id(handle, index), str(exc), None), ""
+    except TransientBackendError:
+        if not final and time.time() < _give_up_at(spec, handle, rt.settings):
+            raise
+        row, log_text = (
+            lost_row(
+                index,
+                backend.episode_id(handle, index),
+                "the backend kept failing until the deadline",
+                None,
+            ),
+            "",
+        )
     except BackendError as exc:
         row, log_text = lost_row(index, backend.episode_id(handle, index), str(exc), None), ""
-    store.record_episode(batch_id, row, log_text)
+    rt.store.record_episode(batch_id, row, log_text)
+    return row
+
+
+def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
+    rt = runtime(self.app)
+    if rt.store.has_episode(batch_id, index):
+        return {"index": index, "recorded": False}
+    receipt = rt.store.load_receipt(batch_id)
+    if not receipt or "run" not in receipt:
+        return {"index": index, "error": "no receipt or run for this batch"}
+    spec = spec_from_dict(receipt["spec"])
+    try:
+        row = observe_and_record(
+            rt,
+            batch_id,
+            spec,
+            receipt["run"],
+            index,
+            rt.settings.collect_block_seconds,
+            final=False,
+        )
+    except NotYet:
+        # Free the slot and queue again behind the others (bounded by the batch deadline).
+        raise self.retry(countdown=0) from None
+    except TransientBackendError as exc:
+        raise self.retry(countdown=1, exc=exc) from exc
     return {"index": index, "status": row.status}
 
 
@@ -206,18 +251,10 @@ def finalize(rt: Runtime, batch_id: str, finalized_by: str) -> dict[str, Any] | 
     handle = receipt["run"]
     backend = rt.backend(handle["backend"])
     if finalized_by == "watchdog":
+        # Collection tasks were lost: collect what the backend still has, mark the rest lost.
         for index in range(spec.count):
             if not store.has_episode(batch_id, index):
-                store.record_episode(
-                    batch_id,
-                    lost_row(
-                        index,
-                        backend.episode_id(handle, index),
-                        "never collected before the batch deadline (watchdog)",
-                        None,
-                    ),
-                    "",
-                )
+                observe_and_record(rt, batch_id, spec, handle, index, 0, final=True)
     batch_errors: list[str] = []
     facts: dict[str, Any] = {}
     try:
@@ -265,12 +302,11 @@ def batch_watchdog(self: Task, batch_id: str) -> dict[str, Any]:
         return {"batch_id": batch_id, "status": "reported"}
     receipt = rt.store.load_receipt(batch_id)
     if receipt and "run" in receipt:
-        spec = spec_from_dict(receipt["spec"])
-        due = _give_up_at(spec, receipt["run"], rt.settings) + WATCHDOG_EXTRA_SECONDS
-        if time.time() < due:
-            raise self.retry(
-                countdown=min(WATCHDOG_STEP_SECONDS, due - time.time()), max_retries=None
-            )
+        countdown = _watchdog_countdown(
+            spec_from_dict(receipt["spec"]), receipt["run"], rt.settings
+        )
+        if countdown > 0:
+            raise self.retry(countdown=countdown)
     finalize(rt, batch_id, "watchdog")
     return {"batch_id": batch_id, "status": "finalized"}
 
@@ -278,6 +314,9 @@ def batch_watchdog(self: Task, batch_id: str) -> dict[str, Any]:
 def register(app: Celery) -> None:
     common: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_worker_lost": True}
     app.task(name=k.TASK_SUBMIT, **common)(submit_batch)
-    app.task(name=k.TASK_COLLECT, ignore_result=False, **common)(collect_episode)
+    # Collectors and the watchdog requeue themselves until their batch's deadline, which bounds
+    # them; Celery's default of 3 retries would turn a slow batch into a ChordError.
+    unbounded = {**common, "max_retries": None}
+    app.task(name=k.TASK_COLLECT, ignore_result=False, **unbounded)(collect_episode)
     app.task(name=k.TASK_AGGREGATE, **common)(aggregate_batch)
-    app.task(name=k.TASK_WATCHDOG, **common)(batch_watchdog)
+    app.task(name=k.TASK_WATCHDOG, **unbounded)(batch_watchdog)

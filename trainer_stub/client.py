@@ -33,7 +33,7 @@ class Submission:
 
 @dataclass
 class Entry:
-    """One stream entry: an episode row as it was collected, or the report notice."""
+    """One stream entry: an episode's progress state, its row once collected, or the report."""
 
     type: str
     index: int | None = None
@@ -140,4 +140,6 @@ def _entry(data: Mapping[bytes, bytes]) -> Entry:
     kind = data[b"type"].decode()
     if kind == k.ENTRY_EPISODE:
         return Entry(kind, index=int(data[b"index"]), row=orjson.loads(data[b"row"]))
+    if kind == k.ENTRY_STATE:
+        return Entry(kind, index=int(data[b"index"]), status=data[b"state"].decode())
     return Entry(kind, status=data.get(b"status", b"").decode())

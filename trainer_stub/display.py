@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,36 +31,57 @@ METRICS = (
 )
 
 
+COLUMNS = ("pending", "running", "ready", "rewarded", "ok", "failed", "lost")
+
+
 class Progress:
-    """Counts per batch, updated as stream entries arrive."""
+    """Per batch, where each episode is: pending -> running -> ready -> rewarded, then its
+    collected outcome (ok, failed, lost). Updated as stream entries arrive."""
 
     def __init__(self, batches: dict[str, int]) -> None:
         self.totals = dict(batches)
-        self.counts = {b: {"ok": 0, "failed": 0, "lost": 0, "rewards": 0} for b in batches}
-        self.status: dict[str, str] = {b: "running" for b in batches}
+        self.where: dict[str, dict[int, str]] = {b: {} for b in batches}
+        self.rewards = dict.fromkeys(batches, 0)
+        self.status = dict.fromkeys(batches, "running")
 
     def update(self, batch_id: str, entry: Entry) -> None:
-        if entry.type == k.ENTRY_EPISODE and entry.row is not None:
-            counts = self.counts[batch_id]
-            counts[entry.row.get("status", "failed")] = counts.get(entry.row["status"], 0) + 1
-            counts["rewards"] += int(entry.row.get("reward") or 0)
+        where = self.where[batch_id]
+        if entry.type == k.ENTRY_STATE and entry.index is not None and entry.status:
+            current = where.get(entry.index, "pending")
+            if current in k.STATES and k.STATES.index(entry.status) > k.STATES.index(current):
+                where[entry.index] = entry.status
+        elif entry.type == k.ENTRY_EPISODE and entry.row is not None and entry.index is not None:
+            where[entry.index] = entry.row.get("status", "failed")
+            self.rewards[batch_id] += int(entry.row.get("reward") or 0)
         elif entry.type == k.ENTRY_REPORT:
             self.status[batch_id] = entry.status or "reported"
 
+    def counts(self, batch_id: str) -> dict[str, int]:
+        counts = dict.fromkeys(COLUMNS, 0)
+        for state in self.where[batch_id].values():
+            counts[state] = counts.get(state, 0) + 1
+        counts["pending"] = self.totals[batch_id] - sum(
+            v for name, v in counts.items() if name != "pending"
+        )
+        return counts
+
+    def line(self, batch_id: str) -> str:
+        """One plain line, for logs and captured terminals."""
+        counts = self.counts(batch_id)
+        parts = " ".join(f"{name}={counts[name]}" for name in COLUMNS)
+        return f"batch {batch_id}: {parts} reward_sum={self.rewards[batch_id]}"
+
     def table(self) -> Table:
         table = Table(title="rollout progress", expand=False)
-        for column in ("batch", "collected", "ok", "failed", "lost", "reward_sum", "status"):
-            table.add_column(column, justify="right" if column != "batch" else "left")
-        for batch_id, total in self.totals.items():
-            c = self.counts[batch_id]
-            done = c["ok"] + c["failed"] + c["lost"]
+        table.add_column("batch")
+        for column in (*COLUMNS, "reward_sum", "status"):
+            table.add_column(column, justify="right")
+        for batch_id in self.totals:
+            counts = self.counts(batch_id)
             table.add_row(
                 batch_id,
-                f"{done}/{total}",
-                str(c["ok"]),
-                str(c["failed"]),
-                str(c["lost"]),
-                str(c["rewards"]),
+                *(str(counts[c]) for c in COLUMNS),
+                str(self.rewards[batch_id]),
                 self.status[batch_id],
             )
         return table
@@ -80,18 +102,30 @@ def follow(
     batches = {b: int(s.spec["count"]) for b, s in started.items()}
     progress = Progress(batches)
     reports: dict[str, dict[str, Any]] = {}
-    with Live(
-        progress.table(), console=console, refresh_per_second=8, transient=not console.is_terminal
-    ) as live:
+    # A terminal gets a live table; a pipe or log gets a plain line per batch every second.
+    live = (
+        Live(progress.table(), console=console, refresh_per_second=8)
+        if console.is_terminal
+        else None
+    )
+    printed = dict.fromkeys(batches, "")
+    last_print = 0.0
+    with live or contextlib.nullcontext():
         for batch_id, entry in client.entries(list(batches), timeout, heartbeat):
             progress.update(batch_id, entry)
             if entry.type == k.ENTRY_REPORT:
                 report = client.report(batch_id) or {}
                 report["client_job_complete_seconds"] = time.monotonic() - started[batch_id].started
                 reports[batch_id] = report
-            live.update(progress.table())
-    if not console.is_terminal:
-        console.print(progress.table())
+            if live is not None:
+                live.update(progress.table())
+            elif entry.type == k.ENTRY_REPORT or time.monotonic() - last_print >= 1.0:
+                last_print = time.monotonic()
+                for name in batches:
+                    line = progress.line(name)
+                    if line != printed[name]:
+                        console.print(line, highlight=False)
+                        printed[name] = line
     return reports
 
 

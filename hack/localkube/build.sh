@@ -32,7 +32,15 @@ done
 ((${#components[@]})) || components=("${LOCALKUBE_DEFAULT_COMPONENTS[@]}")
 
 localkube_ensure_tools flock:util-linux
-GO_BIN="$(localkube_go)"
+# Go is needed only when something must be built: cached binaries are accepted without it.
+GO_BIN="$(localkube_go 2>/dev/null)" || GO_BIN=""
+GO_VERSION=""
+[[ -z "${GO_BIN}" ]] || GO_VERSION="$("${GO_BIN}" env GOVERSION 2>/dev/null)" || GO_VERSION=""
+[[ "${GO_VERSION}" == go1.* ]] || GO_VERSION=""
+need_go() {
+  [[ -n "${GO_VERSION}" ]] \
+    || localkube_die "no working Go toolchain (${GO_BIN:-none found}); need Go >= 1.26, or set GO="
+}
 export GOTOOLCHAIN=local CGO_ENABLED=0 GO111MODULE=on GOFLAGS="-buildvcs=false"
 JOBS="${LOCALKUBE_BUILD_JOBS:-2}"
 go_() { nice -n 10 "${GO_BIN}" "$@"; }
@@ -100,7 +108,16 @@ k8s_ldflags() {
 }
 
 stamp_ok() { # name stamp
-  [[ ${force} == 0 && -x "${LOCALKUBE_BIN}/$1" && "$(cat "${LOCALKUBE_BIN}/.$1.stamp" 2>/dev/null)" == "$2" ]]
+  local have
+  have="$(cat "${LOCALKUBE_BIN}/.$1.stamp" 2>/dev/null)" || return 1
+  [[ ${force} == 0 && -x "${LOCALKUBE_BIN}/$1" ]] || return 1
+  if [[ -z "${GO_VERSION}" ]]; then
+    # Without Go, name and version must match (the toolchain field is not checked).
+    read -r -a want_f <<<"$2"; read -r -a have_f <<<"${have}"
+    [[ "${want_f[0]} ${want_f[1]}" == "${have_f[0]} ${have_f[1]}" ]]
+  else
+    [[ "${have}" == "$2" ]]
+  fi
 }
 install_bin() { # name tmpfile stamp
   chmod 0755 "$2"
@@ -110,8 +127,9 @@ install_bin() { # name tmpfile stamp
 
 build_k8s() { # component
   local name="$1" stamp
-  stamp="${name} ${K8S_VERSION} $("${GO_BIN}" env GOVERSION) ldflags-v1 commit=${K8S_GIT_COMMIT:-}"
-  stamp_ok "${name}" "${stamp}" && { localkube_log "${name} ${K8S_VERSION}: cached"; return 0; }
+  stamp="${name} ${K8S_VERSION} ${GO_VERSION} ldflags-v1 commit=${K8S_GIT_COMMIT:-}"
+  stamp_ok "${name}" "${stamp}" && return 0
+  need_go
   prepare_k8s_module
   local dir="${LOCALKUBE_SRC}/k8s" pkg="k8s.io/kubernetes/cmd/${name}" t0=${SECONDS}
   localkube_log "building ${name} ${K8S_VERSION} (go build -p ${JOBS}) ..."
@@ -126,8 +144,9 @@ build_k8s() { # component
 
 build_etcd() {
   local stamp dir="${LOCALKUBE_SRC}/etcd" t0=${SECONDS}
-  stamp="etcd ${ETCD_VERSION} $("${GO_BIN}" env GOVERSION)"
-  stamp_ok etcd "${stamp}" && { localkube_log "etcd ${ETCD_VERSION}: cached"; return 0; }
+  stamp="etcd ${ETCD_VERSION} ${GO_VERSION}"
+  stamp_ok etcd "${stamp}" && return 0
+  need_go
   localkube_log "building etcd ${ETCD_VERSION} ..."
   mkdir -p "${dir}"
   # The server module's root package is etcd's main; its own go.mod replaces are ignored when
@@ -145,8 +164,9 @@ build_etcd() {
 
 build_kwok() { # kwok|kwokctl
   local name="$1" stamp tmp t0=${SECONDS}
-  stamp="${name} ${KWOK_VERSION} $("${GO_BIN}" env GOVERSION)"
-  stamp_ok "${name}" "${stamp}" && { localkube_log "${name} ${KWOK_VERSION}: cached"; return 0; }
+  stamp="${name} ${KWOK_VERSION} ${GO_VERSION}"
+  stamp_ok "${name}" "${stamp}" && return 0
+  need_go
   localkube_log "building ${name} ${KWOK_VERSION} ..."
   tmp="$(mktemp -d "${LOCALKUBE_BIN}/.gobin.XXXXXX")"
   (cd "${LOCALKUBE_SRC}" && GOBIN="${tmp}" go_ install -p "${JOBS}" -trimpath -ldflags "-s -w" \

@@ -27,27 +27,41 @@ NODE_MEMORY="${LOCALKUBE_NODE_MEMORY:-4Ti}"
 
 kctl() { "${KUBECTL}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" "$@"; }
 
-# PIDs recorded by kwokctl's binary runtime.
-cluster_pids() {
-  local f
-  for f in "${CLUSTER_DIR}"/pids/*.pid; do
-    [[ -f "${f}" ]] && tr -dc '0-9\n' <"${f}" && echo
-  done | sed '/^$/d'
+# Is this PID one of our cluster's processes? (Its arguments name the cluster's workdir and its
+# executable lives in the binary cache; guards against stale pid files reused after a reboot.)
+ours() {
+  local pid="$1" exe
+  [[ "${pid}" =~ ^[0-9]+$ && "${pid}" != "$$" ]] || return 1
+  exe="$(readlink "/proc/${pid}/exe" 2>/dev/null)" || return 1
+  [[ "${exe}" == "${LOCALKUBE_CACHE}/"* ]] || return 1
+  tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null | grep -qF -- "${CLUSTER_DIR}/"
 }
 
-# Processes still running a binary from our bin dir with our cluster's workdir in their args.
+# PIDs recorded by kwokctl's binary runtime that still belong to the cluster.
+cluster_pids() {
+  local f pid
+  for f in "${CLUSTER_DIR}"/pids/*.pid; do
+    [[ -f "${f}" ]] || continue
+    pid="$(tr -dc '0-9' <"${f}")"
+    ours "${pid}" && echo "${pid}"
+  done
+  return 0
+}
+
+# Every running process of the cluster, with or without a pid file.
 stray_pids() {
   local pid
-  for pid in $(pgrep -f -- "${CLUSTER_DIR}" || true); do
-    [[ "${pid}" == "$$" || "${pid}" == "${BASHPID}" ]] && continue
-    [[ "$(readlink "/proc/${pid}/exe" 2>/dev/null)" == "${LOCALKUBE_BIN}/"* ]] && echo "${pid}"
+  for pid in $(pgrep -f -- "${CLUSTER_DIR}/" || true); do
+    ours "${pid}" && echo "${pid}"
   done
+  return 0
 }
 
 processes_alive() {
-  local pid n=0
-  for pid in $(cluster_pids); do
-    kill -0 "${pid}" 2>/dev/null || return 1
+  local f n=0
+  for f in "${CLUSTER_DIR}"/pids/*.pid; do
+    [[ -f "${f}" ]] || continue
+    ours "$(tr -dc '0-9' <"${f}")" || return 1
     n=$((n + 1))
   done
   ((n >= 5))   # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok-controller
@@ -108,32 +122,42 @@ dump_logs() {
 
 do_down() {
   local pids pid
-  pids="$(cluster_pids || true) $(stray_pids || true)"
+  pids="$(cluster_pids) $(stray_pids)"
   if [[ -x "${KWOKCTL}" && -d "${CLUSTER_DIR}" ]]; then
-    "${KWOKCTL}" delete cluster --name "${LOCALKUBE_CLUSTER}" --kubeconfig= >&2 || true
+    "${KWOKCTL}" -v WARN delete cluster --name "${LOCALKUBE_CLUSTER}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" >&2 8>&- || true
   fi
   # Whatever kwokctl left behind (e.g. after a crash): TERM, then KILL.
-  for pid in ${pids} $(stray_pids || true); do kill "${pid}" 2>/dev/null || true; done
+  for pid in ${pids}; do kill "${pid}" 2>/dev/null || true; done
   for _ in $(seq 1 50); do
     local left=0
     for pid in ${pids}; do kill -0 "${pid}" 2>/dev/null && left=1; done
     ((left)) || break
     sleep 0.1
   done
-  for pid in ${pids} $(stray_pids || true); do kill -9 "${pid}" 2>/dev/null || true; done
+  for pid in ${pids} $(stray_pids); do
+    if ours "${pid}"; then kill -9 "${pid}" 2>/dev/null || true; fi
+  done
   rm -rf "${CLUSTER_DIR}"
   rm -f "${LOCALKUBE_KUBECONFIG}"
+}
+
+# Serialise up/down. Daemons must not inherit fd 8 (they would hold the lock forever), so every
+# command that starts processes runs with `8>&-`.
+take_lock() {
+  exec 8>"${LOCALKUBE_CACHE}/.cluster.lock"
+  flock -w "${LOCALKUBE_LOCK_TIMEOUT:-900}" 8 || localkube_die "timed out waiting for ${LOCALKUBE_CACHE}/.cluster.lock"
 }
 
 cmd_up() {
   local t0=${SECONDS} build_s=0 built=0
   mkdir -p "${LOCALKUBE_CACHE}"
-  if ! localkube_have_binaries; then
-    "${LOCALKUBE_DIR}/build.sh"
+  # build.sh returns at once when every binary's stamp matches the pinned versions.
+  local build_out="${LOCALKUBE_CACHE}/.last-build.out"
+  "${LOCALKUBE_DIR}/build.sh" | tee "${build_out}" || localkube_die "build failed"
+  if grep -q "build of" "${build_out}"; then
     build_s=$((SECONDS - t0)); built=1
   fi
-  exec 8>"${LOCALKUBE_CACHE}/.cluster.lock"
-  flock 8
+  take_lock
   if healthy; then
     echo "localkube: cluster '${LOCALKUBE_CLUSTER}' already up (checked in $((SECONDS - t0))s)"
     echo "export KUBECONFIG=${LOCALKUBE_KUBECONFIG}"
@@ -147,11 +171,11 @@ cmd_up() {
   write_config
   localkube_log "starting cluster '${LOCALKUBE_CLUSTER}' (kwokctl --runtime binary, 127.0.0.1) ..."
   if ! "${KWOKCTL}" create cluster --name "${LOCALKUBE_CLUSTER}" -c "${CONFIG}" --kubeconfig= \
-      --timeout 5m >&2; then
+      --timeout 5m >&2 8>&-; then
     dump_logs
     localkube_die "kwokctl create cluster failed"
   fi
-  "${KWOKCTL}" get kubeconfig --name "${LOCALKUBE_CLUSTER}" >"${LOCALKUBE_KUBECONFIG}.tmp"
+  "${KWOKCTL}" get kubeconfig --name "${LOCALKUBE_CLUSTER}" >"${LOCALKUBE_KUBECONFIG}.tmp" 8>&-
   chmod 0600 "${LOCALKUBE_KUBECONFIG}.tmp"
   mv -f "${LOCALKUBE_KUBECONFIG}.tmp" "${LOCALKUBE_KUBECONFIG}"
   if ! wait_ready; then
@@ -169,8 +193,7 @@ cmd_up() {
 
 cmd_down() {
   mkdir -p "${LOCALKUBE_CACHE}"
-  exec 8>"${LOCALKUBE_CACHE}/.cluster.lock"
-  flock 8
+  take_lock
   local t0=${SECONDS}
   do_down
   echo "localkube: cluster '${LOCALKUBE_CLUSTER}' down ($((SECONDS - t0))s)"
@@ -182,7 +205,7 @@ cmd_status() {
     kctl version 2>/dev/null | sed 's/^/  /' || true
     return 0
   fi
-  echo "localkube: cluster '${LOCALKUBE_CLUSTER}' is not running"
+  echo "localkube: cluster '${LOCALKUBE_CLUSTER}' is not running (or not healthy)"
   return 1
 }
 

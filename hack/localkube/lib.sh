@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034  # variables are used by the scripts that source this
 # Common settings for hack/localkube/*.sh. Source it; do not execute it.
 
 LOCALKUBE_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -10,7 +10,6 @@ LOCALKUBE_CACHE="${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}"
 LOCALKUBE_ROOT="${LOCALKUBE_CACHE}/${K8S_VERSION}"
 LOCALKUBE_BIN="${LOCALKUBE_ROOT}/bin"
 LOCALKUBE_SRC="${LOCALKUBE_ROOT}/src"
-LOCALKUBE_LOGDIR="${LOCALKUBE_CACHE}/logs"
 
 # Cluster state (kwokctl workdir) and the stable kubeconfig path the tests read.
 LOCALKUBE_CLUSTER="${ROLLOUT_LOCALKUBE_CLUSTER:-rollout}"
@@ -46,12 +45,4 @@ localkube_ensure_tools() {
   localkube_log "installing Debian packages: ${missing[*]}"
   "${sudo[@]}" apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-}
-
-# Binaries that kwokctl --runtime binary needs.
-localkube_have_binaries() {
-  local c
-  for c in "${LOCALKUBE_DEFAULT_COMPONENTS[@]}"; do
-    [[ -x "${LOCALKUBE_BIN}/${c}" && -f "${LOCALKUBE_BIN}/.${c}.stamp" ]] || return 1
-  done
 }

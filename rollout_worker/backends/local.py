@@ -121,6 +121,11 @@ class LocalBackend:
             "python_prefix": prefix,
             "image_id": image_id,
             "node": socket.gethostname(),
+            "progress": {
+                "redis_url": self.settings.redis_url,
+                "batch_id": spec.batch_id,
+                "ttl": self.settings.record_ttl,
+            },
         }
         run_dir.program.parent.mkdir(parents=True, exist_ok=True)
         if not run_dir.program.exists():
@@ -186,6 +191,9 @@ class LocalBackend:
             if status is not None:
                 return EpisodeObservation.from_dict(status)
             if time.monotonic() >= end:
+                # Like a restarted Job controller: revive a supervisor that died mid-run (it
+                # reports the episodes it lost as failed and goes on with the rest).
+                self._ensure_supervisor(run_dir)
                 phase = "Running" if run_dir.log(index).exists() else "Pending"
                 return EpisodeObservation(
                     index=index,

@@ -22,11 +22,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import redis
 
 from rollout_worker.backends.local_files import RunDir, write_json_atomic
 from rollout_worker.backends.sandbox_command import plan_sandbox
 from rollout_worker.quantities import parse_cpu, parse_memory
+from rollout_worker.store import Store
 
 FILE_SIZE_LIMIT = 64 * 2**20
 OPEN_FILES_LIMIT = 256
@@ -37,9 +40,32 @@ class Running:
     index: int
     proc: subprocess.Popen[bytes]
     pidfd: int
+    out: int  # read end of the sandbox's stdout
+    log: BinaryIO
     created_at: float
     deadline: float
     killed_for: str | None = None
+    pending: bytes = b""
+    done: bool = False
+
+
+class Progress:
+    """Streams episode progress to Redis. Best effort: it never fails an episode."""
+
+    def __init__(self, settings: dict[str, Any] | None) -> None:
+        self.batch_id = settings["batch_id"] if settings else None
+        self.store = None
+        if settings:
+            client = redis.Redis.from_url(
+                settings["redis_url"], socket_timeout=2, socket_connect_timeout=2
+            )
+            self.store = Store(client, int(settings["ttl"]))
+
+    def __call__(self, index: int, state: str) -> None:
+        if self.store is None or self.batch_id is None:
+            return
+        with contextlib.suppress(redis.RedisError):
+            self.store.publish_state(self.batch_id, index, state)
 
 
 def _limits(memory_bytes: int, cpu_seconds: int) -> Any:
@@ -80,6 +106,7 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.as_root = os.geteuid() == 0
+        self.progress = Progress(run.get("progress"))
 
     def episode_id(self, index: int) -> str:
         return f"{self.run['episode_prefix']}-{index}"
@@ -130,11 +157,12 @@ class Supervisor:
             os.chown(workspace, *plan.run_as)
         self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
         created_at = time.time()
-        with open(self.dir.log(index), "wb") as out, open(self.dir.stderr(index), "wb") as err:
+        log = open(self.dir.log(index), "wb")  # noqa: SIM115 - closed in finish()
+        with open(self.dir.stderr(index), "wb") as err:
             proc = subprocess.Popen(
                 plan.argv,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
+                stdout=subprocess.PIPE,
                 stderr=err,
                 cwd=plan.cwd,
                 env=plan.env,
@@ -144,15 +172,50 @@ class Supervisor:
                 group=plan.run_as[1] if plan.run_as else None,
                 extra_groups=[] if plan.run_as else None,
             )
+        assert proc.stdout is not None
+        out = proc.stdout.fileno()
+        os.set_blocking(out, False)
         pidfd = os.pidfd_open(proc.pid)
         deadline = min(created_at + self.episode_timeout, self.run_deadline)
-        self.running[pidfd] = Running(index, proc, pidfd, created_at, deadline)
-        self.selector.register(pidfd, selectors.EVENT_READ)
+        item = Running(index, proc, pidfd, out, log, created_at, deadline)
+        self.running[pidfd] = item
+        self.selector.register(pidfd, selectors.EVENT_READ, ("exit", item))
+        self.selector.register(out, selectors.EVENT_READ, ("out", item))
+        self.progress(index, "running")
+
+    def read_output(self, item: Running) -> bool:
+        """Copy what the sandbox printed into its log; stream progress. False at EOF."""
+        try:
+            data = os.read(item.out, 65536)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        item.log.write(data)
+        item.log.flush()
+        lines = (item.pending + data).split(b"\n")
+        item.pending = lines.pop()
+        for line in lines:
+            if b'"event": "ready"' in line:
+                self.progress(item.index, "ready")
+            elif b'"event": "reward"' in line:
+                self.progress(item.index, "rewarded")
+        return True
 
     def finish(self, item: Running) -> None:
+        item.done = True
         self.selector.unregister(item.pidfd)
         os.close(item.pidfd)
         del self.running[item.pidfd]
+        # The sandbox is gone (its PID namespace with it): drain what is left in the pipe.
+        with contextlib.suppress(KeyError):  # unregistered already if EOF came first
+            self.selector.unregister(item.out)
+        os.set_blocking(item.out, True)
+        while self.read_output(item):
+            pass
+        assert item.proc.stdout is not None
+        item.proc.stdout.close()
+        item.log.close()
         code = item.proc.wait()
         finished_at = time.time()
         reason = item.killed_for
@@ -205,7 +268,13 @@ class Supervisor:
             next_deadline = min([self.run_deadline, *(r.deadline for r in self.running.values())])
             timeout = max(0.0, min(next_deadline - time.time(), 1.0))
             for key, _ in self.selector.select(timeout if self.running else 0):
-                self.finish(self.running[key.fd])
+                kind, item = key.data
+                if item.done:
+                    continue  # its exit was handled earlier in this same batch of events
+                if kind == "exit":
+                    self.finish(item)
+                elif not self.read_output(item):
+                    self.selector.unregister(item.out)  # EOF before exit: wait for the exit
         write_json_atomic(self.dir.finished_file, {"finished_at": time.time()})
 
     def request_stop(self, *_: object) -> None:

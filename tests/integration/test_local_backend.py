@@ -36,8 +36,7 @@ def test_runs_each_episode_once_in_its_own_workspace_with_bounded_parallelism(ba
     assert receipt["run"]["run_uid"] == handle["run_uid"]
     observations = run_all(backend, handle, 6)
     rows = [
-        validate_episode(o, backend.read_output(handle, o), handle["origin"])
-        for o in observations
+        validate_episode(o, backend.read_output(handle, o), handle["origin"]) for o in observations
     ]
     assert [r.status for r in rows] == ["ok"] * 6, [r.errors for r in rows]
     assert len({r.pod for r in rows}) == 6
@@ -71,7 +70,9 @@ def test_deadlines_kill_hung_episodes_and_unstarted_ones_fail(backend):
     observations = run_all(backend, handle, 3, timeout=30)
     assert time.monotonic() - started < 10
     assert all(o.phase == "Failed" and o.reason == "DeadlineExceeded" for o in observations)
-    row = validate_episode(observations[0], backend.read_output(handle, observations[0]), handle["origin"])
+    row = validate_episode(
+        observations[0], backend.read_output(handle, observations[0]), handle["origin"]
+    )
     assert row.status == "failed" and row.reward == 0
     assert any("DeadlineExceeded" in e for e in row.errors)
 

@@ -16,9 +16,9 @@ import re
 import subprocess
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -329,7 +329,7 @@ def write_cri_log(path: Path | str, lines: Iterable[str], *, stream: str = "stdo
     """Write ``lines`` as a CRI-format container log (``<RFC3339Nano> <stream> F <line>``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = _dt.datetime(2025, 1, 1, tzinfo=_dt.timezone.utc)
+    t0 = _dt.datetime(2025, 1, 1, tzinfo=_dt.UTC)
     with path.open("w") as f:
         for i, line in enumerate(lines):
             ts = (t0 + _dt.timedelta(milliseconds=i)).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
@@ -391,7 +391,9 @@ def create_cluster_logs(
         "metadata": {"name": name},
         "spec": {"selector": selector, "logs": [entry]},
     }
-    return cluster.custom.create_cluster_custom_object(KWOK_GROUP, KWOK_VERSION, "clusterlogs", body)
+    return cluster.custom.create_cluster_custom_object(
+        KWOK_GROUP, KWOK_VERSION, "clusterlogs", body
+    )
 
 
 def delete_cluster_logs(cluster: Cluster, name: str) -> None:

@@ -3,6 +3,7 @@ the pinned control plane, Jobs at scale on KWOK nodes, and Pod logs through the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -98,8 +99,9 @@ def _running_pod(k8s_cluster, namespace: str, name: str) -> None:
     }
     k8s_cluster.core.create_namespaced_pod(namespace, pod)
     kc.wait_for(
-        lambda: k8s_cluster.core.read_namespaced_pod_status(name, namespace).status.phase
-        == "Running",
+        lambda: (
+            k8s_cluster.core.read_namespaced_pod_status(name, namespace).status.phase == "Running"
+        ),
         60,
         f"Pod {namespace}/{name} Running on a KWOK node",
     )
@@ -113,10 +115,8 @@ def _read_log_when(k8s_cluster, namespace: str, name: str, expected: str) -> str
         last["text"] = k8s_cluster.core.read_namespaced_pod_log(name, namespace)
         return last["text"] == expected
 
-    try:
+    with contextlib.suppress(TimeoutError):
         kc.wait_for(read, 30, f"log of Pod {namespace}/{name}", interval=0.5)
-    except TimeoutError:
-        pass
     return last["text"]
 
 
