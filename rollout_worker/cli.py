@@ -393,8 +393,16 @@ def worker(
 @cli.command()
 @redis_option
 @click.option("--timeout", type=float, default=3.0, show_default=True)
-def check(redis_url: str | None, timeout: float) -> None:
-    """Ping Redis and list live workers per queue; exit 1 when something is missing."""
+@click.option(
+    "--kubernetes/--no-kubernetes",
+    "check_cluster",
+    default=None,
+    help="Also check the cluster and the RuntimeClass. [default: when KUBECONFIG is set]",
+)
+@click.option("--runtime", default=DEFAULT_RUNTIME, show_default=True)
+def check(redis_url: str | None, timeout: float, check_cluster: bool | None, runtime: str) -> None:
+    """Ping Redis, list live workers per queue and (when configured) check the cluster and the
+    RuntimeClass; exit 1 with what is missing."""
     import redis as redis_lib
 
     from rollout_worker.celery_app import create_app
@@ -420,6 +428,16 @@ def check(redis_url: str | None, timeout: float) -> None:
             problems.append(
                 f"no worker consumes queue {queue!r} (start `rollout worker -Q {queue}`)"
             )
+    if check_cluster or (check_cluster is None and settings.kubeconfig):
+        from rollout_worker.backends.kubernetes import KubernetesBackend
+
+        try:
+            found, missing = KubernetesBackend(settings).check(runtime)
+        except RolloutError as exc:
+            found, missing = [], [f"cluster not usable: {exc}"]
+        for line in found:
+            console.print(line, highlight=False)
+        problems += missing
     for problem in problems:
         err.print(f"[red]missing[/red] {problem}")
     sys.exit(1 if problems else 0)

@@ -224,6 +224,34 @@ class KubernetesBackend:
             raise _translate(exc, what) from exc
         return response.data.decode("utf-8", errors="replace")
 
+    def check(self, runtime: str) -> tuple[list[str], list[str]]:
+        """For `rollout check`: (what was found, what is missing) in the cluster."""
+        found, missing = [], []
+        version = self._call("version", client.VersionApi(self.api).get_code)
+        found.append(f"cluster: {self.context} ({version.get('gitVersion')})")
+        nodes = self._call("nodes", self.core.list_node)["items"]
+        ready = [
+            n["metadata"]["name"]
+            for n in nodes
+            if any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
+        ]
+        found.append(f"nodes: {len(ready)} ready of {len(nodes)}")
+        if not ready:
+            missing.append("no Ready node")
+        try:
+            rc = self._call(f"RuntimeClass {runtime}", self.nodes_api.read_runtime_class, runtime)
+            overhead = (rc.get("overhead") or {}).get("podFixed") or {}
+            found.append(
+                f"RuntimeClass {runtime}: handler {rc.get('handler')}, "
+                f"overhead {overhead or 'none'}"
+            )
+        except ResourceNotFound:
+            missing.append(f"RuntimeClass {runtime!r} does not exist (use --runtime)")
+        return found, missing
+
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
         try:

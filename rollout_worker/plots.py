@@ -1,0 +1,261 @@
+"""A batch's timeline as a picture, from its report (results.json).
+
+`episode_timelines` and `startup_seconds` are pure: they turn the report into seconds since the
+run started. `render_timeline` draws them (matplotlib, Agg, no pyplot state) into a PNG with two
+panels: one row per episode (created, scheduled when known, ready, reward, finished; failed
+episodes in red) and the distribution of Pod-created-to-ready times with p50/p95 marked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from rollout_worker.metrics import percentile
+
+# More rows than this and per-row tick labels become noise.
+MAX_LABELLED_ROWS = 40
+# More rows than this and point markers hide the segments: draw segments (and failures) only.
+MAX_MARKED_ROWS = 80
+COLORS = {
+    "startup": "#9ecae1",  # created -> ready
+    "work": "#3182bd",  # ready -> reward
+    "tail": "#bdbdbd",  # reward -> finished
+    "failed": "#d62728",
+    "created": "#525252",
+    "scheduled": "#756bb1",
+    "ready": "#31a354",
+    "reward": "#fd8d3c",
+}
+
+
+@dataclass(frozen=True)
+class EpisodeTimeline:
+    """One episode's moments, in seconds since the run started (None when not known)."""
+
+    index: int
+    pod: str
+    status: str
+    created: float | None
+    scheduled: float | None
+    ready: float | None
+    reward: float | None
+    finished: float | None
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+    @property
+    def end(self) -> float | None:
+        known = [t for t in (self.finished, self.reward, self.ready, self.created) if t is not None]
+        return max(known) if known else None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def run_origin(report: Mapping[str, Any]) -> float | None:
+    """The run's start (time zero of the plot): run_created_at, else the earliest Pod."""
+    origin = _number(report.get("run_created_at"))
+    if origin is not None:
+        return origin
+    created = [_number(row.get("created_at")) for row in report.get("pods") or []]
+    known = [t for t in created if t is not None]
+    return min(known) if known else _number(report.get("submitted_at"))
+
+
+def episode_timelines(report: Mapping[str, Any]) -> list[EpisodeTimeline]:
+    origin = run_origin(report)
+
+    def since(value: Any) -> float | None:
+        moment = _number(value)
+        return None if moment is None or origin is None else moment - origin
+
+    rows = sorted(report.get("pods") or [], key=lambda row: int(row.get("index", 0)))
+    return [
+        EpisodeTimeline(
+            index=int(row.get("index", 0)),
+            pod=str(row.get("pod", "")),
+            status=str(row.get("status", "failed")),
+            created=since(row.get("created_at")),
+            scheduled=since((row.get("timing") or {}).get("scheduled_at")),
+            ready=since(row.get("ready_at")),
+            reward=since(row.get("reward_at")),
+            finished=since(row.get("finished_at")),
+        )
+        for row in rows
+    ]
+
+
+def startup_seconds(report: Mapping[str, Any]) -> list[float]:
+    """Pod created -> ready, per episode that got ready."""
+    values = []
+    for row in report.get("pods") or []:
+        value = _number(row.get("pod_to_ready_seconds"))
+        if value is None:
+            created, ready = _number(row.get("created_at")), _number(row.get("ready_at"))
+            value = ready - created if created is not None and ready is not None else None
+        if value is not None:
+            values.append(value)
+    return values
+
+
+def title(report: Mapping[str, Any]) -> str:
+    return (
+        f"batch {report.get('batch_id', '?')} ({report.get('backend', '?')} backend): "
+        f"{report.get('successful_episodes', 0)}/{report.get('episodes', 0)} ok, "
+        f"reward_sum {report.get('reward_sum', 0)}, parallelism {report.get('parallelism', '?')}"
+    )
+
+
+def _segment(ax: Any, y: float, start: float | None, stop: float | None, **style: Any) -> None:
+    if start is not None and stop is not None and stop >= start:
+        ax.hlines(y, start, stop, **style)
+
+
+def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping[str, Any]) -> None:
+    n = len(episodes)
+    height = max(1.0, min(8.0, 200 / max(n, 1)))  # segment thickness in points
+    marker = max(2.0, min(7.0, 240 / max(n, 1)))
+    for row, ep in enumerate(episodes):
+        if ep.failed:
+            _segment(ax, row, ep.created, ep.end, colors=COLORS["failed"], linewidth=height)
+        else:
+            _segment(ax, row, ep.created, ep.ready, colors=COLORS["startup"], linewidth=height)
+            _segment(ax, row, ep.ready, ep.reward, colors=COLORS["work"], linewidth=height)
+            _segment(ax, row, ep.reward, ep.finished, colors=COLORS["tail"], linewidth=height)
+    points = [
+        ("created", "|", lambda e: e.created),
+        ("scheduled", "s", lambda e: e.scheduled),
+        ("ready", "o", lambda e: e.ready),
+        ("reward", "D", lambda e: e.reward),
+    ]
+    if n > MAX_MARKED_ROWS:
+        points = []
+    for name, shape, pick in points:
+        xs = [(pick(e), row) for row, e in enumerate(episodes) if pick(e) is not None]
+        if xs:
+            ax.plot(
+                [x for x, _ in xs],
+                [y for _, y in xs],
+                linestyle="none",
+                marker=shape,
+                markersize=marker * (1.6 if shape == "|" else 1.0),
+                color=COLORS[name],
+                zorder=3,
+            )
+    failed = [(e.end, row) for row, e in enumerate(episodes) if e.failed and e.end is not None]
+    if failed:
+        ax.plot(
+            [x for x, _ in failed],
+            [y for _, y in failed],
+            linestyle="none",
+            marker="X",
+            markersize=max(6.0, marker * 1.4),
+            color=COLORS["failed"],
+            zorder=4,
+        )
+    marks = []
+    moments: tuple[tuple[str, str, Literal[":", "--"]], ...] = (
+        ("batch_to_all_ready_seconds", "all ready", ":"),
+        ("batch_to_all_rewards_seconds", "all rewards", "--"),
+    )
+    for key, label, style in moments:
+        value = _number(report.get(key))
+        if value is not None:
+            ax.axvline(value, color="#636363", linestyle=style, linewidth=1)
+            marks.append(
+                Line2D([], [], color="#636363", linestyle=style, label=f"{label} {value:.2f}s")
+            )
+    ax.set_ylim(n - 0.5, -0.5)  # episode 0 on top
+    if n <= MAX_LABELLED_ROWS:
+        ax.set_yticks(range(n), [str(e.index) for e in episodes], fontsize=7)
+    ax.set_ylabel("episode (index)")
+    ax.set_xlabel("seconds since run start")
+    ax.set_xlim(left=min(0.0, *(e.created for e in episodes if e.created is not None)))
+    ax.grid(axis="x", alpha=0.3)
+    legend = [
+        Line2D([], [], color=COLORS["startup"], linewidth=6, label="created → ready"),
+        Line2D([], [], color=COLORS["work"], linewidth=6, label="ready → reward"),
+        Line2D([], [], color=COLORS["tail"], linewidth=6, label="reward → finished"),
+        Line2D(
+            [], [], color=COLORS["failed"], marker="X", linewidth=3, label="failed / lost episode"
+        ),
+    ]
+    if points:
+        legend[3:3] = [
+            Line2D([], [], color=COLORS["created"], marker="|", linestyle="none", label="created"),
+            Line2D([], [], color=COLORS["ready"], marker="o", linestyle="none", label="ready"),
+            Line2D([], [], color=COLORS["reward"], marker="D", linestyle="none", label="reward"),
+        ]
+    if points and any(e.scheduled is not None for e in episodes):
+        legend.insert(
+            4,
+            Line2D(
+                [], [], color=COLORS["scheduled"], marker="s", linestyle="none", label="scheduled"
+            ),
+        )
+    ax.legend(handles=legend + marks, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+
+
+def _draw_startup(ax: Any, startup: Sequence[float]) -> None:
+    ax.set_title(f"Pod created → ready ({len(startup)} episodes)", fontsize=10)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("episodes")
+    if not startup:
+        ax.text(
+            0.5, 0.5, "no episode became ready", ha="center", va="center", transform=ax.transAxes
+        )
+        return
+    bins = max(5, min(40, round(math.sqrt(len(startup)) * 2)))
+    ax.hist(startup, bins=bins, color=COLORS["startup"], edgecolor="#3182bd")
+    for q, style in ((0.5, "-"), (0.95, "--")):
+        value = percentile(startup, q)
+        ax.axvline(
+            value,
+            color="#08519c",
+            linestyle=style,
+            linewidth=1.5,
+            label=f"p{round(q * 100)} {value:.3f}s",
+        )
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def render_timeline(report: Mapping[str, Any], path: Path, *, dpi: int = 120) -> Path:
+    """Write the two-panel PNG and return its path."""
+    episodes = episode_timelines(report)
+    rows = len(episodes)
+    timeline_height = max(2.5, min(12.0, 0.22 * rows + 1.5))
+    fig = Figure(figsize=(12, timeline_height + 3.2), layout="constrained")
+    timeline, startup = fig.subplots(
+        2, 1, gridspec_kw={"height_ratios": [timeline_height, 2.6]}, squeeze=True
+    )
+    fig.suptitle(title(report), fontsize=12)
+    timeline.set_title(f"episode timeline ({rows} episodes)", fontsize=10)
+    if episodes:
+        _draw_timeline(timeline, episodes, report)
+    else:
+        timeline.text(
+            0.5,
+            0.5,
+            "the report has no episode rows",
+            ha="center",
+            va="center",
+            transform=timeline.transAxes,
+        )
+    _draw_startup(startup, startup_seconds(report))
+    fig.savefig(path, dpi=dpi, format="png")
+    return path

@@ -1,0 +1,283 @@
+"""The kubernetes backend against a real API server (the local cluster, KWOK nodes).
+
+Pods on KWOK nodes never run: SimulatedEpisodes serves each one the log the episode program
+would print. Everything else is real: the API server, the Job controller, the scheduler,
+Redis and the Celery workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from rollout_worker.backends.kubernetes import KubernetesBackend
+from rollout_worker.errors import OwnershipError
+from rollout_worker.manifests import namespace_name
+from rollout_worker.models import parse_spec
+from rollout_worker.settings import Settings
+from rollout_worker.stack import LocalStack
+from tests.integration.kwok_episodes import SimulatedEpisodes
+from tests.k8s import cluster as kc
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.k8s, pytest.mark.redis, pytest.mark.workers]
+
+RUNTIME_CLASS = "rollout-kwok"
+OVERHEAD = {"cpu": "10m", "memory": "64Mi"}
+
+
+@pytest.fixture(scope="module")
+def kwok_runtime(k8s_cluster, kwok_nodes):
+    body = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": RUNTIME_CLASS},
+        "handler": "kwok",
+        "overhead": {"podFixed": OVERHEAD},
+    }
+    try:
+        client.NodeV1Api(k8s_cluster.api_client).create_runtime_class(body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    return RUNTIME_CLASS
+
+
+@pytest.fixture(scope="module")
+def kube_stack(k8s_cluster):
+    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig), "ROLLOUT_COLLECT_BLOCK_SECONDS": "2"}
+    with LocalStack(collectors=2, collect_concurrency=16, extra_env=env) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def episodes(k8s_cluster, tmp_path_factory):
+    with SimulatedEpisodes(k8s_cluster, tmp_path_factory.mktemp("kwok-logs")) as simulated:
+        yield simulated
+
+
+def kwok_request(runtime: str, **changes):
+    placement = kc.kwok_placement()
+    return {
+        "backend": "kubernetes",
+        "runtime": runtime,
+        "capacity_check": "error",
+        "node_selector": placement["nodeSelector"],
+        "tolerations": placement["tolerations"],
+        **changes,
+    }
+
+
+def assert_exact(report, count):
+    assert report["ok"] is True, report["errors"][:5]
+    assert report["successful_episodes"] == count and report["reward_sum"] == count
+    assert sorted(row["index"] for row in report["pods"]) == list(range(count))
+    assert len({row["pod"] for row in report["pods"]}) == count
+    assert all(row["node"].startswith(kc.KWOK_NODE_PREFIX) for row in report["pods"])
+
+
+def namespace_exists(cluster, name) -> bool:
+    try:
+        cluster.core.read_namespace(name)
+        return True
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
+@pytest.mark.slow
+def test_one_batch_of_1000_episodes_is_reported_exactly(
+    kube_stack, kwok_runtime, episodes, k8s_cluster
+):
+    rollout = RolloutClient(kube_stack.redis_url)
+    submission = rollout.submit(count=1000, parallelism=200, **kwok_request(kwok_runtime))
+    report = rollout.wait(submission.batch_id, timeout=900)
+    assert_exact(report, 1000)
+    assert report["run_job_status"] == "Complete"
+    assert report["phases"]["scheduling"]["n"] == 1000
+    # The run was deleted after its report (keep_run is off by default for the trainer).
+    deadline = time.monotonic() + 120
+    while namespace_exists(k8s_cluster, namespace_name(submission.batch_id)):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    rollout.close()
+
+
+@pytest.mark.slow
+def test_ten_concurrent_batches_of_100(kube_stack, kwok_runtime, episodes):
+    rollout = RolloutClient(kube_stack.redis_url)
+    submissions = [
+        rollout.submit(
+            count=100, parallelism=50, labels={"round": str(n)}, **kwok_request(kwok_runtime)
+        )
+        for n in range(10)
+    ]
+    reports = rollout.wait_many([s.batch_id for s in submissions], timeout=900)
+    pods = set()
+    for n, submission in enumerate(submissions):
+        report = reports[submission.batch_id]
+        assert report["labels"] == {"round": str(n)}
+        assert_exact(report, 100)
+        pods |= {(report["run"]["namespace"], row["pod"]) for row in report["pods"]}
+    assert len(pods) == 1000
+    rollout.close()
+
+
+def test_preflight_refuses_before_any_mutation(kube_stack, kwok_runtime, k8s_cluster):
+    rollout = RolloutClient(kube_stack.redis_url)
+    missing = rollout.submit(count=2, **kwok_request("no-such-runtime"))
+    too_big = rollout.submit(
+        count=10,
+        parallelism=10,
+        resources={"memory_request": "3Ti", "memory_limit": "3Ti"},
+        **kwok_request(kwok_runtime),
+    )
+    reports = rollout.wait_many([missing.batch_id, too_big.batch_id], timeout=120)
+    assert reports[missing.batch_id]["status"] == "error"
+    assert "RuntimeClass 'no-such-runtime' does not exist" in reports[missing.batch_id]["errors"][0]
+    text = reports[too_big.batch_id]["errors"][0]
+    assert reports[too_big.batch_id]["status"] == "error"
+    # The arithmetic: per-sandbox request + RuntimeClass overhead, and what each node fits.
+    assert "3Ti + overhead 64Mi" in text and "room for" in text and "of 10 sandboxes" in text
+    for submission in (missing, too_big):
+        assert not namespace_exists(k8s_cluster, namespace_name(submission.batch_id))
+    rollout.close()
+
+
+def test_creation_is_idempotent_and_refuses_objects_that_are_not_ours(k8s_cluster, kwok_runtime):
+    backend = KubernetesBackend(Settings(kubeconfig=str(k8s_cluster.kubeconfig)))
+    spec = parse_spec({"count": 2, **kwok_request(kwok_runtime)}, max_episodes=10)
+    receipt: dict = {}
+    first = backend.start_run(spec, receipt.update)
+    again = backend.start_run(spec, receipt.update)  # a redelivered submit_batch
+    assert again == first and receipt["uid"] == first["namespace_uid"]
+    assert receipt["job_uid"] == first["job_uid"]
+    backend.delete_run(first)
+    assert not namespace_exists(k8s_cluster, first["namespace"])
+
+    squatter = parse_spec({"count": 2, **kwok_request(kwok_runtime)}, max_episodes=10)
+    k8s_cluster.core.create_namespace({"metadata": {"name": namespace_name(squatter.batch_id)}})
+    try:
+        with pytest.raises(OwnershipError, match="not ours"):
+            backend.start_run(squatter, lambda _: None)
+    finally:
+        k8s_cluster.core.delete_namespace(namespace_name(squatter.batch_id))
+
+
+def rollout_cli(*args, env):
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_worker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+    )
+
+
+def test_guide_drop_in_records_and_cleanup_refusing_a_decoy(
+    kube_stack, kwok_runtime, episodes, k8s_cluster, tmp_path
+):
+    env = {"ROLLOUT_REDIS_URL": kube_stack.redis_url, "KUBECONFIG": str(k8s_cluster.kubeconfig)}
+    placement = ["--node-selector", "type=kwok", "--toleration", f"{kc.KWOK_TAINT_KEY}:NoSchedule"]
+    out = tmp_path / "rl-parallel-3"
+    done = rollout_cli(
+        "run",
+        "--backend",
+        "kubernetes",
+        "--count",
+        "3",
+        "--runtime",
+        kwok_runtime,
+        "--output",
+        str(out),
+        *placement,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    for field in (
+        "episodes",
+        "successful_episodes",
+        "reward_sum",
+        "batch_to_all_ready_seconds",
+        "pod_to_ready_p50_seconds",
+        "pod_to_ready_p95_seconds",
+        "pod_to_ready_max_seconds",
+        "batch_to_all_rewards_seconds",
+        "client_job_complete_seconds",
+        "parallelism",
+        "image",
+        "runtime",
+        "pods",
+    ):
+        assert field in results, field
+    assert (results["episodes"], results["successful_episodes"], results["reward_sum"]) == (3, 3, 3)
+    for row in results["pods"]:
+        assert {
+            "pod",
+            "node",
+            "image_id",
+            "reward",
+            "pod_to_ready_seconds",
+            "batch_to_ready_seconds",
+            "batch_to_reward_seconds",
+        } <= set(row)
+        assert (out / f"{row['pod']}.log").exists()
+    for name in ("job.json", "pods.json", "events.txt", "receipt.json", "job-submitted.json"):
+        assert (out / name).exists(), name
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert {"context", "namespace", "run_id", "uid", "job_uid"} <= set(receipt)
+    namespace = receipt["namespace"]
+    assert namespace_exists(k8s_cluster, namespace)  # kept for `rollout cleanup`
+
+    # A decoy: same name, same labels, but not the namespace we created.
+    labels = k8s_cluster.core.read_namespace(namespace).metadata.labels
+    k8s_cluster.core.delete_namespace(namespace)
+    deadline = time.monotonic() + 120
+    while namespace_exists(k8s_cluster, namespace):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    k8s_cluster.core.create_namespace({"metadata": {"name": namespace, "labels": labels}})
+    refused = rollout_cli("cleanup", "--output", str(out), env=env)
+    assert refused.returncode != 0 and "refusing" in refused.stderr
+    assert namespace_exists(k8s_cluster, namespace)
+    k8s_cluster.core.delete_namespace(namespace)
+
+    # A real kept run is deleted by cleanup.
+    out2 = tmp_path / "rl-parallel-2"
+    done = rollout_cli(
+        "run",
+        "--backend",
+        "kubernetes",
+        "--count",
+        "2",
+        "--runtime",
+        kwok_runtime,
+        "--output",
+        str(out2),
+        *placement,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    namespace2 = json.loads((out2 / "receipt.json").read_text())["namespace"]
+    cleaned = rollout_cli("cleanup", "--output", str(out2), env=env)
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert not namespace_exists(k8s_cluster, namespace2)
+
+
+def test_check_reports_cluster_and_runtime_class(kube_stack, kwok_runtime, k8s_cluster):
+    env = {"ROLLOUT_REDIS_URL": kube_stack.redis_url, "KUBECONFIG": str(k8s_cluster.kubeconfig)}
+    good = rollout_cli("check", "--runtime", kwok_runtime, env=env)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert f"RuntimeClass {kwok_runtime}: handler kwok" in good.stdout
+    assert "queue collect: 2 worker" in good.stdout
+    bad = rollout_cli("check", "--runtime", "no-such-runtime", env=env)
+    assert bad.returncode == 1 and "'no-such-runtime' does not exist" in bad.stderr
