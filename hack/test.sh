@@ -5,13 +5,17 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ./hack/setup.sh --dev
 
-ruff check rollout_worker trainer_stub tests
+ruff check rollout_worker trainer_stub tests benchmarks
 ruff format --check rollout_worker trainer_stub
 mypy
 
 if [[ -z "${KUBECONFIG:-}" ]]; then
-  # Builds kube-apiserver & co. the first time (tens of minutes), then starts in seconds.
+  # Builds kube-apiserver & co. the first time (minutes), then starts in seconds; stopped on
+  # exit when this script started it.
+  if ! ./hack/localkube/cluster.sh status >/dev/null 2>&1; then
+    trap './hack/localkube/cluster.sh down >/dev/null 2>&1 || true' EXIT
+  fi
   ./hack/localkube/cluster.sh up
   eval "$(./hack/localkube/cluster.sh env)"
 fi
-exec python3 -m pytest "$@"
+python3 -m pytest "$@"
