@@ -20,6 +20,7 @@ from pathlib import Path
 
 from celery import chord
 
+from benchmarks.proc import tree_cpu_seconds
 from rollout_worker.backends.local import LocalBackend
 from rollout_worker.models import parse_spec
 from rollout_worker.sandbox import episode_program_text
@@ -69,15 +70,19 @@ def noop_chord(stack: LocalStack, n: int) -> float:
     return elapsed
 
 
-def pipeline(stack: LocalStack, n: int, parallelism: int) -> tuple[float, dict]:
+def pipeline(stack: LocalStack, n: int, parallelism: int) -> tuple[float, dict, float]:
     client = RolloutClient(stack.redis_url)
+    pids = [w.proc.pid for w in stack.workers]
+    cpu0 = tree_cpu_seconds(pids)
     start = time.perf_counter()
     submission = client.submit(count=n, parallelism=parallelism)
     report = client.wait(submission.batch_id, timeout=900)
     elapsed = time.perf_counter() - start
+    # Workers only: the episodes run under the (detached) supervisor, not in this tree.
+    cpu = tree_cpu_seconds(pids) - cpu0
     assert report["ok"] and report["reward_sum"] == n, report["errors"][:3]
     client.close()
-    return elapsed, report
+    return elapsed, report, cpu
 
 
 def backend_alone(n: int, parallelism: int) -> float:
@@ -133,7 +138,7 @@ def main() -> None:
     with LocalStack(collectors=2, extra_env=env) as stack:
         time.sleep(2)  # let workers finish booting so start-up is not measured
         t_noop = noop_chord(stack, n)
-        t_pipe, report = pipeline(stack, n, p)
+        t_pipe, report, cpu = pipeline(stack, n, p)
     t_alone = backend_alone(n, p)
     latency = (
         report["reported_at"] - report["run_created_at"] - report["batch_to_all_rewards_seconds"]
@@ -148,6 +153,7 @@ def main() -> None:
         f"= {overhead / (t_noop / n):.2f}x a no-op chord task"
     )
     print(f"  report latency (last reward -> report published): {latency:.3f} s")
+    print(f"  worker CPU (control + collectors): {cpu:.2f} s = {cpu / n * 1000:.1f} ms/episode")
 
     m = args.pool_episodes
     t_bare = bare_pool(m, p)

@@ -57,6 +57,12 @@ def stream_key(batch_id: str) -> str:
     return batch_key(batch_id, "events")
 
 
+def done_key(batch_id: str, index: int) -> str:
+    """List the local supervisor pushes to when episode `index` has its status (wakes a
+    collector blocked on it, instead of it polling the file)."""
+    return batch_key(batch_id, f"done:{index}")
+
+
 def flag_key(batch_id: str, name: str) -> str:
     return batch_key(batch_id, f"flag:{name}")
 

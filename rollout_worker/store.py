@@ -53,6 +53,9 @@ return 1
 """
 
 
+DONE_SIGNAL_TTL = 3600
+
+
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
@@ -109,6 +112,17 @@ class Store:
         rank = k.STATES.index(state)
         keys = [k.states_key(batch_id), k.stream_key(batch_id)]
         return bool(self._publish_state(keys=keys, args=[index, state, rank, self.ttl]))
+
+    def signal_done(self, batch_id: str, index: int) -> None:
+        key = k.done_key(batch_id, index)
+        pipe = self.redis.pipeline()
+        pipe.rpush(key, 1)
+        pipe.expire(key, DONE_SIGNAL_TTL)  # a signal nobody consumed is useless after that
+        pipe.execute()
+
+    def wait_done(self, batch_id: str, index: int, timeout: float) -> bool:
+        """Block until episode `index` is signalled done, at most `timeout` seconds."""
+        return self.redis.blpop([k.done_key(batch_id, index)], timeout=timeout) is not None
 
     # -- records and report ------------------------------------------------------------------
     def save_records(self, batch_id: str, records: Mapping[str, str]) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 
 from rollout_worker.backends.base import ReceiptUpdate, RunHandle
 from rollout_worker.backends.local_files import OWNER, RunDir, create_json_exclusive
@@ -30,6 +31,7 @@ from rollout_worker.errors import BackendError, BackendUnavailable, OwnershipErr
 from rollout_worker.models import BatchSpec, EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
+from rollout_worker.store import Store
 
 POLL_SECONDS = 0.02
 MAX_LOG_BYTES = 8 * 2**20
@@ -80,6 +82,7 @@ class LocalBackend:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = settings.local_root
+        self._store: Store | None = None
 
     # -- helpers -----------------------------------------------------------------------------
     def _isolation(self) -> str:
@@ -183,6 +186,11 @@ class LocalBackend:
     def episode_id(self, handle: RunHandle, index: int) -> str:
         return f"{handle['episode_prefix']}-{index}"
 
+    def _signals(self) -> Store:
+        if self._store is None:
+            self._store = Store.from_url(self.settings.redis_url, self.settings.record_ttl)
+        return self._store
+
     def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
         run_dir = self._dir(handle)
         end = time.monotonic() + timeout
@@ -190,6 +198,9 @@ class LocalBackend:
             status = run_dir.read_json(run_dir.status(index))
             if status is not None:
                 return EpisodeObservation.from_dict(status)
+            remaining = end - time.monotonic()
+            if remaining > 0 and self._wait_signal(handle, index, remaining):
+                continue  # signalled (or Redis unavailable and we slept a poll interval)
             if time.monotonic() >= end:
                 # Like a restarted Job controller: revive a supervisor that died mid-run (it
                 # reports the episodes it lost as failed and goes on with the rest).
@@ -201,7 +212,17 @@ class LocalBackend:
                     phase=phase,
                     node=handle.get("node"),
                 )
-            time.sleep(POLL_SECONDS)
+
+    def _wait_signal(self, handle: RunHandle, index: int, timeout: float) -> bool:
+        """Block on the supervisor's done signal; fall back to polling without Redis."""
+        batch_id = Path(handle["run_dir"]).name
+        try:
+            self._signals().wait_done(batch_id, index, max(0.01, timeout))
+            return True
+        except redis.RedisError:
+            self._store = None
+        time.sleep(min(POLL_SECONDS, timeout))
+        return True
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         path = self._dir(handle).log(obs.index)

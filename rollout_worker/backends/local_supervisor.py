@@ -65,7 +65,10 @@ class Progress:
         if self.store is None or self.batch_id is None:
             return
         with contextlib.suppress(redis.RedisError):
-            self.store.publish_state(self.batch_id, index, state)
+            if state == "done":
+                self.store.signal_done(self.batch_id, index)
+            else:
+                self.store.publish_state(self.batch_id, index, state)
 
 
 def _limits(memory_bytes: int, cpu_seconds: int) -> Any:
@@ -120,6 +123,7 @@ class Supervisor:
             "restart_count": 0,
         } | fields
         write_json_atomic(self.dir.status(index), status)
+        self.progress(index, "done")
 
     def todo(self) -> deque[int]:
         pending: deque[int] = deque()
