@@ -197,6 +197,62 @@ def capacity_plan(
     return fits_total, text
 
 
+def observe_pods(
+    handle: RunHandle, index: int, pods: dict[str, dict[str, Any]]
+) -> EpisodeObservation:
+    """What the Pods of one completion index say about its episode (the newest Pod counts;
+    earlier ones are restarts)."""
+    if not pods:
+        return EpisodeObservation(
+            index=index, episode_id=f"{handle['job_name']}-{index}", phase="Pending"
+        )
+    ordered = sorted(pods.values(), key=lambda p: p["metadata"]["creationTimestamp"])
+    pod = ordered[-1]
+    meta, status = pod["metadata"], pod.get("status", {})
+    container: dict[str, Any] = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER_NAME),
+        {},
+    )
+    state = container.get("state") or {}
+    terminated = (
+        state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
+    )
+    running = state.get("running") or {}
+    conditions = {
+        c["type"]: _ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
+    }
+    created = _ts(meta["creationTimestamp"])
+    scheduled = conditions.get("PodScheduled")
+    started = _ts(terminated.get("startedAt") or running.get("startedAt"))
+    finished = _ts(terminated.get("finishedAt"))
+    phase = status.get("phase", "Pending")
+    if meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"):
+        phase = "Running"  # terminating: wait for its final state
+    return EpisodeObservation(
+        index=index,
+        episode_id=meta["name"],
+        phase=phase,
+        created_at=created,
+        started_at=started,
+        finished_at=finished,
+        node=pod.get("spec", {}).get("nodeName"),
+        image_id=container.get("imageID") or None,
+        exit_code=terminated.get("exitCode"),
+        restart_count=int(container.get("restartCount", 0)) + len(ordered) - 1,
+        reason=terminated.get("reason") or status.get("reason"),
+        termination_message=terminated.get("message") or None,
+        timing={
+            "scheduled_at": scheduled,
+            "initialized_at": conditions.get("Initialized"),
+            "containers_ready_at": conditions.get("ContainersReady"),
+            "container_started_at": started,
+            "container_finished_at": finished,
+            "scheduling_seconds": _diff(scheduled, created),
+            "container_start_seconds": _diff(started, scheduled),
+        },
+    )
+
+
 class KubernetesBackend:
     name = "kubernetes"
 
@@ -372,7 +428,7 @@ class KubernetesBackend:
             "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector
         )
         pods = {p["metadata"]["uid"]: p for p in listing.get("items", [])}
-        obs = self._observe(handle, index, pods)
+        obs = observe_pods(handle, index, pods)
         if obs.terminal or timeout <= 0:
             return obs
         stream = watch.Watch()
@@ -390,7 +446,7 @@ class KubernetesBackend:
                     pods.pop(pod["metadata"]["uid"], None)
                 elif event["type"] in ("ADDED", "MODIFIED"):
                     pods[pod["metadata"]["uid"]] = pod
-                obs = self._observe(handle, index, pods)
+                obs = observe_pods(handle, index, pods)
                 if obs.terminal:
                     break
         except ApiException as exc:
@@ -403,59 +459,6 @@ class KubernetesBackend:
         if not obs.terminal and not pods:
             obs = self._job_verdict(handle, index, obs)
         return obs
-
-    def _observe(
-        self, handle: RunHandle, index: int, pods: dict[str, dict[str, Any]]
-    ) -> EpisodeObservation:
-        if not pods:
-            return EpisodeObservation(
-                index=index, episode_id=self.episode_id(handle, index), phase="Pending"
-            )
-        ordered = sorted(pods.values(), key=lambda p: p["metadata"]["creationTimestamp"])
-        pod = ordered[-1]
-        meta, status = pod["metadata"], pod.get("status", {})
-        container: dict[str, Any] = next(
-            (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER_NAME),
-            {},
-        )
-        state = container.get("state") or {}
-        terminated = (
-            state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
-        )
-        running = state.get("running") or {}
-        conditions = {
-            c["type"]: _ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
-        }
-        created = _ts(meta["creationTimestamp"])
-        scheduled = conditions.get("PodScheduled")
-        started = _ts(terminated.get("startedAt") or running.get("startedAt"))
-        finished = _ts(terminated.get("finishedAt"))
-        phase = status.get("phase", "Pending")
-        if meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"):
-            phase = "Running"  # terminating: wait for its final state
-        return EpisodeObservation(
-            index=index,
-            episode_id=meta["name"],
-            phase=phase,
-            created_at=created,
-            started_at=started,
-            finished_at=finished,
-            node=pod.get("spec", {}).get("nodeName"),
-            image_id=container.get("imageID") or None,
-            exit_code=terminated.get("exitCode"),
-            restart_count=int(container.get("restartCount", 0)) + len(ordered) - 1,
-            reason=terminated.get("reason") or status.get("reason"),
-            termination_message=terminated.get("message") or None,
-            timing={
-                "scheduled_at": scheduled,
-                "initialized_at": conditions.get("Initialized"),
-                "containers_ready_at": conditions.get("ContainersReady"),
-                "container_started_at": started,
-                "container_finished_at": finished,
-                "scheduling_seconds": _diff(scheduled, created),
-                "container_start_seconds": _diff(started, scheduled),
-            },
-        )
 
     def _job_verdict(
         self, handle: RunHandle, index: int, obs: EpisodeObservation

@@ -116,3 +116,63 @@ def test_quantities_as_the_api_server_writes_them():
     assert parse_quantity("1900m") == Decimal("1.9")
     assert parse_quantity("1e3") == 1000
     assert parse_quantity("8048284Ki") == 8048284 * 1024
+
+
+def pod(name, created, *, phase="Succeeded", exit_code=0, restarts=0, message=None):
+    terminated = {
+        "exitCode": exit_code,
+        "startedAt": "2026-11-30T10:00:03Z",
+        "finishedAt": "2026-11-30T10:00:09Z",
+        "reason": "Completed",
+    }
+    if message:
+        terminated["message"] = message
+    return {
+        "metadata": {"name": name, "uid": name, "creationTimestamp": created},
+        "spec": {"nodeName": "node-a"},
+        "status": {
+            "phase": phase,
+            "conditions": [
+                {"type": "PodScheduled", "lastTransitionTime": "2026-11-30T10:00:01Z"},
+                {"type": "Initialized", "lastTransitionTime": "2026-11-30T10:00:02Z"},
+            ],
+            "containerStatuses": [
+                {
+                    "name": "episode",
+                    "imageID": "sha256:abc",
+                    "restartCount": restarts,
+                    "state": {"terminated": terminated},
+                }
+            ],
+        },
+    }
+
+
+def test_pod_status_becomes_an_observation_with_phase_timings():
+    from rollout_worker.backends.kubernetes import observe_pods
+
+    handle = {"job_name": "rollout"}
+    obs = observe_pods(
+        handle, 3, {"a": pod("rollout-3-x", "2026-11-30T10:00:00Z", message='{"reward": 1}')}
+    )
+    assert (obs.episode_id, obs.phase, obs.exit_code, obs.node) == (
+        "rollout-3-x",
+        "Succeeded",
+        0,
+        "node-a",
+    )
+    assert obs.image_id == "sha256:abc" and obs.termination_message == '{"reward": 1}'
+    assert obs.timing["scheduling_seconds"] == 1.0
+    assert obs.timing["container_start_seconds"] == 2.0
+    assert obs.finished_at - obs.created_at == 9.0
+    # A replaced Pod counts as a restart: the newest Pod is the episode's current attempt.
+    replaced = observe_pods(
+        handle,
+        3,
+        {
+            "a": pod("rollout-3-x", "2026-11-30T10:00:00Z", phase="Failed", exit_code=137),
+            "b": pod("rollout-3-y", "2026-11-30T10:00:05Z"),
+        },
+    )
+    assert replaced.episode_id == "rollout-3-y" and replaced.restart_count == 1
+    assert observe_pods(handle, 4, {}).phase == "Pending"
