@@ -45,6 +45,8 @@ if [[ ! -s "$tarball" ]]; then
     "$root"/usr/share/man "$root"/usr/share/locale
   tar -C "$root" --numeric-owner -cf "$tarball.tmp" .
   mv "$tarball.tmp" "$tarball"
+  # Older roots (another package list or script) are never used again.
+  find "$CACHE" -maxdepth 1 -name "base-$SUITE-*.tar" ! -path "$tarball" -delete
 fi
 
 say "docker import $tarball as $tag"
@@ -52,4 +54,7 @@ docker import \
   -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8' \
   -c 'CMD ["/bin/bash"]' \
   "$tarball" "$tag" >/dev/null
+# Untag bases of older keys (images built on them keep their layers).
+docker images rollout-base --format '{{.Repository}}:{{.Tag}}' | grep -vx "$tag" |
+  xargs -r docker rmi >/dev/null 2>&1 || true
 echo "$tag"

@@ -44,8 +44,10 @@ fi
 start=$SECONDS
 echo "build-image: building $tag from $base" >&2
 # The CLI falls back to the classic builder when buildx is absent; say so explicitly.
-DOCKER_BUILDKIT=0 docker build -q -f "$ctx/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" \
+DOCKER_BUILDKIT=0 docker build -q --force-rm -f "$ctx/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" \
   -t "$tag" "$ctx" >/dev/null
 echo "build-image: built $tag in $((SECONDS - start))s" >&2
+# Each source change leaves the previous build untagged: drop those, never anything else.
+docker image prune -f --filter label=org.opencontainers.image.title=rollout-worker >/dev/null
 echo "ROLLOUT_IMAGE=$tag"
 [[ -z "$local_base" ]] || echo "ROLLOUT_REDIS_IMAGE=$base"

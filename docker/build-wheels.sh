@@ -35,5 +35,7 @@ if [[ ! -f "$dest/.complete" ]]; then
   touch "$tmp/.complete"
   rm -rf "$dest"
   mv "$tmp" "$dest"
+  # Older wheelhouses (other requirements) are never used again.
+  find "$CACHE" -maxdepth 1 -name "wheels-$tag-*" ! -path "$dest" -exec rm -rf {} +
 fi
 echo "$dest"

@@ -490,5 +490,14 @@ def main() -> None:
     cli()
 
 
+def _register_report() -> None:
+    from rollout_worker.report_cmd import report
+
+    cli.add_command(report)
+
+
+_register_report()
+
+
 if __name__ == "__main__":
     main()

@@ -39,6 +39,24 @@ _IMAGE = re.compile(
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
+# The headline numbers of a report, in the order people read them (CLI tables, summaries).
+REPORT_METRICS = (
+    "episodes",
+    "successful_episodes",
+    "failed_episodes",
+    "lost_episodes",
+    "reward_sum",
+    "parallelism",
+    "batch_to_all_ready_seconds",
+    "pod_to_ready_p50_seconds",
+    "pod_to_ready_p95_seconds",
+    "pod_to_ready_max_seconds",
+    "batch_to_all_rewards_seconds",
+    "job_complete_seconds",
+    "client_job_complete_seconds",
+)
+
+
 def new_batch_id() -> str:
     return uuid.uuid4().hex[:16]
 

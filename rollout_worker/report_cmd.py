@@ -17,23 +17,9 @@ from typing import Any
 import click
 import orjson
 
+from rollout_worker.models import REPORT_METRICS
 from rollout_worker.plots import render_timeline
 
-METRICS = (
-    "episodes",
-    "successful_episodes",
-    "failed_episodes",
-    "lost_episodes",
-    "reward_sum",
-    "parallelism",
-    "batch_to_all_ready_seconds",
-    "pod_to_ready_p50_seconds",
-    "pod_to_ready_p95_seconds",
-    "pod_to_ready_max_seconds",
-    "batch_to_all_rewards_seconds",
-    "job_complete_seconds",
-    "client_job_complete_seconds",
-)
 MAX_FAILED_ROWS = 50
 
 
@@ -86,7 +72,7 @@ def summary_tables(report: Mapping[str, Any]) -> list[Table]:
         Table(
             "Metrics",
             ("metric", "value"),
-            [(name, cell(report.get(name))) for name in METRICS if name in report],
+            [(name, cell(report.get(name))) for name in REPORT_METRICS if name in report],
         )
     ]
     phases = report.get("phases") or {}

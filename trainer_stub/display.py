@@ -12,24 +12,8 @@ from rich.live import Live
 from rich.table import Table
 
 from rollout_worker import constants as k
+from rollout_worker.models import REPORT_METRICS
 from trainer_stub.client import Entry, RolloutClient, Submission
-
-METRICS = (
-    "episodes",
-    "successful_episodes",
-    "failed_episodes",
-    "lost_episodes",
-    "reward_sum",
-    "parallelism",
-    "batch_to_all_ready_seconds",
-    "pod_to_ready_p50_seconds",
-    "pod_to_ready_p95_seconds",
-    "pod_to_ready_max_seconds",
-    "batch_to_all_rewards_seconds",
-    "job_complete_seconds",
-    "client_job_complete_seconds",
-)
-
 
 COLUMNS = ("pending", "running", "ready", "rewarded", "ok", "failed", "lost")
 
@@ -135,7 +119,7 @@ def summary_table(reports: Iterable[dict[str, Any]]) -> Table:
     table.add_column("metric")
     for report in reports:
         table.add_column(str(report.get("batch_id")), justify="right")
-    for name in ("status", *METRICS):
+    for name in ("status", *REPORT_METRICS):
         cells = []
         for report in reports:
             value = report.get(name)

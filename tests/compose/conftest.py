@@ -89,8 +89,9 @@ class ComposeStack:
 
         --no-deps: `compose run` would otherwise reconcile the scaled collectors back to one.
         """
-        return self.compose("run", "--rm", "--no-deps", "-T", "trainer", *args,
-                            timeout=timeout, check=check)  # fmt: skip
+        return self.compose(
+            "run", "--rm", "--no-deps", "-T", "trainer", *args, timeout=timeout, check=check
+        )
 
     def port(self, service: str, private: int) -> str:
         return self.compose("port", service, str(private), timeout=30).stdout.strip()
@@ -116,10 +117,16 @@ def stack(
     try:
         start = time.monotonic()
         running.compose(
-            "up", "--detach", "--no-build", "--wait", "--wait-timeout", str(UP_TIMEOUT),
-            "--scale", f"collect={COLLECTORS}",
+            "up",
+            "--detach",
+            "--no-build",
+            "--wait",
+            "--wait-timeout",
+            str(UP_TIMEOUT),
+            "--scale",
+            f"collect={COLLECTORS}",
             timeout=UP_TIMEOUT + 60,
-        )  # fmt: skip
+        )
         timings["compose-up"] = round(time.monotonic() - start, 1)
         yield running
     finally:
