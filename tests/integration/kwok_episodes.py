@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kubernetes import client, watch
@@ -42,6 +43,8 @@ class SimulatedEpisodes:
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kwok-episodes", daemon=True)
+        # Pods arrive hundreds at a time; serve them in parallel, well before KWOK finishes them.
+        self._pool = ThreadPoolExecutor(16, thread_name_prefix="kwok-logs")
 
     def __enter__(self) -> SimulatedEpisodes:
         self._thread.start()
@@ -50,6 +53,7 @@ class SimulatedEpisodes:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
+        self._pool.shutdown(wait=True)
 
     def _run(self) -> None:
         core = client.CoreV1Api(self.cluster.api_client)
@@ -61,8 +65,12 @@ class SimulatedEpisodes:
                     core.list_pod_for_all_namespaces, label_selector=selector, timeout_seconds=2
                 ):
                     pod = event["raw_object"]
-                    if event["type"] == "ADDED":
-                        self._serve(pod["metadata"]["namespace"], pod["metadata"]["name"])
+                    key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+                    if event["type"] == "ADDED" and key not in self.seen:
+                        self.seen.add(key)
+                        self._pool.submit(
+                            self._serve, pod["metadata"]["namespace"], pod["metadata"]["name"]
+                        )
                     if self._stop.is_set():
                         break
             except (ApiException, OSError) as exc:
@@ -73,9 +81,6 @@ class SimulatedEpisodes:
 
     def _serve(self, namespace: str, name: str) -> None:
         key = f"{namespace}/{name}"
-        if key in self.seen:
-            return
-        self.seen.add(key)
         path = kc.write_cri_log(self.directory / namespace / f"{name}.log", episode_lines(name))
         try:
             kc.create_pod_logs(self.cluster, namespace, name, path)
