@@ -278,6 +278,10 @@ def finalize(rt: Runtime, batch_id: str, finalized_by: str) -> dict[str, Any] | 
             if completed_at
             else None,
             "reported_at": time.time(),
+            # The guide's run identity: where it ran, and image caching we do not control.
+            "context": handle.get("context") or f"local:{handle.get('node')}",
+            "namespace": handle.get("namespace"),
+            "cache_state": "uncontrolled",
             **{f"run_{name}": value for name, value in facts.items() if name != "completed_at"},
         },
     )

@@ -17,6 +17,7 @@ import pytest
 
 from rollout_worker.stack import LocalStack
 from tests.k8s import cluster as kc
+from tests.k8s.node_fixtures import real_node  # noqa: F401 - a fixture
 from trainer_stub.client import RolloutClient
 
 
