@@ -7,12 +7,17 @@
 #   hack/localkube/cluster.sh status    exit 0 when the cluster is up and healthy
 #   hack/localkube/cluster.sh nodes N   ensure N KWOK nodes kwok-node-0..N-1 exist
 #   hack/localkube/cluster.sh kubectl … run the pinned kubectl against the cluster
+#   hack/localkube/cluster.sh node-up   `up`, then the real node (kubelet + containerd, root)
+#   hack/localkube/cluster.sh node-down stop the real node only (`down` stops it too)
+#   hack/localkube/cluster.sh node-status  exit 0 when the real node is up and Ready
 #
 # State lives under ${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}: binaries in
 # <k8s version>/bin, the kwokctl workdir in kwok/, and the kubeconfig the tests use in kubeconfig.
 set -euo pipefail
 # shellcheck source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# shellcheck source=node.sh
+. "$(dirname "${BASH_SOURCE[0]}")/node.sh"
 
 export KWOK_WORKDIR="${LOCALKUBE_WORKDIR}"
 CLUSTER_DIR="${LOCALKUBE_WORKDIR}/clusters/${LOCALKUBE_CLUSTER}"
@@ -70,6 +75,9 @@ processes_alive() {
 healthy() {
   [[ -f "${LOCALKUBE_KUBECONFIG}" && -x "${KUBECTL}" ]] || return 1
   processes_alive || return 1
+  # Created from the configuration this script writes now (else `up` recreates it).
+  write_config
+  cmp -s "${CONFIG}" "${CLUSTER_DIR}/localkube-config.yaml" || return 1
   kctl get --raw /readyz --request-timeout=5s >/dev/null 2>&1
 }
 
@@ -94,6 +102,26 @@ options:
   enableCRDs:
   - Logs
   - ClusterLogs
+componentsPatches:
+# KWOK manages only the nodes labelled type=kwok (kwokctl passes --manage-all-nodes=true), so a
+# real kubelet's node is left alone.
+- name: kwok-controller
+  extraArgs:
+  - key: manage-all-nodes
+    value: "false"
+    override: true
+  - key: manage-nodes-with-label-selector
+    value: type=kwok
+# The API server calls kubelets (Pod logs, exec) with the admin client certificate, which the
+# real node's kubelet accepts (signed by the cluster CA); it dials the node's InternalIP.
+- name: kube-apiserver
+  extraArgs:
+  - key: kubelet-client-certificate
+    value: ${CLUSTER_DIR}/pki/admin.crt
+  - key: kubelet-client-key
+    value: ${CLUSTER_DIR}/pki/admin.key
+  - key: kubelet-preferred-address-types
+    value: InternalIP,Hostname
 YAML
   mv -f "${CONFIG}.tmp" "${CONFIG}"
 }
@@ -122,6 +150,8 @@ dump_logs() {
 
 do_down() {
   local pids pid
+  # The real node depends on the cluster (its credentials are signed by the cluster's CA).
+  node_down_locked quiet
   pids="$(cluster_pids) $(stray_pids)"
   if [[ -x "${KWOKCTL}" && -d "${CLUSTER_DIR}" ]]; then
     "${KWOKCTL}" -v WARN delete cluster --name "${LOCALKUBE_CLUSTER}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" >&2 8>&- || true
@@ -149,6 +179,11 @@ take_lock() {
 }
 
 cmd_up() {
+  take_lock
+  up_locked
+}
+
+up_locked() {
   local t0=${SECONDS} build_s=0 built=0
   mkdir -p "${LOCALKUBE_CACHE}"
   # build.sh returns at once when every binary's stamp matches the pinned versions.
@@ -157,7 +192,6 @@ cmd_up() {
   if grep -q "build of" "${build_out}"; then
     build_s=$((SECONDS - t0)); built=1
   fi
-  take_lock
   if healthy; then
     echo "localkube: cluster '${LOCALKUBE_CLUSTER}' already up (checked in $((SECONDS - t0))s)"
     echo "export KUBECONFIG=${LOCALKUBE_KUBECONFIG}"
@@ -165,7 +199,7 @@ cmd_up() {
   fi
   local t1=${SECONDS}
   if [[ -d "${CLUSTER_DIR}" ]]; then
-    localkube_log "found a stale cluster '${LOCALKUBE_CLUSTER}'; recreating it"
+    localkube_log "found a stale cluster '${LOCALKUBE_CLUSTER}' (or an older configuration); recreating it"
     do_down
   fi
   write_config
@@ -175,6 +209,7 @@ cmd_up() {
     dump_logs
     localkube_die "kwokctl create cluster failed"
   fi
+  cp "${CONFIG}" "${CLUSTER_DIR}/localkube-config.yaml"
   "${KWOKCTL}" get kubeconfig --name "${LOCALKUBE_CLUSTER}" >"${LOCALKUBE_KUBECONFIG}.tmp" 8>&-
   chmod 0600 "${LOCALKUBE_KUBECONFIG}.tmp"
   mv -f "${LOCALKUBE_KUBECONFIG}.tmp" "${LOCALKUBE_KUBECONFIG}"
@@ -197,6 +232,33 @@ cmd_down() {
   local t0=${SECONDS}
   do_down
   echo "localkube: cluster '${LOCALKUBE_CLUSTER}' down ($((SECONDS - t0))s)"
+}
+
+cmd_node_up() {
+  take_lock
+  up_locked >&2
+  node_up_locked
+}
+
+cmd_node_down() {
+  mkdir -p "${LOCALKUBE_CACHE}"
+  take_lock
+  node_down_locked
+  # Its Pods are gone with it: remove the Node (the Pod GC then deletes their API objects).
+  if [[ -f "${LOCALKUBE_KUBECONFIG}" ]]; then
+    kctl delete node "${NODE_NAME}" --ignore-not-found --request-timeout=10s >/dev/null 2>&1 || true
+  fi
+}
+
+cmd_node_status() {
+  if healthy && node_healthy; then
+    echo "localkube: node '${NODE_NAME}' is up and Ready (label ${NODE_LABEL_KEY}=${NODE_LABEL_VALUE}," \
+      "taint ${NODE_LABEL_KEY}=${NODE_LABEL_VALUE}:NoSchedule, RuntimeClass ${LOCALKUBE_RUNTIME_CLASS}," \
+      "image ${LOCALKUBE_PYTHON_IMAGE})"
+    return 0
+  fi
+  echo "localkube: node '${NODE_NAME}' is not running (or not Ready)"
+  return 1
 }
 
 cmd_status() {
@@ -256,7 +318,9 @@ status:
 main() {
   local cmd="${1:-}"
   shift || true
-  case "${cmd}" in up|down|status|nodes) localkube_ensure_tools flock:util-linux pgrep:procps ;; esac
+  case "${cmd}" in
+    up|down|status|nodes|node-*) localkube_ensure_tools flock:util-linux pgrep:procps ;;
+  esac
   case "${cmd}" in
     up) cmd_up ;;
     down) cmd_down ;;
@@ -266,9 +330,12 @@ main() {
       ;;
     status) cmd_status ;;
     nodes) cmd_nodes "$@" ;;
+    node-up) cmd_node_up ;;
+    node-down) cmd_node_down ;;
+    node-status) cmd_node_status ;;
     kubectl) exec "${KUBECTL}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" "$@" ;;
     build) exec "${LOCALKUBE_DIR}/build.sh" "$@" ;;
-    *) sed -n '2,13p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
+    *) sed -n '2,16p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
   esac
 }
 main "$@"

@@ -16,6 +16,12 @@ LOCALKUBE_CLUSTER="${ROLLOUT_LOCALKUBE_CLUSTER:-rollout}"
 LOCALKUBE_WORKDIR="${ROLLOUT_LOCALKUBE_WORKDIR:-${LOCALKUBE_CACHE}/kwok}"
 LOCALKUBE_KUBECONFIG="${ROLLOUT_LOCALKUBE_KUBECONFIG:-${LOCALKUBE_CACHE}/kubeconfig}"
 
+# The real node (node.sh): its name, images (hack/images/build.sh) and RuntimeClass.
+LOCALKUBE_NODE_NAME="${ROLLOUT_LOCALKUBE_NODE_NAME:-real-node}"
+LOCALKUBE_PAUSE_IMAGE="rollout.local/pause:1"
+LOCALKUBE_PYTHON_IMAGE="rollout.local/python:3-bookworm"
+LOCALKUBE_RUNTIME_CLASS="runc"
+
 # Components built by default; kubelet only on request (build.sh kubelet).
 LOCALKUBE_DEFAULT_COMPONENTS=(kwokctl kwok etcd kube-apiserver kube-controller-manager kube-scheduler kubectl)
 
@@ -31,18 +37,42 @@ localkube_go() {
 }
 
 # Install missing Debian packages (apt-get update only when something is missing).
-# Arguments: pairs of "command:package".
+# Arguments: pairs of "command:package" (a command name, or an absolute path that must exist).
 localkube_ensure_tools() {
   local missing=() pair cmd pkg
   for pair in "$@"; do
     cmd="${pair%%:*}"; pkg="${pair#*:}"
-    command -v "${cmd}" >/dev/null 2>&1 || missing+=("${pkg}")
+    if [[ "${cmd}" == /* ]]; then
+      [[ -e "${cmd}" ]] || missing+=("${pkg}")
+    else
+      command -v "${cmd}" >/dev/null 2>&1 || missing+=("${pkg}")
+    fi
   done
   ((${#missing[@]} == 0)) && return 0
   command -v apt-get >/dev/null 2>&1 || localkube_die "missing tools (${missing[*]}) and no apt-get"
-  local sudo=()
-  [[ "$(id -u)" == 0 ]] || sudo=(sudo)
   localkube_log "installing Debian packages: ${missing[*]}"
-  "${sudo[@]}" apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  localkube_apt update -qq
+  DEBIAN_FRONTEND=noninteractive localkube_apt install -y -qq --no-install-recommends \
+    "${missing[@]}"
+}
+
+# apt-get that waits for a concurrent apt/dpkg run (another script installing its own packages):
+# dpkg's lock through DPkg::Lock::Timeout, the package lists' lock by retrying for 10 minutes.
+localkube_apt() {
+  local sudo=() out rc deadline=$((SECONDS + 600))
+  [[ "$(id -u)" == 0 ]] || sudo=(sudo)
+  while true; do
+    rc=0
+    out="$("${sudo[@]}" apt-get -o DPkg::Lock::Timeout=600 "$@" 2>&1)" || rc=$?
+    if ((rc == 0)); then
+      [[ -z "${out}" ]] || printf '%s\n' "${out}" >&2
+      return 0
+    fi
+    if ((SECONDS >= deadline)) || ! grep -qi "could not get lock\|unable to lock" <<<"${out}"; then
+      printf '%s\n' "${out}" >&2
+      return "${rc}"
+    fi
+    localkube_log "apt-get $1: another apt/dpkg run holds the lock; waiting"
+    sleep 5
+  done
 }

@@ -217,6 +217,11 @@ def test_guide_drop_in_records_and_cleanup_refusing_a_decoy(
         "image",
         "runtime",
         "pods",
+        "context",
+        "namespace",
+        "cache_state",
+        "nodes",
+        "image_ids",
     ):
         assert field in results, field
     assert (results["episodes"], results["successful_episodes"], results["reward_sum"]) == (3, 3, 3)

@@ -322,6 +322,98 @@ def kwok_placement() -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# The real node (a kubelet + containerd on this machine: ``cluster.sh node-up``)
+
+#: Label and taint of the real node; Pods for it need both the selector and the toleration.
+REAL_NODE_LABEL_KEY = "rollout.dev/node"
+REAL_NODE_LABEL_VALUE = "real"
+#: RuntimeClass (handler ``runc``) and images that ``cluster.sh node-up`` provides.
+REAL_NODE_RUNTIME_CLASS = "runc"
+REAL_NODE_IMAGE = "rollout.local/python:3-bookworm"
+REAL_NODE_PAUSE_IMAGE = "rollout.local/pause:1"
+# A cold node-up builds kubelet (if missing) and the images (debootstrap): minutes.
+NODE_UP_TIMEOUT_S = int(os.environ.get("ROLLOUT_LOCALKUBE_NODE_UP_TIMEOUT", "2400"))
+
+
+class RealNodeUnavailable(RuntimeError):
+    """No node where Pods really run, and the local one could not be started."""
+
+
+@dataclass(frozen=True)
+class RealNode:
+    """A Ready node that runs Pods in real containers, and how to put Pods on it."""
+
+    name: str
+    runtime_class: str = REAL_NODE_RUNTIME_CLASS
+    image: str = REAL_NODE_IMAGE
+    #: The images are imported into the node's containerd, never pulled.
+    image_pull_policy: str = "Never"
+    #: How long ``cluster.sh node-up`` took here (None when the node was found running).
+    start_seconds: float | None = None
+
+    @property
+    def node_selector(self) -> dict[str, str]:
+        return {REAL_NODE_LABEL_KEY: REAL_NODE_LABEL_VALUE}
+
+    @property
+    def tolerations(self) -> list[dict[str, str]]:
+        return [{"key": REAL_NODE_LABEL_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+
+    def placement(self) -> dict:
+        """Pod spec fields for this node: merge into ``spec`` (or a template's)."""
+        return {"nodeSelector": self.node_selector, "tolerations": self.tolerations}
+
+    def batch_fields(self) -> dict:
+        """Fields of a batch request (``parse_spec``) that run its episodes on this node."""
+        return {
+            "image": self.image,
+            "image_pull_policy": self.image_pull_policy,
+            "runtime": self.runtime_class,
+            "node_selector": self.node_selector,
+            "tolerations": self.tolerations,
+        }
+
+
+def _ready_real_nodes(cluster: Cluster) -> list[str]:
+    nodes = cluster.core.list_node(
+        label_selector=f"{REAL_NODE_LABEL_KEY}={REAL_NODE_LABEL_VALUE}"
+    ).items
+    return sorted(n.metadata.name for n in nodes if _node_ready(n))
+
+
+def ensure_real_node(cluster: Cluster) -> RealNode:
+    """A Ready real node: on the local cluster ``cluster.sh node-up`` starts it if needed.
+
+    On another cluster, the first Ready node labelled ``rollout.dev/node=real``. Raises
+    RealNodeUnavailable (with the script's output) when there is none / it cannot start.
+    """
+    if not cluster.local:
+        names = _ready_real_nodes(cluster)
+        if not names:
+            raise RealNodeUnavailable(
+                f"no Ready node labelled {REAL_NODE_LABEL_KEY}={REAL_NODE_LABEL_VALUE} in the "
+                f"cluster at {cluster.kubeconfig}"
+            )
+        return RealNode(names[0])
+    t0 = time.monotonic()
+    try:
+        proc = _run_script("node-up", timeout=NODE_UP_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise RealNodeUnavailable(
+            f"cluster.sh node-up timed out after {NODE_UP_TIMEOUT_S}s"
+        ) from exc
+    elapsed = time.monotonic() - t0
+    tail = "\n".join(proc.stdout.splitlines()[-80:])
+    if proc.returncode != 0:
+        raise RealNodeUnavailable(f"cluster.sh node-up failed (exit {proc.returncode}):\n{tail}")
+    names = _ready_real_nodes(cluster)
+    if not names:
+        raise RealNodeUnavailable(f"cluster.sh node-up succeeded but no node is Ready:\n{tail}")
+    already = "already up" in proc.stdout
+    return RealNode(names[0], start_seconds=None if already else elapsed)
+
+
+# --------------------------------------------------------------------------------------------
 # Simulated Pod logs (KWOK Logs / ClusterLogs objects pointing at CRI-format files)
 
 
