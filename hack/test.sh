@@ -16,6 +16,8 @@ if [[ -z "${KUBECONFIG:-}" ]]; then
     trap './hack/localkube/cluster.sh down >/dev/null 2>&1 || true' EXIT
   fi
   ./hack/localkube/cluster.sh up
+  # One real node (kubelet + containerd, images built locally) for Pods that really run.
+  ./hack/localkube/cluster.sh node-up
   eval "$(./hack/localkube/cluster.sh env)"
 fi
 python3 -m pytest "$@"

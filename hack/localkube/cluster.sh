@@ -123,6 +123,8 @@ componentsPatches:
   - key: kubelet-preferred-address-types
     value: InternalIP,Hostname
 YAML
+  # Our Pod and Node lifecycle for KWOK (see the file's header).
+  { echo "---"; cat "$(dirname "${BASH_SOURCE[0]}")/kwok-stages.yaml"; } >>"${CONFIG}.tmp"
   mv -f "${CONFIG}.tmp" "${CONFIG}"
 }
 
@@ -151,7 +153,7 @@ dump_logs() {
 do_down() {
   local pids pid
   # The real node depends on the cluster (its credentials are signed by the cluster's CA).
-  node_down_locked quiet
+  if node_belongs_here; then node_down_locked quiet; fi
   pids="$(cluster_pids) $(stray_pids)"
   if [[ -x "${KWOKCTL}" && -d "${CLUSTER_DIR}" ]]; then
     "${KWOKCTL}" -v WARN delete cluster --name "${LOCALKUBE_CLUSTER}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" >&2 8>&- || true

@@ -409,7 +409,7 @@ def ensure_real_node(cluster: Cluster) -> RealNode:
     names = _ready_real_nodes(cluster)
     if not names:
         raise RealNodeUnavailable(f"cluster.sh node-up succeeded but no node is Ready:\n{tail}")
-    already = "already up" in proc.stdout
+    already = re.search(r"^localkube: node '[^']*' already up", proc.stdout, flags=re.M)
     return RealNode(names[0], start_seconds=None if already else elapsed)
 
 

@@ -1,0 +1,3 @@
+module rollout.local/pause
+
+go 1.22
