@@ -83,7 +83,9 @@ def test_trainer_stub_runs_rounds_concurrently(stack):
 
 
 def test_check_reports_workers_per_queue(stack):
-    done = rollout("check", env={"ROLLOUT_REDIS_URL": stack.redis_url}, timeout=60)
+    done = rollout(
+        "check", "--no-kubernetes", env={"ROLLOUT_REDIS_URL": stack.redis_url}, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "queue control: 1 worker" in done.stdout
     assert "queue collect: 2 worker" in done.stdout
