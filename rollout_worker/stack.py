@@ -161,6 +161,25 @@ class LocalStack:
         self.workers.append(worker)
         return worker
 
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until every worker answers a ping (runs do not need this: tasks queue)."""
+        from rollout_worker.celery_app import create_app
+        from rollout_worker.settings import Settings
+
+        app = create_app(Settings(redis_url=self.redis_url), with_tasks=False)
+        expected = {f"{w.name}@{socket.gethostname()}" for w in self.workers}
+        end = time.monotonic() + timeout
+        try:
+            while True:
+                self.check_alive()
+                replies = app.control.ping(timeout=1.0) or []
+                if expected <= {name for reply in replies for name in reply}:
+                    return
+                if time.monotonic() > end:
+                    raise StackError(f"workers not ready after {timeout:.0f}s: {sorted(expected)}")
+        finally:
+            app.close()
+
     def check_alive(self) -> None:
         """Raise StackError with the log tail of any process that died."""
         for worker in self.workers:

@@ -25,6 +25,7 @@ from trainer_stub.client import RolloutClient
 def stack():
     """A private redis-server, one `control` worker and two `collect` workers (real processes)."""
     with LocalStack(collectors=2, extra_env={"ROLLOUT_MAX_BATCH_EPISODES": "300"}) as running:
+        running.wait_ready()
         yield running
 
 

@@ -54,6 +54,7 @@ def kwok_runtime(k8s_cluster, kwok_nodes):
 def kube_stack(k8s_cluster):
     env = {"KUBECONFIG": str(k8s_cluster.kubeconfig), "ROLLOUT_COLLECT_BLOCK_SECONDS": "2"}
     with LocalStack(collectors=2, collect_concurrency=16, extra_env=env) as stack:
+        stack.wait_ready()
         yield stack
 
 

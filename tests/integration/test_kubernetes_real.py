@@ -51,6 +51,7 @@ GUIDE_ROW_FIELDS = (
 def real_stack(k8s_cluster):
     env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
     with LocalStack(collectors=2, extra_env=env) as stack:
+        stack.wait_ready()
         yield stack
 
 
