@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 from rollout_worker.errors import InvalidSpec
 from rollout_worker.quantities import parse_cpu, parse_memory
@@ -59,6 +59,10 @@ REPORT_METRICS = (
 
 def new_batch_id() -> str:
     return uuid.uuid4().hex[:16]
+
+
+def is_batch_id(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and bool(_BATCH_ID.match(value))
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
         problems.append(f"unknown fields {unknown}; allowed: {sorted(known)}")
 
     batch_id = data.get("batch_id") or new_batch_id()
-    if not isinstance(batch_id, str) or not _BATCH_ID.match(batch_id):
+    if not is_batch_id(batch_id):
         problems.append(
             f"batch_id {batch_id!r} must be 1-40 lower-case letters, digits or '-', "
             "starting and ending with a letter or digit"

@@ -24,7 +24,13 @@ from rollout_worker import constants as k
 from rollout_worker.backends import Backend, get_backend
 from rollout_worker.errors import BackendError, InvalidSpec, TransientBackendError
 from rollout_worker.metrics import build_report, error_report
-from rollout_worker.models import BatchSpec, EpisodeRow, parse_spec, spec_from_dict
+from rollout_worker.models import (
+    BatchSpec,
+    EpisodeRow,
+    is_batch_id,
+    parse_spec,
+    spec_from_dict,
+)
 from rollout_worker.settings import Settings
 from rollout_worker.store import Store
 from rollout_worker.validation import lost_row, validate_episode
@@ -81,7 +87,8 @@ def submit_batch(self: Task, request: dict[str, Any]) -> dict[str, Any]:
         spec = parse_spec(request, max_episodes=rt.settings.max_batch_episodes)
     except InvalidSpec as exc:
         batch_id = request.get("batch_id")
-        if isinstance(batch_id, str) and re.fullmatch(r"[a-z0-9][-a-z0-9]{0,39}", batch_id):
+        # Never answer for a batch id that a valid batch already owns.
+        if is_batch_id(batch_id) and rt.store.load_receipt(batch_id) is None:
             rt.store.publish_report(
                 batch_id, error_report(batch_id, "rejected", exc.problems, request)
             )
