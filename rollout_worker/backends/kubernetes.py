@@ -50,6 +50,7 @@ from rollout_worker.settings import Settings
 
 MAX_LOG_BYTES = 8 * 2**20
 DELETE_WAIT_SECONDS = 120.0
+JOB_SETTLE_SECONDS = 15
 REQUEST_TIMEOUT = 30
 
 
@@ -457,23 +458,25 @@ class KubernetesBackend:
         finally:
             stream.stop()
         if not obs.terminal and not pods:
-            obs = self._job_verdict(handle, index, obs)
+            obs = self._ended_without_pod(handle, index, obs)
         return obs
 
-    def _job_verdict(
+    def _ended_without_pod(
         self, handle: RunHandle, index: int, obs: EpisodeObservation
     ) -> EpisodeObservation:
         """No Pod for this index: if the Job has ended, the episode ended with it."""
         job = self._call(
             "read job", self.batch.read_namespaced_job, handle["job_name"], handle["namespace"]
         )
-        for condition in (job.get("status") or {}).get("conditions") or []:
-            if (
-                condition.get("type") in ("Failed", "Complete")
-                and condition.get("status") == "True"
-            ):
-                obs.phase = "Failed"
-                obs.reason = f"Job {condition['type']}: {condition.get('reason')} (no Pod ran)"
+        _, verdict = _job_verdict(job)
+        if verdict != "Running":
+            reasons = [
+                c.get("reason")
+                for c in (job.get("status") or {}).get("conditions") or []
+                if c.get("type") == verdict
+            ]
+            obs.phase = "Failed"
+            obs.reason = f"Job {verdict}: {reasons[0] if reasons else '?'} (no Pod ran)"
         return obs
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
@@ -491,9 +494,42 @@ class KubernetesBackend:
                 raise
             return ""  # validation reports the missing events (and any termination message)
 
+    def _settled_job(self, handle: RunHandle) -> dict[str, Any]:
+        """The Job once its controller has marked it Complete or Failed (it does so shortly
+        after the last Pod ends), or as it is after JOB_SETTLE_SECONDS."""
+        namespace, name = handle["namespace"], handle["job_name"]
+        listing = self._call(
+            "list jobs",
+            self.batch.list_namespaced_job,
+            namespace,
+            field_selector=f"metadata.name={name}",
+        )
+        job = (listing.get("items") or [{}])[0]
+        if _job_verdict(job)[1] != "Running":
+            return job
+        stream = watch.Watch()
+        try:
+            for event in stream.stream(
+                self.batch.list_namespaced_job,
+                namespace,
+                field_selector=f"metadata.name={name}",
+                resource_version=listing["metadata"]["resourceVersion"],
+                timeout_seconds=JOB_SETTLE_SECONDS,
+                _request_timeout=JOB_SETTLE_SECONDS + 10,
+            ):
+                if event["type"] in ("ADDED", "MODIFIED"):
+                    job = event["raw_object"]
+                    if _job_verdict(job)[1] != "Running":
+                        break
+        except (ApiException, urllib3.exceptions.HTTPError, OSError):
+            pass  # the records then show the Job as it was last seen
+        finally:
+            stream.stop()
+        return job
+
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
         namespace = handle["namespace"]
-        job = self._call("read job", self.batch.read_namespaced_job, handle["job_name"], namespace)
+        job = self._settled_job(handle)
         pods = self._call(
             "list pods",
             self.core.list_namespaced_pod,
@@ -501,13 +537,7 @@ class KubernetesBackend:
             label_selector=f"{k.LABEL_BATCH}={handle['batch_id']}",
         )
         events = self._call("list events", self.core.list_namespaced_event, namespace)
-        completed_at, verdict = None, "Running"
-        for condition in (job.get("status") or {}).get("conditions") or []:
-            if (
-                condition.get("type") in ("Complete", "Failed")
-                and condition.get("status") == "True"
-            ):
-                completed_at, verdict = _ts(condition.get("lastTransitionTime")), condition["type"]
+        completed_at, verdict = _job_verdict(job)
         submitted = job_manifest(
             spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds
         )
@@ -588,6 +618,14 @@ class KubernetesBackend:
                     "(never force-removed)"
                 )
             time.sleep(1)
+
+
+def _job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
+    """(when, "Complete" | "Failed") once the Job has finished, else (None, "Running")."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return _ts(condition.get("lastTransitionTime")), condition["type"]
+    return None, "Running"
 
 
 def _pretty(value: Any) -> str:
