@@ -23,6 +23,7 @@ from rollout_worker.manifests import namespace_name
 from rollout_worker.models import parse_spec
 from rollout_worker.settings import Settings
 from rollout_worker.stack import LocalStack
+from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
 from tests.integration.kwok_episodes import SimulatedEpisodes
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
@@ -204,38 +205,10 @@ def test_guide_drop_in_records_and_cleanup_refusing_a_decoy(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
-    for field in (
-        "episodes",
-        "successful_episodes",
-        "reward_sum",
-        "batch_to_all_ready_seconds",
-        "pod_to_ready_p50_seconds",
-        "pod_to_ready_p95_seconds",
-        "pod_to_ready_max_seconds",
-        "batch_to_all_rewards_seconds",
-        "client_job_complete_seconds",
-        "parallelism",
-        "image",
-        "runtime",
-        "pods",
-        "context",
-        "namespace",
-        "cache_state",
-        "nodes",
-        "image_ids",
-    ):
-        assert field in results, field
+    assert set(GUIDE_FIELDS) <= set(results), set(GUIDE_FIELDS) - set(results)
     assert (results["episodes"], results["successful_episodes"], results["reward_sum"]) == (3, 3, 3)
     for row in results["pods"]:
-        assert {
-            "pod",
-            "node",
-            "image_id",
-            "reward",
-            "pod_to_ready_seconds",
-            "batch_to_ready_seconds",
-            "batch_to_reward_seconds",
-        } <= set(row)
+        assert set(GUIDE_ROW_FIELDS) <= set(row)
         assert (out / f"{row['pod']}.log").exists()
     for name in ("job.json", "pods.json", "events.txt", "receipt.json", "job-submitted.json"):
         assert (out / name).exists(), name

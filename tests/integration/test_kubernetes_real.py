@@ -12,39 +12,10 @@ import sys
 import pytest
 
 from rollout_worker.stack import LocalStack
+from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
 from tests.k8s import cluster as kc
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
-
-GUIDE_FIELDS = (
-    "episodes",
-    "successful_episodes",
-    "reward_sum",
-    "batch_to_all_ready_seconds",
-    "pod_to_ready_p50_seconds",
-    "pod_to_ready_p95_seconds",
-    "pod_to_ready_max_seconds",
-    "batch_to_all_rewards_seconds",
-    "client_job_complete_seconds",
-    "parallelism",
-    "image",
-    "runtime",
-    "pods",
-    "nodes",
-    "image_ids",
-    "cache_state",
-    "context",
-    "namespace",
-)
-GUIDE_ROW_FIELDS = (
-    "pod",
-    "node",
-    "image_id",
-    "reward",
-    "pod_to_ready_seconds",
-    "batch_to_ready_seconds",
-    "batch_to_reward_seconds",
-)
 
 
 @pytest.fixture(scope="module")
