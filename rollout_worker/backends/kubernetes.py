@@ -422,41 +422,58 @@ class KubernetesBackend:
     def episode_id(self, handle: RunHandle, index: int) -> str:
         return f"{handle['job_name']}-{index}"  # Pod names add a random suffix once created
 
-    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
-        namespace = handle["namespace"]
-        selector = f"{k.LABEL_BATCH}={handle['batch_id']},{INDEX_LABEL}={index}"
-        listing = self._call(
-            "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector
-        )
-        pods = {p["metadata"]["uid"]: p for p in listing.get("items", [])}
-        obs = observe_pods(handle, index, pods)
-        if obs.terminal or timeout <= 0:
-            return obs
+    def _follow(
+        self,
+        what: str,
+        list_fn: Callable[..., Any],
+        namespace: str,
+        done: Callable[[dict[str, dict[str, Any]]], bool],
+        timeout: float,
+        **selector: str,
+    ) -> dict[str, dict[str, Any]]:
+        """List objects, then watch them (from the list's resourceVersion) until `done` holds
+        or `timeout` passes. Returns the objects by UID as last seen."""
+        listing = self._call(f"list {what}", list_fn, namespace, **selector)
+        objects = {o["metadata"]["uid"]: o for o in listing.get("items", [])}
+        if done(objects) or timeout <= 0:
+            return objects
         stream = watch.Watch()
         try:
             for event in stream.stream(
-                self.core.list_namespaced_pod,
+                list_fn,
                 namespace,
-                label_selector=selector,
                 resource_version=listing["metadata"]["resourceVersion"],
                 timeout_seconds=max(1, math.ceil(timeout)),
                 _request_timeout=timeout + 10,
+                **selector,
             ):
-                pod = event["raw_object"]
+                obj = event["raw_object"]
                 if event["type"] == "DELETED":
-                    pods.pop(pod["metadata"]["uid"], None)
+                    objects.pop(obj["metadata"]["uid"], None)
                 elif event["type"] in ("ADDED", "MODIFIED"):
-                    pods[pod["metadata"]["uid"]] = pod
-                obs = observe_pods(handle, index, pods)
-                if obs.terminal:
+                    objects[obj["metadata"]["uid"]] = obj
+                if done(objects):
                     break
         except ApiException as exc:
             if exc.status != 410:  # 410 Gone: our resourceVersion expired; report what we saw
-                raise _translate(exc, "watch pods") from exc
+                raise _translate(exc, f"watch {what}") from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise _translate(exc, "watch pods") from exc
+            raise _translate(exc, f"watch {what}") from exc
         finally:
             stream.stop()
+        return objects
+
+    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
+        selector = f"{k.LABEL_BATCH}={handle['batch_id']},{INDEX_LABEL}={index}"
+        pods = self._follow(
+            "pods",
+            self.core.list_namespaced_pod,
+            handle["namespace"],
+            lambda seen: observe_pods(handle, index, seen).terminal,
+            timeout,
+            label_selector=selector,
+        )
+        obs = observe_pods(handle, index, pods)
         if not obs.terminal and not pods:
             obs = self._ended_without_pod(handle, index, obs)
         return obs
@@ -498,34 +515,20 @@ class KubernetesBackend:
         """The Job once its controller has marked it Complete or Failed (it does so shortly
         after the last Pod ends), or as it is after JOB_SETTLE_SECONDS."""
         namespace, name = handle["namespace"], handle["job_name"]
-        listing = self._call(
-            "list jobs",
-            self.batch.list_namespaced_job,
-            namespace,
-            field_selector=f"metadata.name={name}",
-        )
-        job = (listing.get("items") or [{}])[0]
-        if _job_verdict(job)[1] != "Running":
-            return job
-        stream = watch.Watch()
         try:
-            for event in stream.stream(
+            jobs = self._follow(
+                "jobs",
                 self.batch.list_namespaced_job,
                 namespace,
+                lambda seen: any(_job_verdict(j)[1] != "Running" for j in seen.values()),
+                JOB_SETTLE_SECONDS,
                 field_selector=f"metadata.name={name}",
-                resource_version=listing["metadata"]["resourceVersion"],
-                timeout_seconds=JOB_SETTLE_SECONDS,
-                _request_timeout=JOB_SETTLE_SECONDS + 10,
-            ):
-                if event["type"] in ("ADDED", "MODIFIED"):
-                    job = event["raw_object"]
-                    if _job_verdict(job)[1] != "Running":
-                        break
-        except (ApiException, urllib3.exceptions.HTTPError, OSError):
-            pass  # the records then show the Job as it was last seen
-        finally:
-            stream.stop()
-        return job
+            )
+        except BackendError:
+            jobs = {}  # the records then show the Job as it is now
+        if jobs:
+            return next(iter(jobs.values()))
+        return self._call("read job", self.batch.read_namespaced_job, name, namespace)
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
         namespace = handle["namespace"]
