@@ -8,7 +8,9 @@ set -euo pipefail
 
 CACHE="${ROLLOUT_DOCKER_CACHE:-/var/cache/rollout-docker}"
 SUITE=bookworm
-MIRROR="${ROLLOUT_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+# Where the packages come from: ROLLOUT_DEBIAN_MIRROR, else this machine's apt source for the
+# suite (hack/debian-mirror.sh). Not part of the cache key (same packages from any mirror).
+MIRROR=""
 # What the worker image needs from Debian: the sandbox interpreter at /usr/bin/python3, venv
 # for the project's own environment, bubblewrap for episode isolation, CA certificates; and
 # redis-server, so the same image stands in for the Redis image when no registry is reachable.
@@ -16,7 +18,7 @@ PACKAGES=python3,python3-venv,bubblewrap,ca-certificates,redis-server
 
 say() { echo "build-base: $*" >&2; }
 
-key=$( (cat "${BASH_SOURCE[0]}"; echo "$SUITE $MIRROR $PACKAGES") | sha256sum | cut -c1-12)
+key=$( (cat "${BASH_SOURCE[0]}"; echo "$SUITE $PACKAGES") | sha256sum | cut -c1-12)
 tag="rollout-base:$SUITE-$key"
 tarball="$CACHE/base-$SUITE-$key.tar"
 
@@ -31,9 +33,10 @@ if [[ ! -s "$tarball" ]]; then
     say "debootstrap is missing (run hack/docker-up.sh)"
     exit 1
   }
+  MIRROR=$("$(dirname "${BASH_SOURCE[0]}")/../hack/debian-mirror.sh" "$SUITE") || exit 1
   root=$(mktemp -d "$CACHE/rootfs.XXXXXX")
   trap 'rm -rf "$root"' EXIT
-  say "debootstrap $SUITE ($PACKAGES) into $root (once, a few minutes)"
+  say "debootstrap $SUITE ($PACKAGES) from $MIRROR into $root (once, a few minutes)"
   debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$root" "$MIRROR" \
     >"$CACHE/debootstrap.log" 2>&1 || {
     tail -n 20 "$CACHE/debootstrap.log" >&2

@@ -37,7 +37,8 @@ fi
 command -v docker >/dev/null || die "no docker CLI after installing docker.io"
 
 # -- compose v2 ------------------------------------------------------------------------------
-compose_is_v2() { docker compose version --short 2>/dev/null | grep -q '^v\?2\.'; }
+# (No `| grep -q` under pipefail: its early exit SIGPIPEs the writer and fails the pipeline.)
+compose_is_v2() { [[ "$(docker compose version --short 2>/dev/null)" =~ ^v?2\. ]]; }
 if ! compose_is_v2; then
   built="$CACHE/compose-$COMPOSE_VERSION/docker-compose"
   if [[ ! -x "$built" ]]; then

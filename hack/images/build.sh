@@ -12,7 +12,8 @@
 #
 # Tarballs are cached in ${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}/images under
 # a key made of this script, the pause source and the package list: a warm call only checks
-# that the files exist. Environment: ROLLOUT_DEBIAN_MIRROR (default http://deb.debian.org/debian).
+# that the files exist. Environment: ROLLOUT_DEBIAN_MIRROR (default: this machine's apt source
+# for bookworm, see hack/debian-mirror.sh), ROLLOUT_LOCALKUBE_IMAGES (the tarball cache).
 set -euo pipefail
 IMAGES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../localkube/lib.sh
@@ -21,9 +22,9 @@ IMAGES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PAUSE_IMAGE="${LOCALKUBE_PAUSE_IMAGE}"
 PYTHON_IMAGE="${LOCALKUBE_PYTHON_IMAGE}"
 SUITE=bookworm
-MIRROR="${ROLLOUT_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+MIRROR=""   # resolved only when the Python image must be built (hack/debian-mirror.sh)
 PYTHON_PACKAGES=python3,python-is-python3
-OUT="${LOCALKUBE_CACHE}/images"
+OUT="${LOCALKUBE_IMAGES}"
 BASE_PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 log() { printf '[images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -101,10 +102,12 @@ cleanup_rootfs() {
 
 build_python() {
   local key out t0=${SECONDS}
-  key="$(key_of "${PYTHON_IMAGE}" "${SUITE} ${MIRROR} ${PYTHON_PACKAGES}")"
+  # The mirror is where the packages come from, not what they are: not part of the key.
+  key="$(key_of "${PYTHON_IMAGE}" "${SUITE} ${PYTHON_PACKAGES}")"
   out="${OUT}/python-${SUITE}-${key}.tar"
   if [[ ! -s "${out}" ]]; then
     localkube_ensure_tools debootstrap:debootstrap
+    MIRROR="$("${IMAGES_DIR}/../debian-mirror.sh" "${SUITE}")" || localkube_die "no Debian mirror"
     ROOTFS="$(mktemp -d "${OUT}/.rootfs.XXXXXX")"
     trap cleanup_rootfs EXIT
     local attempt

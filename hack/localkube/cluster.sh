@@ -35,11 +35,14 @@ kctl() { "${KUBECTL}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" "$@"; }
 # Is this PID one of our cluster's processes? (Its arguments name the cluster's workdir and its
 # executable lives in the binary cache; guards against stale pid files reused after a reboot.)
 ours() {
-  local pid="$1" exe
+  local pid="$1" exe cmdline
   [[ "${pid}" =~ ^[0-9]+$ && "${pid}" != "$$" ]] || return 1
   exe="$(readlink "/proc/${pid}/exe" 2>/dev/null)" || return 1
   [[ "${exe}" == "${LOCALKUBE_CACHE}/"* ]] || return 1
-  tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null | grep -qF -- "${CLUSTER_DIR}/"
+  # (No `| grep -q` under pipefail anywhere: grep -q exits at the first match, the writer gets
+  # SIGPIPE, and pipefail turns a match into a failure.)
+  cmdline="$(tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null)" || return 1
+  [[ "${cmdline}" == *"${CLUSTER_DIR}/"* ]]
 }
 
 # PIDs recorded by kwokctl's binary runtime that still belong to the cluster.
@@ -176,6 +179,7 @@ do_down() {
 # Serialise up/down. Daemons must not inherit fd 8 (they would hold the lock forever), so every
 # command that starts processes runs with `8>&-`.
 take_lock() {
+  mkdir -p "${LOCALKUBE_CACHE}"
   exec 8>"${LOCALKUBE_CACHE}/.cluster.lock"
   flock -w "${LOCALKUBE_LOCK_TIMEOUT:-900}" 8 || localkube_die "timed out waiting for ${LOCALKUBE_CACHE}/.cluster.lock"
 }

@@ -10,6 +10,8 @@ LOCALKUBE_CACHE="${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}"
 LOCALKUBE_ROOT="${LOCALKUBE_CACHE}/${K8S_VERSION}"
 LOCALKUBE_BIN="${LOCALKUBE_ROOT}/bin"
 LOCALKUBE_SRC="${LOCALKUBE_ROOT}/src"
+# The real node's image tarballs (hack/images/build.sh).
+LOCALKUBE_IMAGES="${ROLLOUT_LOCALKUBE_IMAGES:-${LOCALKUBE_CACHE}/images}"
 
 # Cluster state (kwokctl workdir) and the stable kubeconfig path the tests read.
 LOCALKUBE_CLUSTER="${ROLLOUT_LOCALKUBE_CLUSTER:-rollout}"

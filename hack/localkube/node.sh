@@ -53,11 +53,12 @@ node_ensure_packages() {
 
 # Is PID a live process of EXE whose command line mentions MARK? (Stale pid files, reused PIDs.)
 node_ours() { # pid exe mark
-  local pid="$1" exe
+  local pid="$1" exe cmdline
   [[ "${pid}" =~ ^[0-9]+$ ]] || return 1
   exe="$(readlink "/proc/${pid}/exe" 2>/dev/null)" || return 1
   [[ "${exe}" == "$2" ]] || return 1
-  tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null | grep -qF -- "$3"
+  cmdline="$(tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null)" || return 1
+  [[ "${cmdline}" == *"$3"* ]]
 }
 
 node_pids() { # exe mark: every live process of ours
@@ -263,7 +264,7 @@ ensure_bridge() {
     ip link add "${BRIDGE}" type bridge
   fi
   local prefix="${POD_SUBNET#*/}"
-  if ! ip -4 addr show dev "${BRIDGE}" | grep -qF "inet ${NODE_IP}/${prefix}"; then
+  if ! grep -qF "inet ${NODE_IP}/${prefix}" <<<"$(ip -4 addr show dev "${BRIDGE}")"; then
     ip addr add "${NODE_IP}/${prefix}" dev "${BRIDGE}"
   fi
   ip link set "${BRIDGE}" up
@@ -303,13 +304,15 @@ import_images() {
     [[ -n "${name}" ]] || continue
     stamp="${stamp_dir}/$(tr '/:' '__' <<<"${name}")"
     if [[ "$(cat "${stamp}" 2>/dev/null)" == "${tar}" ]] \
-        && ctr_ images ls -q | grep -qxF "${name}"; then
+        && grep -qxF "${name}" <<<"$(ctr_ images ls -q)"; then
       continue
     fi
     localkube_log "importing ${name} into containerd (k8s.io) from ${tar} ..."
     ctr_ images import "${tar}" >&2 \
       || localkube_die "ctr images import ${tar} failed"
-    ctr_ images ls -q | grep -qxF "${name}" || localkube_die "${name} missing after import"
+    # (A here-string, not `ctr ... | grep -q`: under pipefail, grep -q's early exit SIGPIPEs ctr
+    # and turns a found image into "missing".)
+    grep -qxF "${name}" <<<"$(ctr_ images ls -q)" || localkube_die "${name} missing after import"
     echo "${tar}" >"${stamp}"
   done <<<"${IMAGE_TARBALLS}"
 }
