@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: install, lint, type-check, start the local Kubernetes
-# (built from source on first use, cached after), then run every test. Extra args go to pytest.
+# The whole test suite on a fresh machine: install (into the project's .venv, hack/setup.sh),
+# lint, type-check, start the local Kubernetes (built from source on first use, cached after)
+# and its real node, then run every test. Extra args go to pytest.
+# ruff, mypy, pytest and `rollout` all come from the venv (first on PATH for the tests too).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ./hack/setup.sh --dev
+VENV="${ROLLOUT_VENV:-.venv}"
+[[ "${VENV}" == /* ]] || VENV="$(pwd)/${VENV}"
+export VIRTUAL_ENV="${VENV}" PATH="${VENV}/bin:${PATH}"
+hash -r
 
 ruff check rollout_worker trainer_stub tests benchmarks
 ruff format --check rollout_worker trainer_stub
@@ -20,4 +26,4 @@ if [[ -z "${KUBECONFIG:-}" ]]; then
   ./hack/localkube/cluster.sh node-up
   eval "$(./hack/localkube/cluster.sh env)"
 fi
-python3 -m pytest "$@"
+"${VENV}/bin/python" -m pytest "$@"

@@ -66,10 +66,8 @@ localkube_apt() {
   while true; do
     rc=0
     out="$("${sudo[@]}" apt-get -o DPkg::Lock::Timeout=600 "$@" 2>&1)" || rc=$?
-    if ((rc == 0)); then
-      [[ -z "${out}" ]] || printf '%s\n' "${out}" >&2
-      return 0
-    fi
+    # dpkg's progress chatter only on failure.
+    ((rc != 0)) || return 0
     if ((SECONDS >= deadline)) || ! grep -qi "could not get lock\|unable to lock" <<<"${out}"; then
       printf '%s\n' "${out}" >&2
       return "${rc}"
