@@ -11,19 +11,10 @@ import sys
 
 import pytest
 
-from rollout_worker.stack import LocalStack
 from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
 from tests.k8s import cluster as kc
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
-
-
-@pytest.fixture(scope="module")
-def real_stack(k8s_cluster):
-    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
-    with LocalStack(collectors=2, extra_env=env) as stack:
-        stack.wait_ready()
-        yield stack
 
 
 @pytest.mark.parametrize("parallelism", [10, 1])
