@@ -124,6 +124,7 @@ class LeftOut:
     markexpr: str = ""
     by_markexpr: list[Sequence[str]] = field(default_factory=list)  # markers of each test
     by_other: int = 0  # deselected by -k (or -m when the expression could not be read)
+    markexpr_unreadable: bool = False
 
     def summary_lines(self) -> list[str]:
         lines = []
@@ -139,7 +140,8 @@ class LeftOut:
                 + (f" (markers: {per_marker})" if per_marker else "")
             )
         if self.by_other:
-            lines.append(f"deselected by -k/-m: {_tests(self.by_other)}")
+            how = "-k/-m" if self.markexpr_unreadable else "-k"
+            lines.append(f"deselected by {how}: {_tests(self.by_other)}")
         return lines
 
 
@@ -199,6 +201,7 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     remaining = {id(item) for item in items}
     gone = [item for item in before if id(item) not in remaining]
     keeps = markexpr_matcher(state.markexpr) if state.markexpr and gone else None
+    state.markexpr_unreadable = bool(state.markexpr and gone and keeps is None)
     for item in gone:
         markers = sorted(_marker_names(item))
         if keeps is not None and not keeps(markers):
