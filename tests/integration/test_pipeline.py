@@ -6,6 +6,7 @@ import multiprocessing
 import time
 
 import pytest
+from celery import Celery
 
 from rollout_worker import constants as k
 from rollout_worker.models import new_batch_id
@@ -96,23 +97,72 @@ def test_a_hung_episode_is_reported_at_its_deadline(client):
     assert all("DeadlineExceeded" in " ".join(row["errors"]) for row in report["pods"])
 
 
+def _results_app(redis_url: str) -> Celery:
+    """A client that can also read task results (the trainer's client only sends)."""
+    app = Celery("rollout-test-results", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+    )
+    return app
+
+
+def finished_result(app: Celery, task_id: str, timeout: float) -> dict:
+    """The return value of a task once it has run to the end (read from the result backend;
+    no pub/sub subscription is left behind)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = app.backend.get_task_meta(task_id)
+        if meta["status"] == "SUCCESS":
+            return meta["result"]
+        assert meta["status"] in ("PENDING", "STARTED", "RETRY"), meta
+        assert time.monotonic() < deadline, f"task {task_id} did not finish in {timeout}s: {meta}"
+        time.sleep(0.1)
+
+
 def test_redelivered_submit_and_collect_tasks_never_double_count(client):
+    app = _results_app(client.redis_url)
     batch_id = new_batch_id()
     request = {"batch_id": batch_id, "count": 12, "parallelism": 4, "submitted_at": time.time()}
-    submit = client.celery.signature(k.TASK_SUBMIT, queue=k.QUEUE_CONTROL)
-    submit.delay(request)
-    submit.delay(request)  # the same message delivered twice
+    submit = app.signature(k.TASK_SUBMIT, queue=k.QUEUE_CONTROL)
+    # The same request delivered twice.
+    submits = [submit.delay(request).id, submit.delay(request).id]
+    deadline = time.monotonic() + 60
+    while "run" not in client.receipt(batch_id):  # the run exists: copies now race the chord
+        assert time.monotonic() < deadline, "the submit never started the run"
+        time.sleep(0.05)
+    # Re-sent collectors for every episode while the batch runs, under new task ids: Celery's
+    # per-task-id dedupe cannot catch them; only our per-episode record can.
+    copies = [
+        app.signature(k.TASK_COLLECT, args=(batch_id, index), queue=k.QUEUE_COLLECT).delay().id
+        for index in range(12)
+    ]
     report = client.wait(batch_id, timeout=120)
     assert_exact(report, 12)
-    # A collector re-sent under a new task id after the fact is a no-op.
-    client.celery.signature(k.TASK_COLLECT, args=(batch_id, 3), queue=k.QUEUE_COLLECT).delay()
-    client.celery.signature(k.TASK_AGGREGATE, args=([], batch_id), queue=k.QUEUE_CONTROL).delay()
-    time.sleep(2)
+    # Both submits ran to the end (neither was dropped before doing anything).
+    submitted = [finished_result(app, t, 60) for t in submits]
+    assert all(s["batch_id"] == batch_id for s in submitted), submitted
+    assert {s["status"] for s in submitted} <= {"started", "done"}, submitted
+    # Every in-flight copy finished, each for its own episode, before we count.
+    finished = [finished_result(app, t, 120) for t in copies]
+    assert sorted(f["index"] for f in finished) == list(range(12)), finished
+    assert not [f for f in finished if "error" in f], finished
+    # Copies re-sent after the report: they run, find the row / the report, and do nothing.
+    late_collect = app.signature(k.TASK_COLLECT, args=(batch_id, 3), queue=k.QUEUE_COLLECT)
+    late_aggregate = app.signature(k.TASK_AGGREGATE, args=([], batch_id), queue=k.QUEUE_CONTROL)
+    late = [late_collect.delay().id, late_aggregate.delay().id]
+    assert finished_result(app, late[0], 60) == {"index": 3, "recorded": False}
+    assert finished_result(app, late[1], 60)["status"] == "already-reported"
+    app.close()
+    # Only now, with every copy finished, count: one row and one stream entry per episode.
     assert len(client.redis.hkeys(k.episodes_key(batch_id))) == 12
     entries = client.redis.xrange(k.stream_key(batch_id))
     kinds = [data[b"type"].decode() for _, data in entries]
     assert kinds.count("episode") == 12 and kinds.count("report") == 1
     assert client.report(batch_id)["reported_at"] == report["reported_at"]
+    assert client.receipt(batch_id)["run"]["run_uid"] == report["run"]["run_uid"]
 
 
 def test_invalid_and_oversized_requests_get_a_rejection_report(client):
