@@ -1,5 +1,6 @@
 """A collector killed with SIGKILL mid-batch: its tasks come back, nothing is lost or doubled."""
 
+import json
 import os
 import signal
 import time
@@ -13,20 +14,95 @@ from trainer_stub.client import RolloutClient
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
 
+# kombu's Redis transport keeps every delivered, not yet acknowledged message in this hash
+# (delivery tag -> [message, exchange, routing key]) until it is acked or restored to its queue.
+UNACKED = "unacked"
+
+
+def _messages(raw_items) -> list[dict]:
+    return [json.loads(raw) for raw in raw_items]
+
+
+def unacked_collects(redis_client, batch_id: str) -> dict[str, str]:
+    """delivery tag -> task id of this batch's unacknowledged collect messages."""
+    held = {}
+    for tag, raw in redis_client.hgetall(UNACKED).items():
+        message = json.loads(raw)[0]
+        headers = message["headers"]
+        if headers["task"] == k.TASK_COLLECT and headers["id"].startswith(f"{batch_id}."):
+            held[tag.decode()] = headers["id"]
+    return held
+
+
+def queued_collects(redis_client) -> dict[str, dict]:
+    """task id -> message of the collect messages waiting in the queue."""
+    return {m["headers"]["id"]: m for m in _messages(redis_client.lrange(k.QUEUE_COLLECT, 0, -1))}
+
+
 def test_killed_collector_loses_nothing_and_counts_nothing_twice():
+    """The path claimed: a collector dies holding unacked collect messages; the transport
+    restores them to the queue (flagged redelivered) after the visibility timeout; another
+    collector runs them; the chord completes with every episode once."""
     env = {"ROLLOUT_VISIBILITY_TIMEOUT": "10", "ROLLOUT_COLLECT_BLOCK_SECONDS": "1"}
-    with LocalStack(collectors=2, collect_concurrency=4, extra_env=env) as stack:
+    # One collector at first, so every unacked collect message is provably the victim's.
+    with LocalStack(collectors=1, collect_concurrency=4, extra_env=env) as stack:
         client = RolloutClient(stack.redis_url)
         submission = client.submit(count=40, parallelism=4)
-        next(client.stream(submission.batch_id, timeout=60))  # the batch is under way
+        batch_id = submission.batch_id
+        next(client.stream(batch_id, timeout=60))  # the batch is under way
         victim = next(w for w in stack.workers if w.name == "collect1")
+        # Freeze it first: from now on it can neither ack nor retry what it holds.
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        held = unacked_collects(client.redis, batch_id)
+        assert held, "the collector held no unacknowledged collect task when it was killed"
         stack.stop_worker(victim, sig=signal.SIGKILL)
-        report = client.wait(submission.batch_id, timeout=180)
+        assert victim.proc.returncode == -signal.SIGKILL
+        # Killed while holding them: none was acknowledged.
+        assert set(held) <= set(unacked_collects(client.redis, batch_id)), held
+        held_ids = set(held.values())
+        rows_before = {int(i) for i in client.redis.hkeys(k.episodes_key(batch_id))}
+
+        # No collector is running now: the messages come back only through the transport's
+        # restore (visibility timeout 10 s, swept every 10 s by the live control worker).
+        restored: dict[str, dict] = {}
+        deadline = time.monotonic() + 60
+        while set(restored) != held_ids:
+            assert time.monotonic() < deadline, (held_ids, set(restored))
+            restored.update(
+                (task_id, message)
+                for task_id, message in queued_collects(client.redis).items()
+                if task_id in held_ids
+            )
+            time.sleep(0.2)
+        assert all(m["headers"].get("redelivered") is True for m in restored.values()), restored
+        assert not set(held) & set(unacked_collects(client.redis, batch_id))
+
+        # Another collector takes them over and the batch completes through the chord.
+        rescuer = stack.start_worker(k.QUEUE_COLLECT, "collect2", pool="threads", concurrency=4)
+        report = client.wait(batch_id, timeout=180)
         assert report["ok"] is True, report["errors"]
         assert report["finalized_by"] == "chord"  # the chord completed, not the watchdog
         assert report["successful_episodes"] == 40 and report["reward_sum"] == 40
         assert sorted(row["index"] for row in report["pods"]) == list(range(40))
-        assert len(client.redis.hkeys(f"rollout:batch:{submission.batch_id}:episodes")) == 40
+        assert len(client.redis.hkeys(k.episodes_key(batch_id))) == 40
+        kinds = [d[b"type"] for _, d in client.redis.xrange(k.stream_key(batch_id))]
+        assert kinds.count(b"episode") == 40
+        # The rescuer's own log shows it received and finished each restored task.
+        rescuer_log = rescuer.log.read_text()
+        for task_id in held_ids:
+            assert f"{k.TASK_COLLECT}[{task_id}] received" in rescuer_log, task_id
+            assert f"{k.TASK_COLLECT}[{task_id}] succeeded" in rescuer_log, task_id
+        # A held task whose row was already recorded (killed between recording and acking)
+        # ran again on the rescuer as a no-op; the others recorded their rows there.
+        for task_id in held_ids:
+            index = int(task_id.rsplit(".", 1)[1])
+            line = next(
+                x for x in rescuer_log.splitlines() if f"{k.TASK_COLLECT}[{task_id}] succeeded" in x
+            )
+            if index in rows_before:
+                assert "'recorded': False" in line, line
+            else:
+                assert "'status': 'ok'" in line, line
         client.close()
 
 
