@@ -6,9 +6,15 @@
 #   - start dockerd in the background when `docker info` fails, log in $ROLLOUT_DOCKER_CACHE,
 #     and wait until it answers.
 # Exits non-zero with the reason when any step fails: callers (tests) must fail, not skip.
+# Relocatable: ROLLOUT_DOCKER_CACHE (compose binary, dockerd log, build-base/build-wheels
+# caches; default /var/cache/rollout-docker), ROLLOUT_DOCKER_DATA_ROOT (the engine's images and
+# containers, passed as --data-root when this script starts dockerd; default dockerd's own
+# /var/lib/docker; an engine that is already running is used as it is), GOMODCACHE/GOCACHE (the
+# compose build).
 set -euo pipefail
 
 CACHE="${ROLLOUT_DOCKER_CACHE:-/var/cache/rollout-docker}"
+DATA_ROOT="${ROLLOUT_DOCKER_DATA_ROOT:-}"
 COMPOSE_VERSION="${ROLLOUT_COMPOSE_VERSION:-v2.40.3}"
 PLUGIN_DIR=/usr/local/lib/docker/cli-plugins
 DOCKERD_LOG="$CACHE/dockerd.log"
@@ -71,7 +77,12 @@ if ! docker info >/dev/null 2>&1; then
     say "starting dockerd (log: $DOCKERD_LOG)"
     # Detached from the caller (own session, no inherited descriptors) so it outlives the test
     # run that started it and never holds a pytest pipe open.
-    $sudo setsid nohup dockerd >>"$DOCKERD_LOG" 2>&1 </dev/null &
+    args=()
+    if [[ -n "$DATA_ROOT" ]]; then
+      $sudo mkdir -p "$DATA_ROOT"
+      args+=(--data-root "$DATA_ROOT")
+    fi
+    $sudo setsid nohup dockerd "${args[@]}" >>"$DOCKERD_LOG" 2>&1 </dev/null &
   fi
   end=$((SECONDS + START_SECONDS))
   until docker info >/dev/null 2>&1; do
@@ -82,4 +93,8 @@ if ! docker info >/dev/null 2>&1; then
     sleep 0.5
   done
 fi
-say "ready: engine $(docker version -f '{{.Server.Version}}'), compose $(docker compose version --short)"
+root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || true)
+if [[ -n "$DATA_ROOT" && "$root" != "$DATA_ROOT" ]]; then
+  say "note: the running engine keeps its data in $root, not ROLLOUT_DOCKER_DATA_ROOT=$DATA_ROOT"
+fi
+say "ready: engine $(docker version -f '{{.Server.Version}}') (data ${root:-?}), compose $(docker compose version --short)"

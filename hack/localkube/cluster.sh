@@ -10,6 +10,14 @@
 #   hack/localkube/cluster.sh node-up   `up`, then the real node (kubelet + containerd, root)
 #   hack/localkube/cluster.sh node-down stop the real node only (`down` stops it too)
 #   hack/localkube/cluster.sh node-status  exit 0 when the real node is up and Ready
+#   hack/localkube/cluster.sh freeze COMPONENT SECONDS   SIGSTOP a component, sleep, SIGCONT
+#   hack/localkube/cluster.sh freeze-apiserver SECONDS   the same for kube-apiserver
+#   hack/localkube/cluster.sh restarts  one line per supervised component: NAME PID RESTARTS
+#   hack/localkube/cluster.sh wait-healthy [SECONDS]     wait (default 120 s) until `status` is 0
+#
+# `up` starts a supervisor (supervise.sh) that restarts any control-plane component (etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler, kwok-controller) or real-node daemon (kubelet,
+# containerd) that exits, with a back-off (1 s doubling to 30 s); `down` stops it first.
 #
 # State lives under ${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}: binaries in
 # <k8s version>/bin, the kwokctl workdir in kwok/, and the kubeconfig the tests use in kubeconfig.
@@ -30,6 +38,9 @@ NODE_PODS="${LOCALKUBE_NODE_PODS:-1000}"
 NODE_CPU="${LOCALKUBE_NODE_CPU:-1000}"
 NODE_MEMORY="${LOCALKUBE_NODE_MEMORY:-4Ti}"
 
+SUP_DIR="${CLUSTER_DIR}/supervisor"
+SUPERVISE="${LOCALKUBE_DIR}/supervise.sh"
+
 kctl() { "${KUBECTL}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" "$@"; }
 
 # Is this PID one of our cluster's processes? (Its arguments name the cluster's workdir and its
@@ -41,7 +52,7 @@ ours() {
   [[ "${exe}" == "${LOCALKUBE_CACHE}/"* ]] || return 1
   # (No `| grep -q` under pipefail anywhere: grep -q exits at the first match, the writer gets
   # SIGPIPE, and pipefail turns a match into a failure.)
-  cmdline="$(tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null)" || return 1
+  cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/${pid}/cmdline")" || return 1
   [[ "${cmdline}" == *"${CLUSTER_DIR}/"* ]]
 }
 
@@ -144,6 +155,86 @@ wait_ready() {
   done
 }
 
+# -- supervision ------------------------------------------------------------------------------
+# Record a running process for the supervisor: its argv, environment, cwd and log (its stdout),
+# and where its PID is kept. Called right after a component starts.
+#   supervise_register NAME PID PIDFILE
+supervise_register() {
+  local name="$1" pid="$2" pidfile="$3" d="${SUP_DIR}/$1"
+  [[ -r "/proc/${pid}/cmdline" ]] || { localkube_log "cannot supervise ${name}: pid ${pid} is gone"; return 1; }
+  mkdir -p "${d}.tmp"
+  cat "/proc/${pid}/cmdline" >"${d}.tmp/argv"
+  cat "/proc/${pid}/environ" >"${d}.tmp/environ"
+  readlink "/proc/${pid}/cwd" >"${d}.tmp/cwd"
+  readlink "/proc/${pid}/fd/1" >"${d}.tmp/log"
+  [[ "$(cat "${d}.tmp/log")" == /* ]] || echo "${CLUSTER_DIR}/logs/${name}.log" >"${d}.tmp/log"
+  echo "${pidfile}" >"${d}.tmp/pidfile"
+  [[ "${pidfile}" == "${d}/pid" ]] && printf '%s' "${pid}" >"${d}.tmp/pid"
+  echo 0 >"${d}.tmp/restarts"
+  rm -rf "${d}"
+  mv "${d}.tmp" "${d}"
+}
+
+# Stop supervising NAME... (under the supervisor's lock, so no restart is in flight after this).
+supervise_forget() {
+  [[ -d "${SUP_DIR}" ]] || return 0
+  local name
+  exec 6>>"${SUP_DIR}/.lock"
+  flock 6
+  for name in "$@"; do rm -rf "${SUP_DIR:?}/${name}"; done
+  exec 6>&-
+}
+
+supervisor_pid() {
+  local pid cmdline
+  pid="$(tr -dc '0-9' 2>/dev/null <"${SUP_DIR}/supervisor.pid")" || return 1
+  [[ -n "${pid}" ]] || return 1
+  cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/${pid}/cmdline")" || return 1
+  [[ "${cmdline}" == *"supervise.sh ${SUP_DIR} "* ]] || return 1
+  echo "${pid}"
+}
+
+start_supervisor() {
+  supervisor_pid >/dev/null && return 0
+  mkdir -p "${SUP_DIR}" "${CLUSTER_DIR}/logs"
+  rm -f "${SUP_DIR}/supervisor.pid"
+  # It runs from a copy: bash reads a script as it goes, so editing (or checking out) the
+  # repository's file must not change a running supervisor.
+  cp "${SUPERVISE}" "${SUP_DIR}/supervise.sh"
+  setsid bash "${SUP_DIR}/supervise.sh" "${SUP_DIR}" </dev/null >>"${CLUSTER_DIR}/logs/supervisor.log" 2>&1 \
+    6>&- 7>&- 8>&- 9>&- &
+  local i
+  for i in $(seq 1 50); do
+    supervisor_pid >/dev/null && return 0
+    sleep 0.1
+  done
+  localkube_die "the supervisor did not start (log: ${CLUSTER_DIR}/logs/supervisor.log)"
+}
+
+stop_supervisor() {
+  local pid i
+  pid="$(supervisor_pid)" || return 0
+  kill "${pid}" 2>/dev/null || true
+  for i in $(seq 1 50); do
+    kill -0 "${pid}" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  kill -9 "${pid}" 2>/dev/null || true
+}
+
+# Every control-plane process kwokctl started (pids/<binary name>.pid) goes under supervision.
+supervise_control_plane() {
+  local f name pid
+  for f in "${CLUSTER_DIR}"/pids/*.pid; do
+    [[ -f "${f}" ]] || continue
+    name="$(basename "${f}" .pid)"
+    pid="$(tr -dc '0-9' <"${f}")"
+    ours "${pid}" || localkube_die "${name} (pid ${pid}) exited right after the cluster started"
+    supervise_register "${name}" "${pid}" "${f}"
+  done
+  start_supervisor
+}
+
 dump_logs() {
   local f
   for f in "${CLUSTER_DIR}"/logs/*.log; do
@@ -155,6 +246,8 @@ dump_logs() {
 
 do_down() {
   local pids pid
+  # First the supervisor: it would restart what is stopped below.
+  stop_supervisor
   # The real node depends on the cluster (its credentials are signed by the cluster's CA).
   if node_belongs_here; then node_down_locked quiet; fi
   pids="$(cluster_pids) $(stray_pids)"
@@ -198,7 +291,16 @@ up_locked() {
   if grep -q "build of" "${build_out}"; then
     build_s=$((SECONDS - t0)); built=1
   fi
+  # A component the supervisor is restarting (back-off) is not a reason to recreate the cluster.
+  if ! healthy && supervisor_pid >/dev/null \
+      && cmp -s "${CONFIG}" "${CLUSTER_DIR}/localkube-config.yaml"; then
+    localkube_log "cluster not healthy; waiting up to ${LOCALKUBE_RESTART_WAIT:-60}s for the supervisor's restarts"
+    local until=$((SECONDS + ${LOCALKUBE_RESTART_WAIT:-60}))
+    until healthy || ((SECONDS >= until)); do sleep 1; done
+  fi
   if healthy; then
+    [[ -d "${SUP_DIR}" ]] || supervise_control_plane
+    start_supervisor
     echo "localkube: cluster '${LOCALKUBE_CLUSTER}' already up (checked in $((SECONDS - t0))s)"
     echo "export KUBECONFIG=${LOCALKUBE_KUBECONFIG}"
     return 0
@@ -216,6 +318,7 @@ up_locked() {
     localkube_die "kwokctl create cluster failed"
   fi
   cp "${CONFIG}" "${CLUSTER_DIR}/localkube-config.yaml"
+  supervise_control_plane
   "${KWOKCTL}" get kubeconfig --name "${LOCALKUBE_CLUSTER}" >"${LOCALKUBE_KUBECONFIG}.tmp" 8>&-
   chmod 0600 "${LOCALKUBE_KUBECONFIG}.tmp"
   mv -f "${LOCALKUBE_KUBECONFIG}.tmp" "${LOCALKUBE_KUBECONFIG}"
@@ -265,6 +368,63 @@ cmd_node_status() {
   fi
   echo "localkube: node '${NODE_NAME}' is not running (or not Ready)"
   return 1
+}
+
+# Which PID file holds component NAME (control plane: kwokctl's; node: the supervisor's).
+component_pidfile() {
+  local name="$1"
+  case "${name}" in
+    apiserver) name=kube-apiserver ;;
+    controller-manager) name=kube-controller-manager ;;
+    scheduler) name=kube-scheduler ;;
+    kwok) name=kwok-controller ;;
+  esac
+  if [[ -f "${SUP_DIR}/${name}/pidfile" ]]; then cat "${SUP_DIR}/${name}/pidfile"
+  elif [[ -f "${CLUSTER_DIR}/pids/${name}.pid" ]]; then echo "${CLUSTER_DIR}/pids/${name}.pid"
+  else return 1
+  fi
+}
+
+# freeze COMPONENT SECONDS: SIGSTOP the component, sleep, SIGCONT (also when interrupted).
+# Prints `localkube: froze NAME (pid P) for Ns` when done. Does not take the cluster lock.
+cmd_freeze() {
+  local name="${1:-}" secs="${2:-}" pidfile pid
+  [[ -n "${name}" && "${secs}" =~ ^[0-9]+([.][0-9]+)?$ ]] \
+    || localkube_die "usage: cluster.sh freeze COMPONENT SECONDS (COMPONENT: kube-apiserver, etcd, kube-controller-manager, kube-scheduler, kwok-controller, kubelet, containerd)"
+  pidfile="$(component_pidfile "${name}")" || localkube_die "no component '${name}' in ${CLUSTER_DIR}"
+  pid="$(tr -dc '0-9' <"${pidfile}")"
+  [[ -n "${pid}" ]] && kill -0 "${pid}" 2>/dev/null || localkube_die "${name} is not running"
+  trap 'kill -CONT '"${pid}"' 2>/dev/null || true' EXIT
+  trap 'exit 130' INT TERM
+  kill -STOP "${pid}"
+  localkube_log "froze ${name} (pid ${pid}, SIGSTOP) for ${secs}s"
+  sleep "${secs}"
+  kill -CONT "${pid}"
+  trap - EXIT
+  echo "localkube: froze ${name} (pid ${pid}) for ${secs}s"
+}
+
+cmd_restarts() {
+  local d name pid
+  [[ -d "${SUP_DIR}" ]] || localkube_die "no supervised cluster in ${CLUSTER_DIR}"
+  for d in "${SUP_DIR}"/*/; do
+    d="${d%/}"; name="${d##*/}"
+    [[ -f "${d}/argv" ]] || continue
+    pid="$(tr -dc '0-9' 2>/dev/null <"$(cat "${d}/pidfile")")" || pid=""
+    kill -0 "${pid:-0}" 2>/dev/null || pid="-"
+    echo "${name} ${pid:--} $(cat "${d}/restarts" 2>/dev/null || echo 0)"
+  done
+  supervisor_pid >/dev/null || { echo "supervisor - stopped"; return 1; }
+}
+
+cmd_wait_healthy() {
+  local secs="${1:-120}" deadline
+  deadline=$((SECONDS + secs))
+  until healthy; do
+    ((SECONDS < deadline)) || { echo "localkube: cluster '${LOCALKUBE_CLUSTER}' not healthy after ${secs}s"; return 1; }
+    sleep 0.5
+  done
+  echo "localkube: cluster '${LOCALKUBE_CLUSTER}' is healthy"
 }
 
 cmd_status() {
@@ -325,7 +485,7 @@ main() {
   local cmd="${1:-}"
   shift || true
   case "${cmd}" in
-    up|down|status|nodes|node-*) localkube_ensure_tools flock:util-linux pgrep:procps ;;
+    up|down|status|nodes|node-*|wait-healthy) localkube_ensure_tools flock:util-linux pgrep:procps ;;
   esac
   case "${cmd}" in
     up) cmd_up ;;
@@ -339,9 +499,13 @@ main() {
     node-up) cmd_node_up ;;
     node-down) cmd_node_down ;;
     node-status) cmd_node_status ;;
+    freeze) cmd_freeze "$@" ;;
+    freeze-apiserver) cmd_freeze kube-apiserver "$@" ;;
+    restarts) cmd_restarts ;;
+    wait-healthy) cmd_wait_healthy "$@" ;;
     kubectl) exec "${KUBECTL}" --kubeconfig "${LOCALKUBE_KUBECONFIG}" "$@" ;;
     build) exec "${LOCALKUBE_DIR}/build.sh" "$@" ;;
-    *) sed -n '2,16p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
+    *) sed -n '2,24p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
   esac
 }
 main "$@"

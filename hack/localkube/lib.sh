@@ -51,6 +51,8 @@ localkube_ensure_tools() {
     fi
   done
   ((${#missing[@]} == 0)) && return 0
+  # Each package once (several commands may come from one).
+  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
   command -v apt-get >/dev/null 2>&1 || localkube_die "missing tools (${missing[*]}) and no apt-get"
   localkube_log "installing Debian packages: ${missing[*]}"
   localkube_apt update -qq

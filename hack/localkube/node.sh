@@ -18,26 +18,40 @@ NODE_DIR="${LOCALKUBE_CACHE}/node"
 NODE_NAME="${LOCALKUBE_NODE_NAME}"
 NODE_LABEL_KEY="rollout.dev/node"
 NODE_LABEL_VALUE="real"
-CONTAINERD_ROOT="${ROLLOUT_NODE_CONTAINERD_ROOT:-/var/lib/rollout-containerd}"
-CONTAINERD_STATE="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd}"
+# Machine-wide names (bridge, state directories, ports, cgroup root) of one real node. A second
+# cluster on the same machine (another ROLLOUT_LOCALKUBE_CACHE, e.g. a cold-path proof) sets
+# ROLLOUT_LOCALKUBE_NODE_ID=1..200 so its node shares nothing with the default one (id 0):
+# bridge rollout<N>, 10.89.<N>.0/24, /var/lib/rollout-containerd-<N>, /run/rollout-containerd-<N>,
+# /var/lib/rollout-kubelet-<N>, /var/log/rollout-pods-<N>, kubelet ports 10250+10N/10248+10N,
+# cgroup root /rollout-node-<N>.
+NODE_ID="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
+[[ "${NODE_ID}" =~ ^[0-9]+$ ]] && ((NODE_ID <= 200)) \
+  || localkube_die "ROLLOUT_LOCALKUBE_NODE_ID must be 0..200, not '${NODE_ID}'"
+NODE_SUFFIX=""
+((NODE_ID == 0)) || NODE_SUFFIX="-${NODE_ID}"
+CONTAINERD_ROOT="${ROLLOUT_NODE_CONTAINERD_ROOT:-/var/lib/rollout-containerd${NODE_SUFFIX}}"
+CONTAINERD_STATE="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd${NODE_SUFFIX}}"
 CONTAINERD_SOCK="${CONTAINERD_STATE}/containerd.sock"
 CONTAINERD_CONFIG="${NODE_DIR}/containerd.toml"
 RUNC_ROOT="${CONTAINERD_STATE}/runc"
-KUBELET_ROOT="${ROLLOUT_NODE_KUBELET_ROOT:-/var/lib/rollout-kubelet}"
+KUBELET_ROOT="${ROLLOUT_NODE_KUBELET_ROOT:-/var/lib/rollout-kubelet${NODE_SUFFIX}}"
 KUBELET_CONFIG="${NODE_DIR}/kubelet.yaml"
 KUBELET_KUBECONFIG="${NODE_DIR}/kubelet.kubeconfig"
-KUBELET_PORT="${LOCALKUBE_KUBELET_PORT:-10250}"
-KUBELET_HEALTHZ_PORT="${LOCALKUBE_KUBELET_HEALTHZ_PORT:-10248}"
-POD_LOGS_DIR="/var/log/rollout-pods"
+KUBELET_PORT="${LOCALKUBE_KUBELET_PORT:-$((10250 + 10 * NODE_ID))}"
+KUBELET_HEALTHZ_PORT="${LOCALKUBE_KUBELET_HEALTHZ_PORT:-$((10248 + 10 * NODE_ID))}"
+POD_LOGS_DIR="/var/log/rollout-pods${NODE_SUFFIX}"
 CNI_BIN_DIR="/usr/lib/cni"
 CNI_CONF_DIR="${NODE_DIR}/cni"
-CNI_NETWORK="rollout-pods"
+CNI_NETWORK="rollout-pods${NODE_SUFFIX}"
 CNI_IPAM_DIR="${CONTAINERD_STATE}/cni-ipam"
-BRIDGE="rollout0"
+BRIDGE="rollout${NODE_ID}"
+# The kubelet's cgroup root ("/" for the default node: its Pods under /kubepods).
+CGROUP_ROOT="/"
+((NODE_ID == 0)) || CGROUP_ROOT="/rollout-node-${NODE_ID}"
 # The bridge's address is the node IP: the kubelet refuses loopback node IPs, and this one is
 # reachable from this machine (and its Pods) only.
-NODE_IP="${LOCALKUBE_NODE_IP:-10.89.0.1}"
-POD_SUBNET="${LOCALKUBE_POD_SUBNET:-10.89.0.0/24}"
+NODE_IP="${LOCALKUBE_NODE_IP:-10.89.${NODE_ID}.1}"
+POD_SUBNET="${LOCALKUBE_POD_SUBNET:-10.89.${NODE_ID}.0/24}"
 NODE_READY_TIMEOUT="${LOCALKUBE_NODE_READY_TIMEOUT:-120}"
 
 ctr_() { ctr --address "${CONTAINERD_SOCK}" --namespace k8s.io "$@"; }
@@ -57,7 +71,7 @@ node_ours() { # pid exe mark
   [[ "${pid}" =~ ^[0-9]+$ ]] || return 1
   exe="$(readlink "/proc/${pid}/exe" 2>/dev/null)" || return 1
   [[ "${exe}" == "$2" ]] || return 1
-  cmdline="$(tr '\0' ' ' <"/proc/${pid}/cmdline" 2>/dev/null)" || return 1
+  cmdline="$(tr '\0' ' ' 2>/dev/null <"/proc/${pid}/cmdline")" || return 1
   [[ "${cmdline}" == *"$3"* ]]
 }
 
@@ -224,6 +238,7 @@ containerRuntimeEndpoint: unix://${CONTAINERD_SOCK}
 imageServiceEndpoint: unix://${CONTAINERD_SOCK}
 # cgroup v1 hosts: cgroupfs driver (no systemd), no swap check, no refusal of cgroup v1.
 cgroupDriver: cgroupfs
+cgroupRoot: ${CGROUP_ROOT}
 failSwapOn: false
 failCgroupV1: false
 # Only the API server (its kubelet client certificate is signed by the cluster CA) may call in;
@@ -270,6 +285,16 @@ ensure_bridge() {
   ip link set "${BRIDGE}" up
 }
 
+# The kubelet requires its cgroup root to exist in every hierarchy (cgroup v1) or in the unified one.
+ensure_cgroup_root() {
+  [[ "${CGROUP_ROOT}" != / ]] || return 0
+  local h
+  for h in /sys/fs/cgroup/*/ /sys/fs/cgroup/; do
+    [[ -d "${h}" && -f "${h}cgroup.procs" ]] || continue
+    mkdir -p "${h}${CGROUP_ROOT#/}" 2>/dev/null || true
+  done
+}
+
 containerd_ok() { ctr --address "${CONTAINERD_SOCK}" version >/dev/null 2>&1; }
 
 start_containerd() {
@@ -288,6 +313,10 @@ start_containerd() {
     fi
     sleep 0.2
   done
+  # The cluster's supervisor restarts it if it exits (cluster.sh: supervise_register).
+  local pid
+  pid="$(containerd_pids)"
+  supervise_register containerd "${pid%%$'\n'*}" "${SUP_DIR}/containerd/pid"
 }
 
 # Build the images (cached tarballs), then import each one unless containerd already holds it
@@ -372,6 +401,7 @@ node_up_locked() {
   # Anything half-started (or started for a previous cluster) goes first, with its Node object
   # (the kubelet registers afresh; the Pod GC removes Pods that were bound to the old one).
   node_down_locked quiet
+  node_claim
   kctl delete node "${NODE_NAME}" --ignore-not-found --request-timeout=20s >/dev/null
   timings+="prepare $((SECONDS - t))s"
   t=${SECONDS}
@@ -390,6 +420,7 @@ node_up_locked() {
   timings+=", import $((SECONDS - t))s"
   write_kubelet_credentials
   write_kubelet_config
+  ensure_cgroup_root
   t=${SECONDS}
   start_daemon "${NODE_DIR}/logs/kubelet.log" "${LOCALKUBE_BIN}/kubelet" \
     "--config=${KUBELET_CONFIG}" "--kubeconfig=${KUBELET_KUBECONFIG}" \
@@ -405,10 +436,37 @@ node_up_locked() {
     sleep 0.5
   done
   timings+=", kubelet to Ready $((SECONDS - t))s"
+  local kpid
+  kpid="$(kubelet_pids)"
+  supervise_register kubelet "${kpid%%$'\n'*}" "${SUP_DIR}/kubelet/pid"
   apply_runtime_class
   node_fingerprint >"${NODE_DIR}/fingerprint"
   echo "${CLUSTER_DIR}" >"${NODE_DIR}/cluster"
   echo "localkube: node '${NODE_NAME}' up in $((SECONDS - t0))s (${timings})"
+}
+
+# One cluster per node id on this machine: another cluster's node (its directories, bridge, ports)
+# is never torn down by ours. The claim is released by node-down/down, or when its cluster's
+# directory is gone.
+NODE_OWNER_FILE="/run/rollout-localkube/node-${NODE_ID}.owner"
+node_claim() {
+  local owner
+  mkdir -p "${NODE_OWNER_FILE%/*}"
+  owner="$(cat "${NODE_OWNER_FILE}" 2>/dev/null || true)"
+  if [[ -n "${owner}" && "${owner}" != "${CLUSTER_DIR}" && -d "${owner}" ]]; then
+    localkube_die "real node id ${NODE_ID} belongs to the cluster in ${owner}; give this cluster" \
+      "another one (ROLLOUT_LOCALKUBE_NODE_ID=1..200) or stop that one first"
+  fi
+  echo "${CLUSTER_DIR}" >"${NODE_OWNER_FILE}"
+}
+node_release() {
+  [[ "$(cat "${NODE_OWNER_FILE}" 2>/dev/null)" == "${CLUSTER_DIR}" ]] && rm -f "${NODE_OWNER_FILE}"
+  return 0
+}
+node_owned_elsewhere() {
+  local owner
+  owner="$(cat "${NODE_OWNER_FILE}" 2>/dev/null || true)"
+  [[ -n "${owner}" && "${owner}" != "${CLUSTER_DIR}" && -d "${owner}" ]]
 }
 
 # Does the node (if any) belong to this cluster? (One node per machine; another cluster name,
@@ -439,11 +497,18 @@ node_exists() {
 
 node_down_locked() {
   local quiet="${1:-}" t0=${SECONDS} pids id
+  if node_owned_elsewhere; then
+    [[ -n "${quiet}" ]] || echo "localkube: node id ${NODE_ID} belongs to another cluster ($(cat "${NODE_OWNER_FILE}")); not touching it"
+    return 0
+  fi
   if ! node_exists; then
+    node_release
     [[ -n "${quiet}" ]] || echo "localkube: node '${NODE_NAME}' is not running"
     return 0
   fi
   [[ "$(id -u)" == 0 ]] || localkube_die "stopping the real node needs root"
+  # No restarts of what is stopped here.
+  supervise_forget kubelet containerd
   pids="$(kubelet_pids)"
   # shellcheck disable=SC2086
   stop_pids kubelet ${pids}
@@ -481,10 +546,16 @@ node_down_locked() {
   rm -f /var/lib/cni/results/"${CNI_NETWORK}"-* 2>/dev/null || true
   # The kubelet's Pod cgroups (kubepods, in every v1 hierarchy), now empty.
   local cg
-  for cg in /sys/fs/cgroup/*/kubepods; do
+  for cg in /sys/fs/cgroup/*"${CGROUP_ROOT%/}"/kubepods; do
     if [[ -d "${cg}" ]]; then find "${cg}" -depth -type d -exec rmdir {} + 2>/dev/null || true; fi
   done
+  if [[ "${CGROUP_ROOT}" != / ]]; then
+    for cg in /sys/fs/cgroup/*"${CGROUP_ROOT}" /sys/fs/cgroup"${CGROUP_ROOT}"; do
+      [[ -d "${cg}" ]] && { rmdir "${cg}" 2>/dev/null || true; }
+    done
+  fi
   if ip link show "${BRIDGE}" >/dev/null 2>&1; then ip link delete "${BRIDGE}" || true; fi
   rm -rf "${NODE_DIR}/pki" "${NODE_DIR}/fingerprint" "${NODE_DIR}/cluster"
+  node_release
   [[ -n "${quiet}" ]] || echo "localkube: node '${NODE_NAME}' down ($((SECONDS - t0))s)"
 }
