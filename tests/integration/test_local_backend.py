@@ -2,6 +2,8 @@
 
 import json
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -97,9 +99,77 @@ def test_delete_refuses_a_run_it_cannot_prove_it_created(backend, tmp_path):
     backend.delete_run(handle)  # already gone: not an error
 
 
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # gone, or not ours to read
+        return b""
+
+
+def run_processes(run_dir: Path, batch_id: str) -> dict[int, str]:
+    """pid -> what it is, for every live process of this run: its supervisor, its sandboxes
+    (bwrap) and the episode processes inside them (found by their EPISODE_ID). Zombies are
+    dead: they hold no resources and are not counted."""
+    marker = str(run_dir).encode()
+    episode = f"EPISODE_ID=rollout-{batch_id}-".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _read(entry / "stat")
+        if not stat or stat.rsplit(b")", 1)[1].split()[0] == b"Z":
+            continue
+        argv = _read(entry / "cmdline").split(b"\0")
+        if b"rollout_worker.backends.local_supervisor" in argv and marker in argv:
+            found[int(entry.name)] = "supervisor"
+        elif argv[0].endswith(b"bwrap") and any(marker in a for a in argv):
+            found[int(entry.name)] = "bwrap"
+        elif any(v.startswith(episode) for v in _read(entry / "environ").split(b"\0")):
+            found[int(entry.name)] = "episode"
+    return found
+
+
 def test_delete_stops_a_running_batch(backend):
     spec = parse_spec({"count": 4, "parallelism": 2, "action": "hang"}, max_episodes=10)
     handle = backend.start_run(spec, lambda _: None)
-    time.sleep(0.5)
+    run_dir = Path(handle["run_dir"])
+    kinds = {"supervisor": 1, "episode": 2}  # two hanging episodes (parallelism 2)
+    if handle["isolation"] == "bwrap":
+        kinds["bwrap"] = 2
+    deadline = time.monotonic() + 20
+    while True:
+        before = run_processes(run_dir, spec.batch_id)
+        counts = Counter(before.values())
+        if all(counts[kind] >= n for kind, n in kinds.items()):
+            break
+        assert time.monotonic() < deadline, f"the run never got going: {before}"
+        time.sleep(0.1)
+    episodes = {pid for pid, kind in before.items() if kind == "episode"}
     backend.delete_run(handle)
     assert not (backend.root / spec.batch_id).exists()
+    # Once delete returns, no sandbox and no process inside one can run any more: each is
+    # gone, a zombie, or already in the kernel's exit path (killed).
+    sandboxes = {pid: _life(pid) for pid, kind in before.items() if kind != "supervisor"}
+    assert set(sandboxes.values()) <= {"gone", "zombie", "exiting"}, (sandboxes, before)
+    # The supervisor releases its lock (which delete waits for) on its way out, after it has
+    # reaped every sandbox, and exits a moment later. Then nothing of the run is left.
+    deadline = time.monotonic() + 5
+    while any(_life(pid) not in ("gone", "zombie") for pid in before):
+        assert time.monotonic() < deadline, {pid: _life(pid) for pid in before}
+        time.sleep(0.01)
+    assert run_processes(run_dir, spec.batch_id) == {}
+    assert episodes  # what was checked included the episodes themselves
+
+
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+
+
+def _life(pid: int) -> str:
+    """gone | zombie | exiting | alive, from /proc/PID/stat (state and flags)."""
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    if not stat:
+        return "gone"
+    fields = stat.rsplit(b")", 1)[1].split()
+    if fields[0] in (b"Z", b"X"):
+        return "zombie"
+    return "exiting" if int(fields[6]) & PF_EXITING else "alive"
