@@ -1,6 +1,6 @@
 import pytest
 
-from rollout_worker.errors import InvalidSpec
+from rollout_wire.errors import InvalidSpec
 from rollout_worker.models import parse_spec, spec_from_dict
 
 
