@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from rollout_worker import constants as k
+from rollout_wire import constants as k
 from rollout_worker.settings import Settings
 
 
@@ -36,6 +36,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
             k.TASK_SUBMIT: {"queue": k.QUEUE_CONTROL},
             k.TASK_AGGREGATE: {"queue": k.QUEUE_CONTROL},
             k.TASK_WATCHDOG: {"queue": k.QUEUE_CONTROL},
+            k.TASK_CLEANUP: {"queue": k.QUEUE_CONTROL},
             k.TASK_COLLECT: {"queue": k.QUEUE_COLLECT},
         },
         "worker_hijack_root_logger": False,

@@ -1,32 +1,58 @@
-"""`rollout`: run batches, start workers, check a deployment, clean up runs."""
+"""`rollout`: run batches, start workers, check a deployment, clean up runs.
+
+Sits on top of both sides (the trainer's client and the workers). `rollout worker` processes
+load neither rich nor matplotlib: every command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
-from rich.console import Console
 
-from rollout_worker import constants as k
-from rollout_worker.errors import InvalidSpec, RolloutError
-from rollout_worker.models import (
+from rollout_wire import constants as k
+from rollout_wire.errors import InvalidSpec, RolloutError
+from rollout_wire.request import (
     ACTIONS,
     BACKENDS,
     DEFAULT_DEADLINE_SECONDS,
     DEFAULT_IMAGE,
     DEFAULT_RUNTIME,
-    new_batch_id,
-    parse_spec,
 )
 from rollout_worker.settings import SETTINGS_DOC, Settings
 
-console = Console(stderr=False)
-err = Console(stderr=True, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from rollout_wire.request import BatchSpec
+    from trainer_stub.client import RolloutClient, Submission
+
+# After its report, --all-in-one waits this long for its run to be deleted.
+CLEANUP_WAIT_SECONDS = 120.0
+
+
+@functools.cache
+def _console(stderr: bool) -> Console:
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=stderr)
+
+
+def out(*args: Any, **kwargs: Any) -> None:
+    _console(False).print(*args, **kwargs)
+
+
+def err(*args: Any, **kwargs: Any) -> None:
+    _console(True).print(*args, **kwargs)
+
 
 redis_option = click.option(
     "--redis-url",
@@ -44,7 +70,23 @@ def _settings(redis_url: str | None) -> Settings:
     return settings.with_redis(redis_url) if redis_url else settings
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """Commands whose modules load only when that command runs (`report` needs matplotlib)."""
+
+    lazy = {"report": "rollout_worker.report_cmd:report"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy:
+            module, attr = self.lazy[name].split(":")
+            command: click.Command = getattr(importlib.import_module(module), attr)
+            return command
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Sandboxed RL rollout batches through Celery + Redis."""
 
@@ -170,12 +212,13 @@ def run(
     redis_url: str | None,
 ) -> None:
     """Run one batch of episodes through the pipeline and print its report."""
+    from rollout_worker.quantities import resource_problems
     from rollout_worker.stack import LocalStack
+    from trainer_stub.client import RolloutClient
     from trainer_stub.records import check_output_dir
 
     settings = _settings(redis_url)
     request: dict[str, Any] = {
-        "batch_id": new_batch_id(),
         "count": count,
         "parallelism": parallelism,
         "backend": backend,
@@ -192,16 +235,20 @@ def run(
     }
     if episode_timeout_seconds is not None:
         request["episode_timeout_seconds"] = episode_timeout_seconds
+    if collectors < 1:
+        raise click.UsageError("--collectors must be at least 1")
     try:
-        parse_spec(request, max_episodes=settings.max_batch_episodes)
+        # The one parse of this request in this process; the workers parse it at their edge.
+        spec = RolloutClient.prepare(request, settings.max_batch_episodes)
+        problems = resource_problems(spec.resources)
+        if problems:
+            raise InvalidSpec(problems)
         if output is not None:
             check_output_dir(output)
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
     except RolloutError as exc:
         raise click.UsageError(str(exc)) from exc
-    if collectors < 1:
-        raise click.UsageError("--collectors must be at least 1")
 
     with contextlib.ExitStack() as stack:
         heartbeat = None
@@ -209,17 +256,20 @@ def run(
             local = stack.enter_context(LocalStack(collectors=collectors))
             settings = settings.with_redis(local.redis_url)
             heartbeat = local.check_alive
-            err.print(
+            err(
                 f"all-in-one: redis {local.redis_url}, 1 control + {collectors} collect "
                 f"workers (logs in {local.dir})"
             )
+        client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
         try:
-            report = _submit_and_wait(
-                settings, request, output, timeout or deadline_seconds + 300, heartbeat
+            submission, report = _submit_and_wait(
+                client, spec, output, timeout or deadline_seconds + 300, heartbeat
             )
+            if all_in_one:
+                _wait_for_cleanup(client, spec.batch_id, heartbeat)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
-    _print_report(report, as_json)
+    _print_report(report, submission, as_json)
     sys.exit(0 if report.get("ok") else 1)
 
 
@@ -245,38 +295,47 @@ def _toleration(text: str) -> dict[str, str]:
 
 
 def _submit_and_wait(
-    settings: Settings, request: dict[str, Any], output: Path | None, timeout: float, heartbeat: Any
-) -> dict[str, Any]:
-    from trainer_stub.client import RolloutClient
+    client: RolloutClient,
+    spec: BatchSpec,
+    output: Path | None,
+    timeout: float,
+    heartbeat: Any,
+) -> tuple[Submission, dict[str, Any]]:
     from trainer_stub.display import follow
     from trainer_stub.records import start_records, write_receipt, write_records
 
-    client = RolloutClient(settings.redis_url)
-    batch_id = request["batch_id"]
+    batch_id = spec.batch_id
+    beat = _hint_if_unclaimed(client, batch_id, heartbeat)
     if output is not None:
+        # The directory and its receipt exist before anything is sent; the receipt then
+        # follows the workers' one, so it names every object even if this client dies.
         start_records(
             output,
             {
                 "batch_id": batch_id,
-                "backend": request["backend"],
+                "backend": spec.backend,
                 "redis_key": k.receipt_key(batch_id),
                 "state": "submitting",
             },
         )
-    submission = client.submit(**request)
-    err.print(f"batch {batch_id}: {request['count']} episodes submitted")
-    report = follow(
-        client, [submission], err, timeout, _hint_if_unclaimed(client, batch_id, heartbeat)
-    )[batch_id]
+        beat = _mirror_receipt(client, batch_id, output, beat)
+    submission = client.send(spec)
+    err(f"batch {batch_id}: {spec.count} episodes submitted")
+    report = follow(client, [submission], _console(True), timeout, beat)[batch_id]
     if output is not None:
-        write_records(output, report, client.logs(batch_id), client.records(batch_id))
+        write_records(
+            output,
+            report,
+            client.logs(batch_id),
+            client.records(batch_id),
+            submission.submit_to_report_seconds,
+        )
         write_receipt(output, client.receipt(batch_id) | {"state": "reported"})
-        err.print(f"records written to {output}/")
-    client.close()
-    return report
+        err(f"records written to {output}/")
+    return submission, report
 
 
-def _mirror_receipt(client: Any, batch_id: str, output: Path, inner: Any) -> Any:
+def _mirror_receipt(client: RolloutClient, batch_id: str, output: Path, inner: Any) -> Any:
     """Keep receipt.json in step with the Redis receipt while the run is created, so the
     directory names every object (namespace, UIDs) even if this client dies mid-run."""
     from trainer_stub.records import write_receipt
@@ -294,7 +353,7 @@ def _mirror_receipt(client: Any, batch_id: str, output: Path, inner: Any) -> Any
     return beat
 
 
-def _hint_if_unclaimed(client: Any, batch_id: str, inner: Any) -> Any:
+def _hint_if_unclaimed(client: RolloutClient, batch_id: str, inner: Any) -> Any:
     started = time.monotonic()
     hinted = False
 
@@ -303,7 +362,7 @@ def _hint_if_unclaimed(client: Any, batch_id: str, inner: Any) -> Any:
         if inner is not None:
             inner()
         if not hinted and time.monotonic() - started > 15 and not client.receipt(batch_id):
-            err.print(
+            err(
                 "[yellow]no worker has taken the batch yet: is a `rollout worker "
                 "--queues control` running against this Redis?[/yellow]"
             )
@@ -312,15 +371,38 @@ def _hint_if_unclaimed(client: Any, batch_id: str, inner: Any) -> Any:
     return beat
 
 
-def _print_report(report: dict[str, Any], as_json: bool) -> None:
-    from rollout_worker.metrics import summary
+def _wait_for_cleanup(client: RolloutClient, batch_id: str, heartbeat: Any) -> None:
+    """Before a private stack stops: wait (bounded) for the workers to delete the run."""
+    deadline = time.monotonic() + CLEANUP_WAIT_SECONDS
+    state = None
+    while time.monotonic() < deadline:
+        state = client.receipt(batch_id).get("cleanup")
+        if state in (None, "kept", "deleted", "failed"):
+            break
+        if heartbeat is not None:
+            heartbeat()
+        time.sleep(0.2)
+    if state in ("scheduled", "deleting"):
+        err(
+            f"[yellow]run of batch {batch_id} still {state} after "
+            f"{CLEANUP_WAIT_SECONDS:.0f}s; stopping anyway (`rollout sweep` finds it)[/yellow]"
+        )
+    elif state == "failed":
+        err(f"[red]run of batch {batch_id} was not deleted: see the worker log[/red]")
+
+
+def _print_report(report: dict[str, Any], submission: Submission, as_json: bool) -> None:
+    from rollout_worker.report import summary
     from trainer_stub.display import print_errors, summary_table
 
     if as_json:
-        sys.stdout.write(orjson.dumps(summary(report), option=orjson.OPT_INDENT_2).decode() + "\n")
+        text = summary(report) | {
+            "client_submit_to_report_seconds": submission.submit_to_report_seconds
+        }
+        sys.stdout.write(orjson.dumps(text, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
-    console.print(summary_table([report]))
-    print_errors(err, report)
+    out(summary_table([report], [submission]))
+    print_errors(_console(True), report)
 
 
 @cli.command()
@@ -411,7 +493,7 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
     problems = []
     try:
         redis_lib.Redis.from_url(settings.redis_url, socket_timeout=timeout).ping()
-        console.print(f"redis: ok ({settings.redis_url})")
+        out(f"redis: ok ({settings.redis_url})")
     except redis_lib.RedisError as exc:
         raise click.ClickException(
             f"redis at {settings.redis_url} is not reachable: {exc}"
@@ -423,7 +505,7 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
         for queue in queues:
             per_queue.setdefault(queue["name"], []).append(node)
     for queue, nodes in per_queue.items():
-        console.print(f"queue {queue}: {len(nodes)} worker(s) {', '.join(nodes)}")
+        out(f"queue {queue}: {len(nodes)} worker(s) {', '.join(nodes)}")
         if not nodes:
             problems.append(
                 f"no worker consumes queue {queue!r} (start `rollout worker -Q {queue}`)"
@@ -436,10 +518,10 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
         except RolloutError as exc:
             found, missing = [], [f"cluster not usable: {exc}"]
         for line in found:
-            console.print(line, highlight=False)
+            out(line, highlight=False)
         problems += missing
     for problem in problems:
-        err.print(f"[red]missing[/red] {problem}")
+        err(f"[red]missing[/red] {problem}")
     sys.exit(1 if problems else 0)
 
 
@@ -452,51 +534,46 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
 )
 def cleanup(output: Path) -> None:
     """Delete a kept run, after proving from its receipt that we created it."""
-    from rollout_worker.backends import get_backend
+    from rollout_worker.backends import RunHandle, get_backend
+    from rollout_worker.backends.kube_read import handle_from_receipt
 
     receipt_file = output / "receipt.json"
     if not receipt_file.exists():
         raise click.UsageError(f"{receipt_file} does not exist")
     receipt = orjson.loads(receipt_file.read_bytes())
-    handle = receipt.get("run")
-    if not isinstance(handle, dict) and receipt.get("namespace") and receipt.get("uid"):
-        # The run was cut short after creating its namespace: the receipt still proves it.
-        handle = {
-            "backend": "kubernetes",
-            "batch_id": receipt.get("run_id"),
-            "namespace": receipt["namespace"],
-            "namespace_uid": receipt["uid"],
-            "job_name": "rollout",
-            "job_uid": receipt.get("job_uid"),
-            "context": receipt.get("context"),
-        }
-    if not isinstance(handle, dict) or "backend" not in handle:
+    run = receipt.get("run")
+    # A run cut short before its handle was recorded: the receipt's first fields prove it.
+    handle = RunHandle.from_dict(run) if isinstance(run, dict) else handle_from_receipt(receipt)
+    if handle is None:
         raise click.ClickException(f"{receipt_file} records no run: nothing was created")
+    # Every call goes to the cluster the run was created in, whatever the current context is.
+    settings = _settings(None)
+    if handle.backend == "kubernetes":
+        settings = replace(settings, kube_context=handle.context)
+    deadline = time.monotonic() + CLEANUP_WAIT_SECONDS
     try:
-        get_backend(handle["backend"], _settings(None)).delete_run(handle)
+        backend = get_backend(handle.backend, settings)
+        while not backend.delete_run(handle):
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"run of batch {receipt.get('batch_id')} still being deleted after "
+                    f"{CLEANUP_WAIT_SECONDS:.0f}s; inspect its finalizers (never force-removed)"
+                )
+            time.sleep(1)
     except RolloutError as exc:
         raise click.ClickException(str(exc)) from exc
-    console.print(f"deleted run of batch {receipt.get('batch_id')}")
+    out(f"deleted run of batch {receipt.get('batch_id')}")
 
 
 @cli.command()
 def settings() -> None:
     """List the environment variables that configure workers and clients."""
     for name, doc in SETTINGS_DOC.items():
-        console.print(f"[bold]{name}[/bold]: {doc}", highlight=False)
+        out(f"[bold]{name}[/bold]: {doc}", highlight=False)
 
 
 def main() -> None:
     cli()
-
-
-def _register_report() -> None:
-    from rollout_worker.report_cmd import report
-
-    cli.add_command(report)
-
-
-_register_report()
 
 
 if __name__ == "__main__":

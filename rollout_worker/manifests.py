@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_worker import constants as k
-from rollout_worker.models import BatchSpec
+from rollout_wire import constants as k
+from rollout_wire.request import BatchSpec
 
 JOB_NAME = "rollout"
 CONFIGMAP_NAME = "episode"

@@ -1,72 +1,56 @@
-"""Kubernetes resource quantities (the subset we accept), parsed without I/O."""
+"""Resource quantities: the Kubernetes client parses them; here is only our policy on top."""
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_CPU = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m)?$")
+from kubernetes.utils.quantity import parse_quantity
 
+from rollout_wire.request import Resources
 
-def parse_cpu(text: str) -> Decimal:
-    """'500m' -> 0.5 cores; '2' -> 2 cores. Raises ValueError with what is allowed."""
-    match = _CPU.match(str(text).strip())
-    if not match:
-        raise ValueError(f"cpu quantity {text!r} is not like '500m' or '1.5'")
-    try:
-        value = Decimal(match.group(1))
-    except InvalidOperation as exc:  # pragma: no cover - the regex already guards this
-        raise ValueError(f"cpu quantity {text!r} is not a number") from exc
-    return value / 1000 if match.group(2) else value
+__all__ = ["format_memory", "parse_quantity", "resource_problems", "sandbox_limits"]
+
+# Python cannot start below this.
+MIN_MEMORY_LIMIT = 32 * 2**20
+# Python maps far more address space than it touches: the local sandbox's RLIMIT_AS gets this
+# headroom over the memory limit so that the limit still bounds real use.
+ADDRESS_SPACE_HEADROOM = 256 * 2**20
+
+_BINARY = {"Ti": 2**40, "Gi": 2**30, "Mi": 2**20, "Ki": 2**10}
 
 
-def parse_memory(text: str) -> int:
-    """'128Mi' -> bytes. Raises ValueError with what is allowed."""
-    match = _MEMORY.match(str(text).strip())
-    if not match:
-        raise ValueError(
-            f"memory quantity {text!r} is not like '128Mi', '1Gi', '500M' or a byte count"
+def resource_problems(res: Resources) -> list[str]:
+    """What is wrong with requests and limits whose syntax the request already checked."""
+    cpu_req, cpu_lim = parse_quantity(res.cpu_request), parse_quantity(res.cpu_limit)
+    mem_req, mem_lim = parse_quantity(res.memory_request), parse_quantity(res.memory_limit)
+    problems = []
+    if cpu_req <= 0 or mem_req <= 0:
+        problems.append("resources: requests must be greater than zero")
+    if cpu_req > cpu_lim:
+        problems.append(
+            f"resources: cpu_request {res.cpu_request} exceeds cpu_limit {res.cpu_limit}"
         )
-    number, suffix = Decimal(match.group(1)), match.group(2)
-    scale = _BINARY.get(suffix or "") or _DECIMAL.get(suffix or "") or 1
-    return int(number * scale)
+    if mem_req > mem_lim:
+        problems.append(
+            f"resources: memory_request {res.memory_request} exceeds "
+            f"memory_limit {res.memory_limit}"
+        )
+    if mem_lim < MIN_MEMORY_LIMIT:
+        problems.append(
+            f"resources: memory_limit {res.memory_limit} is below 32Mi; Python cannot start in less"
+        )
+    return problems
 
 
-_ANY = re.compile(
-    r"^([+]?[0-9]+(?:\.[0-9]*)?|[+]?\.[0-9]+)(?:([eE][-+]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?$"
-)
-_ANY_SCALE = {
-    **{s: Decimal(v) for s, v in _BINARY.items()},
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-}
-
-
-def parse_quantity(text: str) -> Decimal:
-    """Any Kubernetes quantity as the API server returns it ('1k', '4Ti', '1900m', '1e3')."""
-    match = _ANY.match(str(text).strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a Kubernetes quantity")
-    number = Decimal(match.group(1))
-    if match.group(2):
-        return number * Decimal(10) ** int(match.group(2)[1:])
-    return number * _ANY_SCALE.get(match.group(3) or "", Decimal(1))
+def sandbox_limits(res: Resources, episode_timeout: float) -> tuple[int, int]:
+    """(address-space bytes, CPU seconds) that stand in for cgroup limits in a local sandbox."""
+    memory = int(parse_quantity(res.memory_limit)) + ADDRESS_SPACE_HEADROOM
+    cpu_seconds = max(1, int(parse_quantity(res.cpu_limit) * Decimal(episode_timeout)) + 1)
+    return memory, cpu_seconds
 
 
 def format_memory(size: int) -> str:
-    for suffix in ("Ti", "Gi", "Mi", "Ki"):
-        if size >= _BINARY[suffix] and size % (_BINARY[suffix] // 1024 or 1) == 0:
-            return f"{size / _BINARY[suffix]:g}{suffix}"
+    for suffix, scale in _BINARY.items():
+        if size >= scale and size % (scale // 1024 or 1) == 0:
+            return f"{size / scale:g}{suffix}"
     return str(size)

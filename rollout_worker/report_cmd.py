@@ -17,7 +17,7 @@ from typing import Any
 import click
 import orjson
 
-from rollout_worker.models import REPORT_METRICS
+from rollout_wire.rows import REPORT_METRICS
 from rollout_worker.plots import render_timeline
 
 MAX_FAILED_ROWS = 50

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollout_worker.errors import ConfigError
+from rollout_wire.errors import ConfigError
 
 SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_REDIS_URL": "Redis for the broker, results, receipts and reports "
@@ -80,7 +80,8 @@ class Settings:
                 "ROLLOUT_VISIBILITY_TIMEOUT (at most a quarter of it)"
             )
         # A chord whose state expires before a lost task is redelivered never fires its
-        # callback (see notes/celery.md), so expiry must dominate the redelivery delay.
+        # callback, and nothing logs it (seen in trials with Celery 5 on Redis), so expiry
+        # must dominate the redelivery delay.
         if self.result_expires < 4 * self.visibility_timeout + 3600:
             problems.append(
                 "ROLLOUT_RESULT_EXPIRES must be at least 4 x "

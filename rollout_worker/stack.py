@@ -21,8 +21,8 @@ from types import TracebackType
 
 import redis
 
-from rollout_worker import constants as k
-from rollout_worker.errors import StackError
+from rollout_wire import constants as k
+from rollout_wire.errors import StackError
 
 REDIS_START_SECONDS = 10.0
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import orjson
 
-from rollout_worker.models import EpisodeObservation, EpisodeRow
+from rollout_wire.rows import EpisodeRow
+from rollout_worker.observation import EpisodeObservation
 
 # Kubernetes timestamps have 1 s resolution and are truncated, so they may read up to one
 # second early; never late. Comparisons against them need no slack in that direction.

@@ -1,9 +1,12 @@
 """The trainer's side: submit sampling rounds and receive their reports through Redis.
 
-Imports only the shared wire modules of rollout_worker (constants, models, errors), never the
-worker's tasks, backends or Kubernetes.
+    from trainer_stub import submit_batch
+    report = submit_batch.delay(count=100, parallelism=20).wait()
+
+Imports only `rollout_wire` (the shared contract), never the workers' tasks, backends or
+Kubernetes.
 """
 
-from trainer_stub.client import RolloutClient, Submission
+from trainer_stub.client import RolloutClient, Submission, SubmitBatch, submit_batch
 
-__all__ = ["RolloutClient", "Submission"]
+__all__ = ["RolloutClient", "Submission", "SubmitBatch", "submit_batch"]

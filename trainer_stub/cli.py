@@ -8,7 +8,7 @@ import click
 import orjson
 from rich.console import Console
 
-from rollout_worker.errors import InvalidSpec, RolloutError
+from rollout_wire.errors import InvalidSpec, RolloutError
 from trainer_stub.client import RolloutClient
 from trainer_stub.display import follow, print_errors, summary_table
 
@@ -69,7 +69,7 @@ def main(
                 orjson.dumps({k: v for k, v in report.items() if k != "pods"}).decode() + "\n"
             )
     else:
-        console.print(summary_table(ordered))
+        console.print(summary_table(ordered, submissions))
         for report in ordered:
             print_errors(err, report)
     client.close()

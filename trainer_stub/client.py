@@ -1,44 +1,58 @@
-"""A small client for trainers: submit a batch, stream its episodes, wait for its report.
+"""The trainer's client: submit sampling rounds, stream their episodes, wait for their reports.
 
-Waiting reads the batch's Redis stream (XREAD BLOCK): no Celery result polling, and a trainer
+Waiting reads each batch's Redis stream (XREAD BLOCK): no Celery result polling, and a trainer
 that subscribes late still sees every entry. One call can wait on many batches at once.
+Everything read from Redis is decoded by `rollout_wire.codec`, the codec the workers write with.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 import redis
 from celery import Celery
 
-from rollout_worker import constants as k
-from rollout_worker.errors import BatchTimeout
-from rollout_worker.models import new_batch_id, parse_spec
+from rollout_wire import codec
+from rollout_wire import constants as k
+from rollout_wire.codec import Entry
+from rollout_wire.errors import BatchTimeout
+from rollout_wire.request import BatchSpec, parse_spec
 
 BLOCK_MS = 1000
-NO_CLIENT_LIMIT = 10**9  # the worker enforces the configured maximum batch size
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @dataclass
 class Submission:
-    batch_id: str
-    spec: dict[str, Any]
-    submitted_at: float
+    """A batch sent to the workers. `wait()` returns its report; `stream()` its rows early."""
+
+    spec: BatchSpec
+    client: RolloutClient = field(repr=False)
     started: float = field(default_factory=time.monotonic)
+    # Seconds from just before the send to this client seeing the report (set by whoever
+    # reads the report entry through this client: `wait`, `follow`).
+    submit_to_report_seconds: float | None = None
 
+    @property
+    def batch_id(self) -> str:
+        return self.spec.batch_id
 
-@dataclass
-class Entry:
-    """One stream entry: an episode's progress state, its row once collected, or the report."""
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        report = self.client.wait(self.batch_id, timeout)
+        self.saw_report()
+        return report
 
-    type: str
-    index: int | None = None
-    row: dict[str, Any] | None = None
-    status: str | None = None
+    def stream(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        yield from self.client.stream(self.batch_id, timeout)
+        self.saw_report()
+
+    def saw_report(self) -> None:
+        if self.submit_to_report_seconds is None:
+            self.submit_to_report_seconds = time.monotonic() - self.started
 
 
 class RolloutClient:
@@ -50,14 +64,21 @@ class RolloutClient:
             task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True
         )
 
+    # -- sending -----------------------------------------------------------------------------
+    @staticmethod
+    def prepare(request: Mapping[str, Any], max_episodes: int | None = None) -> BatchSpec:
+        """Validate a request (raises InvalidSpec listing every problem); mints its batch id.
+        `max_episodes`: the deployment's limit when known here (the workers enforce it too)."""
+        return parse_spec(request, max_episodes=max_episodes)
+
+    def send(self, spec: BatchSpec) -> Submission:
+        """Send a prepared batch to the workers' control queue; returns at once."""
+        submission = Submission(spec, self)
+        self.celery.send_task(k.TASK_SUBMIT, args=(spec.to_dict(),), queue=k.QUEUE_CONTROL)
+        return submission
+
     def submit(self, **request: Any) -> Submission:
-        """Validate and send one batch; returns at once with its id."""
-        request.setdefault("batch_id", new_batch_id())
-        request["submitted_at"] = time.time()
-        parse_spec(request, max_episodes=NO_CLIENT_LIMIT)  # raises InvalidSpec before sending
-        submit_batch = self.celery.signature(k.TASK_SUBMIT, queue=k.QUEUE_CONTROL)
-        submit_batch.delay(request)
-        return Submission(request["batch_id"], request, request["submitted_at"])
+        return self.send(self.prepare(request))
 
     # -- reading -----------------------------------------------------------------------------
     def entries(
@@ -89,7 +110,7 @@ class RolloutClient:
                 stream = stream.decode()
                 for entry_id, data in items:
                     cursors[stream] = entry_id
-                    entry = _entry(data)
+                    entry = codec.decode_entry(data)
                     yield names[stream], entry
                     if entry.type == k.ENTRY_REPORT:
                         del cursors[stream]
@@ -105,9 +126,7 @@ class RolloutClient:
         return self.wait_many([batch_id], timeout)[batch_id]
 
     def wait_many(
-        self,
-        batch_ids: list[str],
-        timeout: float | None = None,
+        self, batch_ids: list[str], timeout: float | None = None
     ) -> dict[str, dict[str, Any]]:
         reports: dict[str, dict[str, Any]] = {}
         for batch_id, entry in self.entries(batch_ids, timeout):
@@ -117,29 +136,51 @@ class RolloutClient:
 
     def report(self, batch_id: str) -> dict[str, Any] | None:
         raw = self.redis.get(k.report_key(batch_id))
-        return None if raw is None else orjson.loads(raw)
+        return None if raw is None else codec.loads(raw)
 
     def receipt(self, batch_id: str) -> dict[str, Any]:
-        raw = self.redis.hgetall(k.receipt_key(batch_id))
-        return {name.decode(): orjson.loads(value) for name, value in raw.items()}
+        return codec.decode_fields(self.redis.hgetall(k.receipt_key(batch_id)))
 
     def logs(self, batch_id: str) -> dict[int, str]:
-        raw = self.redis.hgetall(k.logs_key(batch_id))
-        return {int(index): text.decode("utf-8", "replace") for index, text in raw.items()}
+        raw = codec.decode_text_hash(self.redis.hgetall(k.logs_key(batch_id)))
+        return {int(index): text for index, text in raw.items()}
 
     def records(self, batch_id: str) -> dict[str, str]:
-        raw = self.redis.hgetall(k.artifacts_key(batch_id))
-        return {name.decode(): text.decode("utf-8", "replace") for name, text in raw.items()}
+        return codec.decode_text_hash(self.redis.hgetall(k.artifacts_key(batch_id)))
 
     def close(self) -> None:
         self.redis.close()
         self.celery.close()
 
 
-def _entry(data: Mapping[bytes, bytes]) -> Entry:
-    kind = data[b"type"].decode()
-    if kind == k.ENTRY_EPISODE:
-        return Entry(kind, index=int(data[b"index"]), row=orjson.loads(data[b"row"]))
-    if kind == k.ENTRY_STATE:
-        return Entry(kind, index=int(data[b"index"]), status=data[b"state"].decode())
-    return Entry(kind, status=data.get(b"status", b"").decode())
+class SubmitBatch:
+    """The trainer's entry point, shaped like the Celery task it sends:
+
+        from trainer_stub import submit_batch
+        batch = submit_batch.delay(count=100, parallelism=20)
+        report = batch.wait()
+
+    Redis is `ROLLOUT_REDIS_URL` (read at the first call) unless `configure()` said otherwise.
+    """
+
+    def __init__(self) -> None:
+        self._client: RolloutClient | None = None
+
+    def configure(self, redis_url: str) -> RolloutClient:
+        if self._client is not None:
+            self._client.close()
+        self._client = RolloutClient(redis_url)
+        return self._client
+
+    @property
+    def client(self) -> RolloutClient:
+        if self._client is None:
+            self._client = RolloutClient(os.environ.get("ROLLOUT_REDIS_URL") or DEFAULT_REDIS_URL)
+        return self._client
+
+    def delay(self, **request: Any) -> Submission:
+        """Validate the request here (InvalidSpec before anything is sent) and send it."""
+        return self.client.submit(**request)
+
+
+submit_batch = SubmitBatch()

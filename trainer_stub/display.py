@@ -11,14 +11,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rollout_worker import constants as k
-from rollout_worker.models import REPORT_METRICS
-from trainer_stub.client import Entry, RolloutClient, Submission
+from rollout_wire import constants as k
+from rollout_wire.codec import Entry
+from rollout_wire.rows import REPORT_METRICS
+from trainer_stub.client import RolloutClient, Submission
 
 COLUMNS = ("pending", "running", "ready", "rewarded", "ok", "failed", "lost")
 
 
-class Progress:
+class BatchProgress:
     """Per batch, where each episode is: pending -> running -> ready -> rewarded, then its
     collected outcome (ok, failed, lost). Updated as stream entries arrive."""
 
@@ -78,13 +79,11 @@ def follow(
     timeout: float | None,
     heartbeat: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Wait for every batch's report, redrawing the progress table as entries arrive.
-
-    Adds `client_job_complete_seconds` (submit -> report seen here) to each report.
-    """
+    """Wait for every batch's report, redrawing the progress table as entries arrive; each
+    submission learns when its report was seen here (`submit_to_report_seconds`)."""
     started = {s.batch_id: s for s in submissions}
-    batches = {b: int(s.spec["count"]) for b, s in started.items()}
-    progress = Progress(batches)
+    batches = {b: s.spec.count for b, s in started.items()}
+    progress = BatchProgress(batches)
     reports: dict[str, dict[str, Any]] = {}
     # A terminal gets a live table; a pipe or log gets a plain line per batch every second.
     live = (
@@ -98,9 +97,8 @@ def follow(
         for batch_id, entry in client.entries(list(batches), timeout, heartbeat):
             progress.update(batch_id, entry)
             if entry.type == k.ENTRY_REPORT:
-                report = client.report(batch_id) or {}
-                report["client_job_complete_seconds"] = time.monotonic() - started[batch_id].started
-                reports[batch_id] = report
+                started[batch_id].saw_report()
+                reports[batch_id] = client.report(batch_id) or {}
             if live is not None:
                 live.update(progress.table())
             elif entry.type == k.ENTRY_REPORT or time.monotonic() - last_print >= 1.0:
@@ -113,18 +111,22 @@ def follow(
     return reports
 
 
-def summary_table(reports: Iterable[dict[str, Any]]) -> Table:
+def summary_table(
+    reports: Iterable[dict[str, Any]], submissions: Iterable[Submission] = ()
+) -> Table:
+    """The headline metrics per batch, and this client's submit -> report time."""
     reports = list(reports)
+    seen = {s.batch_id: s.submit_to_report_seconds for s in submissions}
     table = Table(title="batch report")
     table.add_column("metric")
     for report in reports:
         table.add_column(str(report.get("batch_id")), justify="right")
-    for name in ("status", *REPORT_METRICS):
-        cells = []
-        for report in reports:
-            value = report.get(name)
-            cells.append(f"{value:.3f}" if isinstance(value, float) else str(value))
-        table.add_row(name, *cells)
+    rows = [(name, [r.get(name) for r in reports]) for name in ("status", *REPORT_METRICS)]
+    rows.append(
+        ("client_submit_to_report_seconds", [seen.get(r.get("batch_id", "")) for r in reports])
+    )
+    for name, values in rows:
+        table.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
     return table
 
 

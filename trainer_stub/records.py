@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from rollout_worker.errors import OutputDirError
+from rollout_wire.errors import OutputDirError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -46,11 +46,17 @@ def write_receipt(path: Path, receipt: dict[str, Any]) -> None:
 
 
 def write_records(
-    path: Path, report: dict[str, Any], logs: dict[int, str], records: dict[str, str]
+    path: Path,
+    report: dict[str, Any],
+    logs: dict[int, str],
+    records: dict[str, str],
+    submit_to_report_seconds: float | None,
 ) -> list[str]:
-    """results.json, one log per episode (<pod>.log), and the backend's records."""
+    """results.json (the report, plus this client's submit -> report seconds), one log per
+    episode (<pod>.log), and the backend's records."""
     written = []
-    (path / "results.json").write_bytes(_json(report))
+    results = report | {"client_submit_to_report_seconds": submit_to_report_seconds}
+    (path / "results.json").write_bytes(_json(results))
     written.append("results.json")
     pods = {row["index"]: row["pod"] for row in report.get("pods", [])}
     for index, text in sorted(logs.items()):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from rollout_worker.backends.base import Backend, ReceiptUpdate, RunHandle
-from rollout_worker.errors import BackendUnavailable
+from rollout_wire.errors import BackendUnavailable
+from rollout_worker.backends.base import Backend, FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.settings import Settings
 
-__all__ = ["Backend", "ReceiptUpdate", "RunHandle", "get_backend"]
+__all__ = ["Backend", "FinishedRun", "ReceiptUpdate", "RunHandle", "get_backend"]
 
 
 def get_backend(name: str, settings: Settings) -> Backend:

@@ -1,20 +1,62 @@
 """The backend protocol: how the pipeline starts, observes, reads and deletes a run.
 
-A run is one batch's sandboxes (a Kubernetes Job, or a locally supervised process set). The
-handle a backend returns is plain JSON: it travels in the receipt and in task arguments, so
-any worker process can pick the run up again.
+A run is one batch's sandboxes (a Kubernetes Job, or a locally supervised process set). Its
+`RunHandle` travels as JSON in the receipt, so any worker process can pick the run up again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from rollout_worker.models import BatchSpec, EpisodeObservation
+from rollout_wire.request import BatchSpec
+from rollout_worker.observation import EpisodeObservation
 
-RunHandle = dict[str, Any]
 # Merges fields into the batch receipt (stored before any mutation, updated as UIDs appear).
 ReceiptUpdate = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """What a backend needs to find, observe and delete a run it created, and the proof
+    (UIDs) that it created it. Fields a backend does not use stay None."""
+
+    backend: str
+    batch_id: str
+    origin: float  # when the run was created: the guide's "Job created", time zero of metrics
+    episode_prefix: str  # episode ids are f"{episode_prefix}-{index}" (Pods add a suffix)
+    context: str  # kubeconfig context, or local:<host>
+    # kubernetes
+    namespace: str | None = None
+    namespace_uid: str | None = None
+    job_name: str | None = None
+    job_uid: str | None = None
+    # local
+    run_dir: str | None = None
+    run_uid: str | None = None
+    isolation: str | None = None
+    node: str | None = None
+
+    def episode_id(self, index: int) -> str:
+        return f"{self.episode_prefix}-{index}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunHandle:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """A run once every episode is collected: its records and how it ended."""
+
+    records: dict[str, str] = field(default_factory=dict)  # file name -> text (job.json, ...)
+    completed_at: float | None = None  # the Job's Complete/Failed time, or the last exit
+    verdict: str = "Unknown"  # Complete | Failed | Running (not settled) | Unknown
+    facts: dict[str, Any] = field(default_factory=dict)  # backend-specific, shown as run_<name>
 
 
 class Backend(Protocol):
@@ -26,20 +68,15 @@ class Backend(Protocol):
     def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
         """Create the run, or find and verify the one already created for this batch id."""
 
-    def episode_id(self, handle: RunHandle, index: int) -> str:
-        """The sandbox name of episode `index` (known before the sandbox exists)."""
-
     def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
         """Observe episode `index`, waiting up to `timeout` seconds for it to be terminal."""
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         """The episode's log (its stdout)."""
 
-    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
-        """Once every episode is collected: records (name -> text) and facts about the run.
+    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        """Once every episode is collected: the run's records and how it ended."""
 
-        Returns {"records": {...}, "facts": {"completed_at": unix time or None, ...}}.
-        """
-
-    def delete_run(self, handle: RunHandle) -> None:
-        """Delete everything the run created, after proving it is ours."""
+    def delete_run(self, handle: RunHandle) -> bool:
+        """Delete everything the run created, after proving it is ours. Never waits for a slow
+        deletion: True once the run is gone, False while it is still being deleted."""

@@ -1,6 +1,7 @@
 """The Kubernetes backend: one namespace and one Indexed Job per batch.
 
-I/O only; objects come from `manifests` (pure). Every API error is translated at this edge into
+The API calls live here; the objects come from `manifests` and are read by `kube_read` (both
+pure). Every API error is translated at this edge into
 our errors (404 -> ResourceNotFound, 409 -> ResourceConflict, 429/5xx/connection ->
 TransientBackendError). Responses are read as JSON dicts (no model deserialisation): faster
 at 1000 Pods, and exactly what kubectl would save as records.
@@ -9,12 +10,9 @@ at 1000 Pods, and exactly what kubectl would save as records.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import math
 import os
-import time
-from collections.abc import Callable, Iterable
-from decimal import Decimal
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -22,9 +20,8 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
-from rollout_worker import constants as k
-from rollout_worker.backends.base import ReceiptUpdate, RunHandle
-from rollout_worker.errors import (
+from rollout_wire import constants as k
+from rollout_wire.errors import (
     BackendError,
     BackendUnavailable,
     CapacityError,
@@ -32,6 +29,17 @@ from rollout_worker.errors import (
     ResourceConflict,
     ResourceNotFound,
     TransientBackendError,
+)
+from rollout_wire.request import BatchSpec
+from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.backends.kube_read import (
+    capacity_plan,
+    events_text,
+    job_verdict,
+    node_ready,
+    observe_pods,
+    pretty_json,
+    ts,
 )
 from rollout_worker.manifests import (
     CONTAINER_NAME,
@@ -43,26 +51,13 @@ from rollout_worker.manifests import (
     namespace_name,
     network_policy_manifest,
 )
-from rollout_worker.models import BatchSpec, EpisodeObservation
-from rollout_worker.quantities import format_memory, parse_quantity
+from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
 MAX_LOG_BYTES = 8 * 2**20
-DELETE_WAIT_SECONDS = 120.0
 JOB_SETTLE_SECONDS = 15
 REQUEST_TIMEOUT = 30
-
-
-def _ts(value: str | None) -> float | None:
-    """RFC 3339 (second resolution in Kubernetes) -> unix seconds."""
-    if not value:
-        return None
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def _diff(later: float | None, earlier: float | None) -> float | None:
-    return None if later is None or earlier is None else later - earlier
 
 
 def _translate(exc: Exception, what: str) -> BackendError:
@@ -104,156 +99,6 @@ def _api_client(settings: Settings) -> tuple[client.ApiClient, str]:
     return client.ApiClient(cfg), context
 
 
-def _tolerates(tolerations: Iterable[dict[str, Any]], taint: dict[str, Any]) -> bool:
-    for tol in tolerations:
-        if tol.get("effect") and tol["effect"] != taint.get("effect"):
-            continue
-        if tol.get("operator") == "Exists":
-            if not tol.get("key") or tol["key"] == taint.get("key"):
-                return True
-        elif tol.get("key") == taint.get("key") and tol.get("value", "") == taint.get("value", ""):
-            return True
-    return False
-
-
-def capacity_plan(
-    spec: BatchSpec,
-    nodes: list[dict[str, Any]],
-    pods: list[dict[str, Any]],
-    overhead: dict[str, str],
-    runtime_scheduling: dict[str, Any],
-) -> tuple[int, str]:
-    """How many sandboxes of this spec fit on the schedulable nodes, and the arithmetic."""
-    cpu = parse_quantity(spec.resources.cpu_request) + parse_quantity(overhead.get("cpu", "0"))
-    mem = parse_quantity(spec.resources.memory_request) + parse_quantity(
-        overhead.get("memory", "0")
-    )
-    selector = {**spec.node_selector, **(runtime_scheduling.get("nodeSelector") or {})}
-    tolerations = [*spec.tolerations, *(runtime_scheduling.get("tolerations") or [])]
-    used: dict[str, list[Decimal]] = {}
-    for pod in pods:
-        node = pod.get("spec", {}).get("nodeName")
-        if not node:
-            continue
-        slot = used.setdefault(node, [Decimal(0), Decimal(0), Decimal(0)])
-        slot[2] += 1
-        for container in pod["spec"].get("containers", []):
-            requests = (container.get("resources") or {}).get("requests") or {}
-            slot[0] += parse_quantity(requests.get("cpu", "0"))
-            slot[1] += parse_quantity(requests.get("memory", "0"))
-        for name, value in ((pod["spec"].get("overhead")) or {}).items():
-            if name == "cpu":
-                slot[0] += parse_quantity(value)
-            elif name == "memory":
-                slot[1] += parse_quantity(value)
-    fits_total, lines = 0, []
-    for node in nodes:
-        meta, node_spec = node["metadata"], node.get("spec", {})
-        name = meta["name"]
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in node.get("status", {}).get("conditions", [])
-        )
-        labels = meta.get("labels") or {}
-        blocking = [
-            t
-            for t in node_spec.get("taints") or []
-            if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(tolerations, t)
-        ]
-        if (
-            not ready
-            or node_spec.get("unschedulable")
-            or blocking
-            or any(labels.get(key) != value for key, value in selector.items())
-        ):
-            continue
-        alloc = node.get("status", {}).get("allocatable", {})
-        use = used.get(name, [Decimal(0), Decimal(0), Decimal(0)])
-        free_cpu = parse_quantity(alloc.get("cpu", "0")) - use[0]
-        free_mem = parse_quantity(alloc.get("memory", "0")) - use[1]
-        free_pods = int(parse_quantity(alloc.get("pods", "110"))) - int(use[2])
-        fits = max(
-            0,
-            min(
-                int(free_cpu / cpu) if cpu else free_pods,
-                int(free_mem // mem) if mem else free_pods,
-                free_pods,
-            ),
-        )
-        fits_total += fits
-        lines.append(
-            f"{name}: free cpu {free_cpu:g}, memory {format_memory(int(free_mem))}, "
-            f"pods {free_pods} -> {fits}"
-        )
-    per_pod = (
-        f"(cpu {spec.resources.cpu_request} + overhead {overhead.get('cpu', '0')}, "
-        f"memory {spec.resources.memory_request} + overhead "
-        f"{overhead.get('memory', '0')} = {format_memory(int(mem))})"
-    )
-    text = (
-        f"parallelism {spec.parallelism} x {per_pod} = cpu {cpu * spec.parallelism:g}, "
-        f"memory {format_memory(int(mem * spec.parallelism))}; {len(lines)} schedulable node(s) "
-        f"fit {fits_total} sandbox(es)" + "".join(f"\n  {line}" for line in lines)
-    )
-    return fits_total, text
-
-
-def observe_pods(
-    handle: RunHandle, index: int, pods: dict[str, dict[str, Any]]
-) -> EpisodeObservation:
-    """What the Pods of one completion index say about its episode (the newest Pod counts;
-    earlier ones are restarts)."""
-    if not pods:
-        return EpisodeObservation(
-            index=index, episode_id=f"{handle['job_name']}-{index}", phase="Pending"
-        )
-    ordered = sorted(pods.values(), key=lambda p: p["metadata"]["creationTimestamp"])
-    pod = ordered[-1]
-    meta, status = pod["metadata"], pod.get("status", {})
-    container: dict[str, Any] = next(
-        (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER_NAME),
-        {},
-    )
-    state = container.get("state") or {}
-    terminated = (
-        state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
-    )
-    running = state.get("running") or {}
-    conditions = {
-        c["type"]: _ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
-    }
-    created = _ts(meta["creationTimestamp"])
-    scheduled = conditions.get("PodScheduled")
-    started = _ts(terminated.get("startedAt") or running.get("startedAt"))
-    finished = _ts(terminated.get("finishedAt"))
-    phase = status.get("phase", "Pending")
-    if meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"):
-        phase = "Running"  # terminating: wait for its final state
-    return EpisodeObservation(
-        index=index,
-        episode_id=meta["name"],
-        phase=phase,
-        created_at=created,
-        started_at=started,
-        finished_at=finished,
-        node=pod.get("spec", {}).get("nodeName"),
-        image_id=container.get("imageID") or None,
-        exit_code=terminated.get("exitCode"),
-        restart_count=int(container.get("restartCount", 0)) + len(ordered) - 1,
-        reason=terminated.get("reason") or status.get("reason"),
-        termination_message=terminated.get("message") or None,
-        timing={
-            "scheduled_at": scheduled,
-            "initialized_at": conditions.get("Initialized"),
-            "containers_ready_at": conditions.get("ContainersReady"),
-            "container_started_at": started,
-            "container_finished_at": finished,
-            "scheduling_seconds": _diff(scheduled, created),
-            "container_start_seconds": _diff(started, scheduled),
-        },
-    )
-
-
 class KubernetesBackend:
     name = "kubernetes"
 
@@ -287,14 +132,7 @@ class KubernetesBackend:
         version = self._call("version", client.VersionApi(self.api).get_code)
         found.append(f"cluster: {self.context} ({version.get('gitVersion')})")
         nodes = self._call("nodes", self.core.list_node)["items"]
-        ready = [
-            n["metadata"]["name"]
-            for n in nodes
-            if any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in n.get("status", {}).get("conditions", [])
-            )
-        ]
+        ready = [n["metadata"]["name"] for n in nodes if node_ready(n)]
         found.append(f"nodes: {len(ready)} ready of {len(nodes)}")
         if not ready:
             missing.append("no Ready node")
@@ -382,16 +220,17 @@ class KubernetesBackend:
             namespace,
         )
         record({"job_uid": job["metadata"]["uid"]})
-        return {
-            "backend": self.name,
-            "batch_id": spec.batch_id,
-            "context": self.context,
-            "namespace": namespace,
-            "namespace_uid": ns["metadata"]["uid"],
-            "job_name": JOB_NAME,
-            "job_uid": job["metadata"]["uid"],
-            "origin": _ts(job["metadata"]["creationTimestamp"]),
-        }
+        return RunHandle(
+            backend=self.name,
+            batch_id=spec.batch_id,
+            origin=ts(job["metadata"]["creationTimestamp"]) or 0.0,
+            episode_prefix=JOB_NAME,  # Pod names add a random suffix once created
+            context=self.context,
+            namespace=namespace,
+            namespace_uid=ns["metadata"]["uid"],
+            job_name=JOB_NAME,
+            job_uid=job["metadata"]["uid"],
+        )
 
     def _create_or_adopt(
         self,
@@ -418,9 +257,6 @@ class KubernetesBackend:
                 f"(labels {labels}); refusing to use it"
             )
         return existing
-
-    def episode_id(self, handle: RunHandle, index: int) -> str:
-        return f"{handle['job_name']}-{index}"  # Pod names add a random suffix once created
 
     def _follow(
         self,
@@ -464,11 +300,11 @@ class KubernetesBackend:
         return objects
 
     def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
-        selector = f"{k.LABEL_BATCH}={handle['batch_id']},{INDEX_LABEL}={index}"
+        selector = f"{k.LABEL_BATCH}={handle.batch_id},{INDEX_LABEL}={index}"
         pods = self._follow(
             "pods",
             self.core.list_namespaced_pod,
-            handle["namespace"],
+            _namespace(handle),
             lambda seen: observe_pods(handle, index, seen).terminal,
             timeout,
             label_selector=selector,
@@ -482,10 +318,8 @@ class KubernetesBackend:
         self, handle: RunHandle, index: int, obs: EpisodeObservation
     ) -> EpisodeObservation:
         """No Pod for this index: if the Job has ended, the episode ended with it."""
-        job = self._call(
-            "read job", self.batch.read_namespaced_job, handle["job_name"], handle["namespace"]
-        )
-        _, verdict = _job_verdict(job)
+        job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, _namespace(handle))
+        _, verdict = job_verdict(job)
         if verdict != "Running":
             reasons = [
                 c.get("reason")
@@ -502,7 +336,7 @@ class KubernetesBackend:
                 f"log of {obs.episode_id}",
                 self.core.read_namespaced_pod_log,
                 obs.episode_id,
-                handle["namespace"],
+                _namespace(handle),
                 container=CONTAINER_NAME,
                 limit_bytes=MAX_LOG_BYTES,
             )
@@ -514,13 +348,13 @@ class KubernetesBackend:
     def _settled_job(self, handle: RunHandle) -> dict[str, Any]:
         """The Job once its controller has marked it Complete or Failed (it does so shortly
         after the last Pod ends), or as it is after JOB_SETTLE_SECONDS."""
-        namespace, name = handle["namespace"], handle["job_name"]
+        namespace, name = _namespace(handle), JOB_NAME
         try:
             jobs = self._follow(
                 "jobs",
                 self.batch.list_namespaced_job,
                 namespace,
-                lambda seen: any(_job_verdict(j)[1] != "Running" for j in seen.values()),
+                lambda seen: any(job_verdict(j)[1] != "Running" for j in seen.values()),
                 JOB_SETTLE_SECONDS,
                 field_selector=f"metadata.name={name}",
             )
@@ -530,132 +364,68 @@ class KubernetesBackend:
             return next(iter(jobs.values()))
         return self._call("read job", self.batch.read_namespaced_job, name, namespace)
 
-    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
-        namespace = handle["namespace"]
+    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        namespace = _namespace(handle)
         job = self._settled_job(handle)
         pods = self._call(
             "list pods",
             self.core.list_namespaced_pod,
             namespace,
-            label_selector=f"{k.LABEL_BATCH}={handle['batch_id']}",
+            label_selector=f"{k.LABEL_BATCH}={handle.batch_id}",
         )
         events = self._call("list events", self.core.list_namespaced_event, namespace)
-        completed_at, verdict = _job_verdict(job)
+        completed_at, verdict = job_verdict(job)
         submitted = job_manifest(
             spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds
         )
         records = {
-            "job.json": _pretty(job),
-            "pods.json": _pretty(pods.get("items", [])),
-            "events.txt": _events_text(events.get("items", [])),
-            "job-submitted.json": _pretty(submitted),
+            "job.json": pretty_json(job),
+            "pods.json": pretty_json(pods.get("items", [])),
+            "events.txt": events_text(events.get("items", [])),
+            "job-submitted.json": pretty_json(submitted),
         }
-        facts = {
-            "completed_at": completed_at,
-            "job_status": verdict,
-            "context": handle["context"],
-            "namespace": namespace,
-        }
-        return {"records": records, "facts": facts}
+        return FinishedRun(records=records, completed_at=completed_at, verdict=verdict)
 
-    def delete_run(self, handle: RunHandle) -> None:
-        namespace = handle["namespace"]
+    def delete_run(self, handle: RunHandle) -> bool:
+        """Delete the batch's namespace (it takes the Job, Pods and the rest with it) once its
+        UID and labels, and the Job's UID, match the receipt. Does not wait: True once the
+        namespace is gone, False while Kubernetes is still deleting it."""
+        namespace = _namespace(handle)
         try:
             ns = self._call("read namespace", self.core.read_namespace, namespace)
         except ResourceNotFound:
-            return  # already absent
+            return True
         labels = ns["metadata"].get("labels") or {}
         if (
-            ns["metadata"]["uid"] != handle.get("namespace_uid")
+            ns["metadata"]["uid"] != handle.namespace_uid
             or labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
-            or labels.get(k.LABEL_BATCH) != handle.get("batch_id")
+            or labels.get(k.LABEL_BATCH) != handle.batch_id
         ):
             raise OwnershipError(
                 f"namespace {namespace} has uid {ns['metadata']['uid']} and labels {labels}; "
-                f"the receipt says uid {handle.get('namespace_uid')} and batch "
-                f"{handle.get('batch_id')}: refusing to delete what we cannot prove we created"
+                f"the receipt says uid {handle.namespace_uid} and batch "
+                f"{handle.batch_id}: refusing to delete what we cannot prove we created"
             )
-        try:
-            job = self._call(
-                "read job", self.batch.read_namespaced_job, handle["job_name"], namespace
-            )
-        except ResourceNotFound:
-            job = None
-        if job is not None:
-            if job["metadata"]["uid"] != handle.get("job_uid"):
-                raise OwnershipError(
-                    f"Job {namespace}/{handle['job_name']} has uid "
-                    f"{job['metadata']['uid']}, the receipt says "
-                    f"{handle.get('job_uid')}: refusing to delete it"
-                )
-            self._delete(
-                "job",
-                self.batch.delete_namespaced_job,
-                handle["job_name"],
-                namespace,
-                uid=job["metadata"]["uid"],
-            )
-            self._wait_gone(
-                "Job and its Pods", self.batch.read_namespaced_job, handle["job_name"], namespace
-            )
-        self._delete("namespace", self.core.delete_namespace, namespace, uid=ns["metadata"]["uid"])
-        self._wait_gone("namespace", self.core.read_namespace, namespace)
-
-    def _delete(self, what: str, fn: Callable[..., Any], *args: str, uid: str) -> None:
-        # Preconditions make the server refuse if the object was replaced since we checked.
-        body = {"propagationPolicy": "Foreground", "preconditions": {"uid": uid}}
+        if ns["metadata"].get("deletionTimestamp"):
+            return False
         with contextlib.suppress(ResourceNotFound):
-            self._call(f"delete {what}", fn, *args, body=body)
-
-    def _wait_gone(self, what: str, read: Callable[..., Any], *args: str) -> None:
-        deadline = time.monotonic() + DELETE_WAIT_SECONDS
-        while True:
-            try:
-                self._call(f"read {what}", read, *args)
-            except ResourceNotFound:
-                return
-            if time.monotonic() > deadline:
-                raise BackendError(
-                    f"{what} {'/'.join(args)} still terminating after "
-                    f"{DELETE_WAIT_SECONDS:.0f}s; inspect its finalizers "
-                    "(never force-removed)"
+            job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, namespace)
+            if job["metadata"]["uid"] != handle.job_uid:
+                raise OwnershipError(
+                    f"Job {namespace}/{JOB_NAME} has uid {job['metadata']['uid']}, the "
+                    f"receipt says {handle.job_uid}: refusing to delete its namespace"
                 )
-            time.sleep(1)
+        # The precondition makes the server refuse if the namespace was replaced since we
+        # checked it. Finalizers are never removed by force.
+        body = {"propagationPolicy": "Background", "preconditions": {"uid": ns["metadata"]["uid"]}}
+        try:
+            self._call("delete namespace", self.core.delete_namespace, namespace, body=body)
+        except ResourceNotFound:
+            return True
+        return False
 
 
-def _job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
-    """(when, "Complete" | "Failed") once the Job has finished, else (None, "Running")."""
-    for condition in (job.get("status") or {}).get("conditions") or []:
-        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
-            return _ts(condition.get("lastTransitionTime")), condition["type"]
-    return None, "Running"
-
-
-def _pretty(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n"
-
-
-def _events_text(events: list[dict[str, Any]]) -> str:
-    def when(event: dict[str, Any]) -> str:
-        return (
-            event.get("lastTimestamp")
-            or event.get("eventTime")
-            or event["metadata"].get("creationTimestamp")
-            or ""
-        )
-
-    lines = ["TIME\tTYPE\tREASON\tOBJECT\tMESSAGE"]
-    for event in sorted(events, key=when):
-        obj = event.get("involvedObject") or {}
-        lines.append(
-            "\t".join(
-                [
-                    when(event),
-                    event.get("type", ""),
-                    event.get("reason", ""),
-                    f"{obj.get('kind', '')}/{obj.get('name', '')}",
-                    (event.get("message") or "").replace("\n", " "),
-                ]
-            )
-        )
-    return "\n".join(lines) + "\n"
+def _namespace(handle: RunHandle) -> str:
+    if not handle.namespace:
+        raise BackendError(f"run of batch {handle.batch_id} names no namespace")
+    return handle.namespace

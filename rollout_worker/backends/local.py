@@ -20,20 +20,19 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import orjson
-import redis
 
-from rollout_worker.backends.base import ReceiptUpdate, RunHandle
+from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
+from rollout_wire.request import BatchSpec
+from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.local_files import OWNER, RunDir, create_json_exclusive
-from rollout_worker.errors import BackendError, BackendUnavailable, OwnershipError
-from rollout_worker.models import BatchSpec, EpisodeObservation
+from rollout_worker.backends.local_signal import DoneSignal
+from rollout_worker.observation import EpisodeObservation
+from rollout_worker.quantities import sandbox_limits
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
-from rollout_worker.store import Store
 
-POLL_SECONDS = 0.02
 MAX_LOG_BYTES = 8 * 2**20
 
 
@@ -82,7 +81,7 @@ class LocalBackend:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = settings.local_root
-        self._store: Store | None = None
+        self._signal: DoneSignal | None = None
 
     # -- helpers -----------------------------------------------------------------------------
     def _isolation(self) -> str:
@@ -93,7 +92,8 @@ class LocalBackend:
         return "bwrap" if wanted in ("auto", "bwrap") and not problem else "none"
 
     def _dir(self, handle: RunHandle) -> RunDir:
-        return RunDir(Path(handle["run_dir"]))
+        assert handle.run_dir is not None, "not a local run"
+        return RunDir(Path(handle.run_dir))
 
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
@@ -111,6 +111,7 @@ class LocalBackend:
         run_dir = RunDir(self.root / spec.batch_id)
         python = self.settings.local_python
         prefix, image_id = describe_python(python)
+        memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
         run_dir.path.mkdir(parents=True, exist_ok=True)
         run = {
             "owner": OWNER,
@@ -118,6 +119,7 @@ class LocalBackend:
             "run_uid": uuid.uuid4().hex,
             "created_at": time.time(),
             "spec": spec.to_dict(),
+            "limits": {"memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds},
             "episode_prefix": f"rollout-{spec.batch_id}",
             "isolation": self._isolation(),
             "python": python,
@@ -145,16 +147,18 @@ class LocalBackend:
             or existing.get("owner") != OWNER
         ):
             raise OwnershipError(f"{run_dir.path} holds a run that is not batch {spec.batch_id}")
-        handle: RunHandle = {
-            "backend": self.name,
-            "run_dir": str(run_dir.path),
-            "run_uid": existing["run_uid"],
-            "origin": existing["created_at"],
-            "episode_prefix": existing["episode_prefix"],
-            "isolation": existing["isolation"],
-            "node": existing["node"],
-        }
-        record({"run": handle})
+        handle = RunHandle(
+            backend=self.name,
+            batch_id=spec.batch_id,
+            origin=existing["created_at"],
+            episode_prefix=existing["episode_prefix"],
+            context=f"local:{existing['node']}",
+            run_dir=str(run_dir.path),
+            run_uid=existing["run_uid"],
+            isolation=existing["isolation"],
+            node=existing["node"],
+        )
+        record({"run": handle.to_dict()})
         self._ensure_supervisor(run_dir)
         return handle
 
@@ -183,13 +187,10 @@ class LocalBackend:
         except (OSError, subprocess.SubprocessError) as exc:
             raise BackendError(f"could not start the local supervisor: {exc}") from exc
 
-    def episode_id(self, handle: RunHandle, index: int) -> str:
-        return f"{handle['episode_prefix']}-{index}"
-
-    def _signals(self) -> Store:
-        if self._store is None:
-            self._store = Store.from_url(self.settings.redis_url, self.settings.record_ttl)
-        return self._store
+    def _done_signal(self) -> DoneSignal:
+        if self._signal is None:
+            self._signal = DoneSignal.from_url(self.settings.redis_url)
+        return self._signal
 
     def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
         run_dir = self._dir(handle)
@@ -199,30 +200,18 @@ class LocalBackend:
             if status is not None:
                 return EpisodeObservation.from_dict(status)
             remaining = end - time.monotonic()
-            if remaining > 0 and self._wait_signal(handle, index, remaining):
-                continue  # signalled (or Redis unavailable and we slept a poll interval)
-            if time.monotonic() >= end:
-                # Like a restarted Job controller: revive a supervisor that died mid-run (it
-                # reports the episodes it lost as failed and goes on with the rest).
-                self._ensure_supervisor(run_dir)
-                phase = "Running" if run_dir.log(index).exists() else "Pending"
-                return EpisodeObservation(
-                    index=index,
-                    episode_id=self.episode_id(handle, index),
-                    phase=phase,
-                    node=handle.get("node"),
-                )
-
-    def _wait_signal(self, handle: RunHandle, index: int, timeout: float) -> bool:
-        """Block on the supervisor's done signal; fall back to polling without Redis."""
-        batch_id = Path(handle["run_dir"]).name
-        try:
-            self._signals().wait_done(batch_id, index, max(0.01, timeout))
-            return True
-        except redis.RedisError:
-            self._store = None
-        time.sleep(min(POLL_SECONDS, timeout))
-        return True
+            if remaining <= 0:
+                break
+            self._done_signal().wait(handle.batch_id, index, remaining)
+        # Like a restarted Job controller: revive a supervisor that died mid-run (it reports
+        # the episodes it lost as failed and goes on with the rest).
+        self._ensure_supervisor(run_dir)
+        return EpisodeObservation(
+            index=index,
+            episode_id=handle.episode_id(index),
+            phase="Running" if run_dir.log(index).exists() else "Pending",
+            node=handle.node,
+        )
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         path = self._dir(handle).log(obs.index)
@@ -235,23 +224,30 @@ class LocalBackend:
             raise BackendError(f"episode {obs.index} log exceeds {MAX_LOG_BYTES} bytes")
         return data.decode("utf-8", errors="replace")
 
-    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> dict[str, Any]:
+    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         run_dir = self._dir(handle)
-        finished = run_dir.read_json(run_dir.finished_file) or {}
+        finished = run_dir.read_json(run_dir.finished_file)
         records: dict[str, str] = {}
         if run_dir.run_file.exists():
             run = orjson.loads(run_dir.run_file.read_bytes())
             records["run.json"] = orjson.dumps(run, option=orjson.OPT_INDENT_2).decode()
         if run_dir.supervisor_log.exists() and run_dir.supervisor_log.stat().st_size:
             records["supervisor.log"] = run_dir.supervisor_log.read_text(errors="replace")
-        facts = {
-            "completed_at": finished.get("finished_at"),
-            "isolation": handle["isolation"],
-            "run_dir": handle["run_dir"],
-        }
-        return {"records": records, "facts": facts}
+        # Like the Job controller: Complete when every episode's sandbox succeeded.
+        phases = [
+            (run_dir.read_json(run_dir.status(i)) or {}).get("phase") for i in range(spec.count)
+        ]
+        verdict = "Running"
+        if finished is not None:
+            verdict = "Complete" if all(p == "Succeeded" for p in phases) else "Failed"
+        return FinishedRun(
+            records=records,
+            completed_at=finished.get("finished_at") if finished else None,
+            verdict=verdict,
+            facts={"isolation": handle.isolation, "run_dir": handle.run_dir},
+        )
 
-    def delete_run(self, handle: RunHandle) -> None:
+    def delete_run(self, handle: RunHandle) -> bool:
         run_dir = self._dir(handle)
         root = self.root.resolve()
         path = run_dir.path.resolve()
@@ -261,14 +257,15 @@ class LocalBackend:
         if run is None:
             if path.exists():
                 raise OwnershipError(f"refusing to delete {path}: it has no run.json of ours")
-            return  # already gone
-        if run.get("owner") != OWNER or run.get("run_uid") != handle.get("run_uid"):
+            return True  # already gone
+        if run.get("owner") != OWNER or run.get("run_uid") != handle.run_uid:
             raise OwnershipError(
                 f"refusing to delete {path}: its owner/run_uid ({run.get('owner')}, "
-                f"{run.get('run_uid')}) do not match the receipt ({OWNER}, {handle.get('run_uid')})"
+                f"{run.get('run_uid')}) do not match the receipt ({OWNER}, {handle.run_uid})"
             )
         self._stop_supervisor(run_dir)
         shutil.rmtree(path)
+        return True
 
     def _stop_supervisor(self, run_dir: RunDir, wait: float = 10.0) -> None:
         try:

@@ -26,9 +26,10 @@ from typing import Any, BinaryIO
 
 import redis
 
+from rollout_wire.request import BatchSpec
 from rollout_worker.backends.local_files import RunDir, write_json_atomic
+from rollout_worker.backends.local_signal import DoneSignal
 from rollout_worker.backends.sandbox_command import plan_sandbox
-from rollout_worker.quantities import parse_cpu, parse_memory
 from rollout_worker.store import Store
 
 FILE_SIZE_LIMIT = 64 * 2**20
@@ -49,24 +50,27 @@ class Running:
     done: bool = False
 
 
-class Progress:
-    """Streams episode progress to Redis. Best effort: it never fails an episode."""
+class Reporter:
+    """Streams episode progress to the trainer and wakes an episode's collector when it ends.
+    Best effort: Redis being away never fails an episode (collectors then read the folder)."""
 
     def __init__(self, settings: dict[str, Any] | None) -> None:
         self.batch_id = settings["batch_id"] if settings else None
-        self.store = None
+        self.store: Store | None = None
+        self.signal: DoneSignal | None = None
         if settings:
             client = redis.Redis.from_url(
                 settings["redis_url"], socket_timeout=2, socket_connect_timeout=2
             )
             self.store = Store(client, int(settings["ttl"]))
+            self.signal = DoneSignal(client)
 
     def __call__(self, index: int, state: str) -> None:
-        if self.store is None or self.batch_id is None:
+        if self.store is None or self.signal is None or self.batch_id is None:
             return
         with contextlib.suppress(redis.RedisError):
             if state == "done":
-                self.store.signal_done(self.batch_id, index)
+                self.signal.notify(self.batch_id, index)
             else:
                 self.store.publish_state(self.batch_id, index, state)
 
@@ -91,25 +95,21 @@ class Supervisor:
         if run is None:
             raise SystemExit(f"no run.json in {run_dir.path}")
         self.run = run
-        spec = run["spec"]
-        self.count: int = spec["count"]
-        self.parallelism: int = spec["parallelism"]
-        self.action: str = spec["action"]
+        spec = BatchSpec.from_dict(run["spec"])
+        self.count = spec.count
+        self.parallelism = spec.parallelism
+        self.action = spec.action
         self.origin: float = run["created_at"]
-        self.run_deadline = self.origin + spec["deadline_seconds"]
-        self.episode_timeout: float = spec["episode_timeout_seconds"]
-        res = spec["resources"]
-        # Python maps far more address space than it touches; give the interpreter headroom
-        # over the container-style memory limit so the limit still bounds real use.
-        self.memory_bytes = parse_memory(res["memory_limit"]) + 256 * 2**20
-        self.cpu_seconds = max(
-            1, int(float(parse_cpu(res["cpu_limit"])) * self.episode_timeout) + 1
-        )
+        self.run_deadline = self.origin + spec.deadline_seconds
+        self.episode_timeout = spec.episode_timeout_seconds
+        # Worked out by the worker from the spec's resources (see quantities.sandbox_limits).
+        self.memory_bytes: int = run["limits"]["memory_bytes"]
+        self.cpu_seconds: int = run["limits"]["cpu_seconds"]
         self.running: dict[int, Running] = {}
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.as_root = os.geteuid() == 0
-        self.progress = Progress(run.get("progress"))
+        self.progress = Reporter(run.get("progress"))
 
     def episode_id(self, index: int) -> str:
         return f"{self.run['episode_prefix']}-{index}"

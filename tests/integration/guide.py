@@ -9,7 +9,7 @@ GUIDE_FIELDS = (
     "pod_to_ready_p95_seconds",
     "pod_to_ready_max_seconds",
     "batch_to_all_rewards_seconds",
-    "client_job_complete_seconds",
+    "client_submit_to_report_seconds",
     "parallelism",
     "image",
     "runtime",

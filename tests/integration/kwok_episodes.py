@@ -16,7 +16,7 @@ from pathlib import Path
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from rollout_worker import constants as k
+from rollout_wire import constants as k
 from tests.k8s import cluster as kc
 
 

@@ -29,7 +29,9 @@ def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_runn
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["episodes"], report["successful_episodes"], report["reward_sum"]) == (10, 10, 10)
-    assert report["client_job_complete_seconds"] > 0
+    assert report["client_submit_to_report_seconds"] > 0
+    # --all-in-one stops its workers only after they deleted the run (not kept: no k8s).
+    assert report["cleanup"] == "scheduled" and not os.path.exists(report["run"]["run_dir"])
     results = json.loads((out / "results.json").read_text())
     assert results["ok"] is True and len(results["pods"]) == 10
     for row in results["pods"]:
@@ -49,7 +51,8 @@ def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_runn
         (["--count", "0"], "count must be at least 1"),
         (["--count", "5", "--parallelism", "6"], "parallelism"),
         (["--count", "5", "--image", "NOT VALID"], "image"),
-        (["--count", "5", "--memory-limit", "lots"], "memory quantity"),
+        (["--count", "5", "--memory-limit", "lots"], "memory_limit 'lots' is not a quantity"),
+        (["--count", "5", "--memory-limit", "16Mi"], "below 32Mi"),
         (["--count", "6000"], "configured maximum"),
     ],
 )

@@ -18,7 +18,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rollout_worker.backends.kubernetes import KubernetesBackend
-from rollout_worker.errors import OwnershipError
+from rollout_wire.errors import OwnershipError
 from rollout_worker.manifests import namespace_name
 from rollout_worker.models import parse_spec
 from rollout_worker.settings import Settings

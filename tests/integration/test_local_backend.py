@@ -9,7 +9,7 @@ import pytest
 
 from rollout_worker.backends.local import LocalBackend
 from rollout_worker.backends.local_files import RunDir
-from rollout_worker.errors import OwnershipError
+from rollout_wire.errors import OwnershipError
 from rollout_worker.models import parse_spec
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode

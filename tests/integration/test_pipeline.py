@@ -8,7 +8,7 @@ import time
 import pytest
 from celery import Celery
 
-from rollout_worker import constants as k
+from rollout_wire import constants as k
 from rollout_worker.models import new_batch_id
 from trainer_stub.client import RolloutClient
 

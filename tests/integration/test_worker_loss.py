@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout_worker import constants as k
+from rollout_wire import constants as k
 from rollout_worker.stack import LocalStack
 from trainer_stub.client import RolloutClient
 

@@ -1,9 +1,7 @@
-from decimal import Decimal
-
-from rollout_worker.backends.kubernetes import capacity_plan
+from rollout_wire.request import parse_spec
+from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.kube_read import capacity_plan, observe_pods
 from rollout_worker.manifests import job_manifest, namespace_manifest
-from rollout_worker.models import parse_spec
-from rollout_worker.quantities import parse_quantity
 
 
 def spec(**changes):
@@ -110,14 +108,6 @@ def test_capacity_skips_unschedulable_tainted_and_unselected_nodes_and_subtracts
     assert capacity_plan(tolerant, nodes, busy, {}, {})[0] == 5 + 40
 
 
-def test_quantities_as_the_api_server_writes_them():
-    assert parse_quantity("1k") == 1000
-    assert parse_quantity("4Ti") == 4 * 2**40
-    assert parse_quantity("1900m") == Decimal("1.9")
-    assert parse_quantity("1e3") == 1000
-    assert parse_quantity("8048284Ki") == 8048284 * 1024
-
-
 def pod(name, created, *, phase="Succeeded", exit_code=0, restarts=0, message=None):
     terminated = {
         "exitCode": exit_code,
@@ -149,9 +139,9 @@ def pod(name, created, *, phase="Succeeded", exit_code=0, restarts=0, message=No
 
 
 def test_pod_status_becomes_an_observation_with_phase_timings():
-    from rollout_worker.backends.kubernetes import observe_pods
-
-    handle = {"job_name": "rollout"}
+    handle = RunHandle(
+        backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
+    )
     obs = observe_pods(
         handle, 3, {"a": pod("rollout-3-x", "2026-11-30T10:00:00Z", message='{"reward": 1}')}
     )

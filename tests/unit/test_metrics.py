@@ -1,7 +1,18 @@
 import pytest
 
-from rollout_worker.metrics import build_report, percentile
-from rollout_worker.models import EpisodeRow, parse_spec
+from rollout_wire.request import parse_spec
+from rollout_wire.rows import EpisodeRow
+from rollout_worker.backends.base import FinishedRun, RunHandle
+from rollout_worker.metrics import percentile
+from rollout_worker.report import build_report
+
+RUN = RunHandle(
+    backend="kubernetes", batch_id="b", origin=100.0, episode_prefix="rollout", context="ctx"
+)
+
+
+def report_of(spec, rows, finished=None):
+    return build_report(spec, rows, RUN, finished, finalized_by="chord", reported_at=120.0)
 
 
 def test_percentile_interpolates_linearly():
@@ -38,7 +49,7 @@ def test_report_metrics_match_the_guides_definitions():
         ok_row(1, 100.5, 102.0, 104.0),
         ok_row(2, 101.0, 104.0, 109.0),
     ]
-    report = build_report(spec, rows, origin=100.0)
+    report = report_of(spec, rows)
     assert report["ok"] is True and report["status"] == "succeeded"
     assert (report["episodes"], report["successful_episodes"], report["reward_sum"]) == (3, 3, 3)
     assert report["batch_to_all_ready_seconds"] == 4.0
@@ -52,7 +63,7 @@ def test_report_metrics_match_the_guides_definitions():
 def test_each_episode_counts_once_and_missing_ones_fail_the_batch():
     spec = parse_spec({"count": 3}, max_episodes=10)
     rows = [ok_row(0, 100, 101, 102), ok_row(0, 100, 101, 102), ok_row(1, 100, 101, 102)]
-    report = build_report(spec, rows, origin=100.0)
+    report = report_of(spec, rows)
     assert report["reward_sum"] == 2 and report["collected_episodes"] == 2
     assert report["ok"] is False and report["lost_episodes"] == 1
     assert any("never collected" in e for e in report["errors"])
@@ -61,8 +72,22 @@ def test_each_episode_counts_once_and_missing_ones_fail_the_batch():
 def test_a_failed_episode_is_never_hidden():
     spec = parse_spec({"count": 2}, max_episodes=10)
     bad = EpisodeRow(index=1, pod="p-1", status="failed", errors=["reward is 0, expected 1"])
-    report = build_report(spec, [ok_row(0, 100, 101, 102), bad], origin=100.0)
+    report = report_of(spec, [ok_row(0, 100, 101, 102), bad])
     assert report["ok"] is False and report["status"] == "failed"
     assert report["successful_episodes"] == 1 and report["failed_episodes"] == 1
     assert report["reward_sum"] == 1
     assert any("p-1" in e and "reward is 0" in e for e in report["errors"])
+
+
+def test_a_run_that_ended_failed_fails_the_report_and_its_timing_is_reported():
+    spec = parse_spec({"count": 1}, max_episodes=10)
+    done = FinishedRun(completed_at=112.0, verdict="Complete", facts={"isolation": "bwrap"})
+    report = report_of(spec, [ok_row(0, 100, 101, 102)], done)
+    assert report["ok"] is True and report["job_complete_seconds"] == 12.0
+    assert (report["context"], report["run_isolation"], report["run_verdict"]) == (
+        "ctx",
+        "bwrap",
+        "Complete",
+    )
+    failed = report_of(spec, [ok_row(0, 100, 101, 102)], FinishedRun(verdict="Failed"))
+    assert failed["ok"] is False and any("ended Failed" in e for e in failed["errors"])

@@ -1,12 +1,14 @@
 import pytest
 
-from rollout_worker.errors import InvalidSpec
-from rollout_worker.models import parse_spec, spec_from_dict
+from rollout_wire.errors import InvalidSpec
+from rollout_wire.request import BatchSpec, parse_spec
+from rollout_worker.core import admit
 
 
 def problems(request, max_episodes=100):
+    """What the workers' edge says: the request's rules, then the resource arithmetic."""
     with pytest.raises(InvalidSpec) as info:
-        parse_spec(request, max_episodes=max_episodes)
+        admit(request, max_episodes=max_episodes)
     return " | ".join(info.value.problems)
 
 
@@ -33,8 +35,10 @@ def test_defaults_follow_the_guide():
         ({"backend": "ssh"}, "backend 'ssh' is not one of"),
         ({"deadline_seconds": 0}, "deadline_seconds must be within"),
         ({"deadline_seconds": 10, "episode_timeout_seconds": 11}, "episode_timeout_seconds"),
-        ({"resources": {"cpu_limit": "lots"}}, "cpu quantity 'lots'"),
-        ({"resources": {"memory_limit": "12Qi"}}, "memory quantity '12Qi'"),
+        ({"resources": {"cpu_limit": "lots"}}, "cpu_limit 'lots' is not a quantity"),
+        ({"resources": {"memory_limit": "12Qi"}}, "memory_limit '12Qi' is not a quantity"),
+        ({"resources": {"memory_limit": "1e3"}}, "memory_limit '1e3' is not a quantity"),
+        ({"resources": {"cpu_limit": 2}}, "cpu_limit 2 is not a quantity"),
         ({"resources": {"cpu_request": "2", "cpu_limit": "1"}}, "exceeds cpu_limit"),
         ({"resources": {"memory_limit": "16Mi", "memory_request": "8Mi"}}, "below 32Mi"),
         ({"resources": {"gpu": "1"}}, "unknown resources fields"),
@@ -59,4 +63,8 @@ def test_oversized_batch_is_refused_not_truncated():
 
 def test_spec_round_trips_through_json_dict():
     spec = parse_spec({"count": 3, "parallelism": 2, "labels": {"round": "7"}}, max_episodes=10)
-    assert spec_from_dict(spec.to_dict()) == spec
+    assert BatchSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_the_trainer_side_leaves_the_size_limit_to_the_workers():
+    assert parse_spec({"count": 10**6}, max_episodes=None).count == 10**6

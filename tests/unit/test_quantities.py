@@ -1,34 +1,22 @@
-from decimal import Decimal
-
-import pytest
-
-from rollout_worker.quantities import parse_cpu, parse_memory
+from rollout_wire.request import Resources
+from rollout_worker.quantities import format_memory, resource_problems, sandbox_limits
 
 
-@pytest.mark.parametrize(
-    ("text", "cores"), [("500m", "0.5"), ("2", "2"), ("0.25", "0.25"), ("1500m", "1.5")]
-)
-def test_cpu(text, cores):
-    assert parse_cpu(text) == Decimal(cores)
+def test_limits_of_a_local_sandbox_follow_the_requested_resources():
+    memory, cpu_seconds = sandbox_limits(Resources(cpu_limit="500m", memory_limit="128Mi"), 120)
+    assert memory == 128 * 2**20 + 256 * 2**20  # plus the interpreter's address-space headroom
+    assert cpu_seconds == 61  # half a core for 120 s, rounded up
 
 
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("128Mi", 128 * 2**20),
-        ("1Gi", 2**30),
-        ("500M", 500 * 10**6),
-        ("768Mi", 768 * 2**20),
-        ("1024", 1024),
-    ],
-)
-def test_memory(text, size):
-    assert parse_memory(text) == size
+def test_resource_arithmetic_uses_every_unit_a_request_may_use():
+    assert resource_problems(Resources("1", "1Gi", "1500m", "1Gi")) == []
+    assert resource_problems(Resources("0.5", "500M", "0.5", "1Gi")) == []
+    assert "exceeds memory_limit" in " ".join(resource_problems(Resources("1", "2G", "1", "1Gi")))
 
 
-@pytest.mark.parametrize("text", ["", "1.5x", "-1", "m", "12 Mi"])
-def test_garbage_is_refused(text):
-    with pytest.raises(ValueError):
-        parse_memory(text)
-    with pytest.raises(ValueError):
-        parse_cpu(text)
+def test_format_memory_picks_the_largest_exact_binary_unit():
+    assert (format_memory(768 * 2**20), format_memory(2**30), format_memory(1000)) == (
+        "768Mi",
+        "1Gi",
+        "1000",
+    )

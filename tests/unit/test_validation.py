@@ -1,6 +1,6 @@
 import json
 
-from rollout_worker.models import EpisodeObservation
+from rollout_worker.observation import EpisodeObservation
 from rollout_worker.validation import parse_events, validate_episode
 
 ORIGIN = 1000.0

@@ -1,7 +1,8 @@
-"""Wire models shared by the trainer and the workers: batch requests, episode rows, reports.
+"""The batch request: what a trainer asks for, parsed and validated once at each edge.
 
-Everything here is pure: parsing validates and reports every problem at once, before any
-side effect, so bad input never creates anything.
+`parse_spec` reports every problem at once, before any side effect, so bad input never creates
+anything. After it, only the typed, frozen `BatchSpec` travels; `BatchSpec.from_dict` only
+decodes a spec that was validated before (a stored receipt), it re-applies no policy.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeGuard
 
-from rollout_worker.errors import InvalidSpec
-from rollout_worker.quantities import parse_cpu, parse_memory
+from rollout_wire.errors import InvalidSpec
 
 BACKENDS = ("local", "kubernetes")
 # The episode's action: `fix` is the guide's deterministic stand-in for an agent; `none`
@@ -37,24 +37,6 @@ _IMAGE = re.compile(
     r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?$"
 )
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-
-
-# The headline numbers of a report, in the order people read them (CLI tables, summaries).
-REPORT_METRICS = (
-    "episodes",
-    "successful_episodes",
-    "failed_episodes",
-    "lost_episodes",
-    "reward_sum",
-    "parallelism",
-    "batch_to_all_ready_seconds",
-    "pod_to_ready_p50_seconds",
-    "pod_to_ready_p95_seconds",
-    "pod_to_ready_max_seconds",
-    "batch_to_all_rewards_seconds",
-    "job_complete_seconds",
-    "client_job_complete_seconds",
-)
 
 
 def new_batch_id() -> str:
@@ -102,6 +84,13 @@ class BatchSpec:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BatchSpec:
+        """Decode a spec validated before (a stored receipt); no limits are re-applied."""
+        values = dict(data)
+        values["resources"] = Resources(**values.get("resources", {}))
+        return cls(**values)
+
 
 def _int_field(data: Mapping[str, Any], name: str, default: int, problems: list[str]) -> int:
     """The integer at `name`; a non-integer is reported and replaced by `default`."""
@@ -112,9 +101,11 @@ def _int_field(data: Mapping[str, Any], name: str, default: int, problems: list[
     return value
 
 
-def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
+def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpec:
     """Validate a batch request (a JSON object) and return it as a BatchSpec.
 
+    `max_episodes` is the deployment's limit (ROLLOUT_MAX_BATCH_EPISODES); None where it is
+    not known (a trainer's process), the workers then enforce it.
     Raises InvalidSpec listing every problem, each saying what was wrong and what is allowed.
     """
     if not isinstance(data, Mapping):
@@ -140,7 +131,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int) -> BatchSpec:
     )
     if count < 1:
         problems.append(f"count must be at least 1, got {count}")
-    elif count > max_episodes:
+    elif max_episodes is not None and count > max_episodes:
         problems.append(
             f"count {count} exceeds the configured maximum of {max_episodes} episodes per "
             "batch (ROLLOUT_MAX_BATCH_EPISODES); split it into several batches"
@@ -260,9 +251,15 @@ def _parse_placement(data: Mapping[str, Any], problems: list[str]) -> dict[str, 
     }
 
 
+# Which quantity forms a request may use (the policy); their values are compared by the workers
+# with the Kubernetes client's own parser (`rollout_worker.quantities`).
+_CPU_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
+_MEMORY_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+
+
 def _parse_resources(data: Any, problems: list[str]) -> Resources:
     if isinstance(data, Resources):
-        return data
+        data = asdict(data)
     if not isinstance(data, Mapping):
         problems.append(f"resources must be an object, got {data!r}")
         return Resources()
@@ -271,101 +268,11 @@ def _parse_resources(data: Any, problems: list[str]) -> Resources:
     if unknown:
         problems.append(f"unknown resources fields {unknown}; allowed: {sorted(allowed)}")
         return Resources()
-    res = Resources(**{k: str(v) for k, v in data.items()})
-    try:
-        cpu_req, cpu_lim = parse_cpu(res.cpu_request), parse_cpu(res.cpu_limit)
-        mem_req, mem_lim = parse_memory(res.memory_request), parse_memory(res.memory_limit)
-    except ValueError as exc:
-        problems.append(f"resources: {exc}")
-        return res
-    if cpu_req <= 0 or mem_req <= 0:
-        problems.append("resources: requests must be greater than zero")
-    if cpu_req > cpu_lim:
-        problems.append(
-            f"resources: cpu_request {res.cpu_request} exceeds cpu_limit {res.cpu_limit}"
-        )
-    if mem_req > mem_lim:
-        problems.append(
-            f"resources: memory_request {res.memory_request} exceeds "
-            f"memory_limit {res.memory_limit}"
-        )
-    if mem_lim < 32 * 2**20:
-        problems.append(
-            f"resources: memory_limit {res.memory_limit} is below 32Mi; Python cannot start in less"
-        )
-    return res
-
-
-def spec_from_dict(data: Mapping[str, Any]) -> BatchSpec:
-    """Rebuild a spec that was validated before (from a receipt); no limits re-applied."""
-    values = dict(data)
-    values["resources"] = Resources(**values.get("resources", {}))
-    return BatchSpec(**values)
-
-
-@dataclass
-class EpisodeObservation:
-    """What a backend saw of one episode's sandbox (a Pod, or a local process)."""
-
-    index: int
-    episode_id: str
-    phase: str  # Pending | Running | Succeeded | Failed | Unknown
-    created_at: float | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    node: str | None = None
-    image_id: str | None = None
-    exit_code: int | None = None
-    restart_count: int = 0
-    reason: str | None = None
-    timing: dict[str, float | None] = field(default_factory=dict)
-    termination_message: str | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in ("Succeeded", "Failed")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EpisodeObservation:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
-
-
-@dataclass
-class EpisodeRow:
-    """One episode's validated outcome, as the trainer and results.json see it."""
-
-    index: int
-    pod: str
-    status: str  # ok | failed | lost
-    errors: list[str] = field(default_factory=list)
-    reward: int = 0
-    baseline_exit: int | None = None
-    tests_exit: int | None = None
-    exit_code: int | None = None
-    restart_count: int = 0
-    phase: str | None = None
-    node: str | None = None
-    image_id: str | None = None
-    created_at: float | None = None
-    ready_at: float | None = None
-    reward_at: float | None = None
-    finished_at: float | None = None
-    pod_to_ready_seconds: float | None = None
-    batch_to_ready_seconds: float | None = None
-    batch_to_reward_seconds: float | None = None
-    timing: dict[str, float | None] = field(default_factory=dict)
-    collected_at: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EpisodeRow:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+    bad = False
+    for name, value in data.items():
+        pattern = _CPU_QUANTITY if name.startswith("cpu") else _MEMORY_QUANTITY
+        if not isinstance(value, str) or not pattern.match(value):
+            example = "'500m' or '1.5'" if name.startswith("cpu") else "'128Mi', '1Gi' or '500M'"
+            problems.append(f"resources: {name} {value!r} is not a quantity like {example}")
+            bad = True
+    return Resources() if bad else Resources(**data)

@@ -51,10 +51,6 @@ class OwnershipError(BackendError):
     """A resource exists but cannot be proven to be ours, so we refuse to touch it."""
 
 
-class ReceiptMismatch(RolloutError):
-    """A batch id is already in use by a request with a different spec."""
-
-
 class BatchTimeout(RolloutError):
     """Waiting for a batch report ran past the caller's timeout."""
 

@@ -1,4 +1,4 @@
-"""Every queue name, task name and Redis key the system uses, in one place.
+"""Every queue name, task name, Redis key, stream field and label the system uses.
 
 Both sides (workers and the trainer) read these; changing one is a wire-format change.
 """
@@ -16,6 +16,7 @@ TASK_SUBMIT = "rollout.submit_batch"
 TASK_COLLECT = "rollout.collect_episode"
 TASK_AGGREGATE = "rollout.aggregate_batch"
 TASK_WATCHDOG = "rollout.batch_watchdog"
+TASK_CLEANUP = "rollout.cleanup_run"
 
 KEY_PREFIX = "rollout"
 
@@ -67,19 +68,6 @@ def flag_key(batch_id: str, name: str) -> str:
     return batch_key(batch_id, f"flag:{name}")
 
 
-def all_batch_keys(batch_id: str) -> list[str]:
-    return [
-        receipt_key(batch_id),
-        episodes_key(batch_id),
-        logs_key(batch_id),
-        artifacts_key(batch_id),
-        report_key(batch_id),
-        stream_key(batch_id),
-        flag_key(batch_id, "chord"),
-        states_key(batch_id),
-    ]
-
-
 # Deterministic Celery ids: a redelivered submit re-sends the same ids, and the result
 # backend plus our own per-index dedupe make the copies harmless.
 def collect_task_id(batch_id: str, index: int) -> str:
@@ -98,10 +86,14 @@ def watchdog_task_id(batch_id: str) -> str:
     return f"{batch_id}.watchdog"
 
 
-# Stream entry types.
-ENTRY_EPISODE = "episode"
-ENTRY_REPORT = "report"
-ENTRY_STATE = "state"  # progress of one episode, before its row is collected
+def cleanup_task_id(batch_id: str) -> str:
+    return f"{batch_id}.cleanup"
+
+
+# Stream entries: a flat hash with a `type` field and the fields of that type.
+ENTRY_EPISODE = "episode"  # fields: index, row (JSON)
+ENTRY_REPORT = "report"  # fields: status
+ENTRY_STATE = "state"  # fields: index, state (progress of one episode before its row)
 
 # Progress states in the order an episode passes them; a state never goes back.
 STATES = ("pending", "running", "ready", "rewarded")

@@ -1,0 +1,68 @@
+"""What comes back to the trainer: one row per episode, and the report's headline fields."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Row statuses: `ok` passed every rule of the guide; `failed` ended but broke a rule (its
+# reward is 0); `lost` never gave a usable outcome before the deadline.
+ROW_STATUSES = ("ok", "failed", "lost")
+
+# The headline numbers of a report, in the order people read them (CLI tables, summaries).
+REPORT_METRICS = (
+    "episodes",
+    "successful_episodes",
+    "failed_episodes",
+    "lost_episodes",
+    "reward_sum",
+    "parallelism",
+    "batch_to_all_ready_seconds",
+    "pod_to_ready_p50_seconds",
+    "pod_to_ready_p95_seconds",
+    "pod_to_ready_max_seconds",
+    "batch_to_all_rewards_seconds",
+    "job_complete_seconds",
+)
+
+
+@dataclass
+class EpisodeRow:
+    """One episode's validated outcome, as the trainer and results.json see it.
+
+    `pod` is the episode id: the Pod name on Kubernetes, the sandbox name locally.
+    """
+
+    index: int
+    pod: str
+    status: str  # one of ROW_STATUSES
+    errors: list[str] = field(default_factory=list)
+    reward: int = 0
+    baseline_exit: int | None = None
+    tests_exit: int | None = None
+    exit_code: int | None = None
+    restart_count: int = 0
+    phase: str | None = None
+    node: str | None = None
+    image_id: str | None = None
+    created_at: float | None = None
+    ready_at: float | None = None
+    reward_at: float | None = None
+    finished_at: float | None = None
+    pod_to_ready_seconds: float | None = None
+    batch_to_ready_seconds: float | None = None
+    batch_to_reward_seconds: float | None = None
+    timing: dict[str, float | None] = field(default_factory=dict)
+    collected_at: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EpisodeRow:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})

@@ -1,0 +1,239 @@
+"""Pure reading of Kubernetes API objects (as JSON dicts): capacity arithmetic, what a Pod says
+about its episode, how a Job ended, records as text. No I/O: unit-tested without a cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from decimal import Decimal
+from typing import Any
+
+import orjson
+
+from rollout_wire.request import BatchSpec
+from rollout_worker.backends.base import RunHandle
+from rollout_worker.manifests import CONTAINER_NAME, JOB_NAME
+from rollout_worker.observation import EpisodeObservation
+from rollout_worker.quantities import format_memory, parse_quantity
+
+
+def ts(value: str | None) -> float | None:
+    """RFC 3339 (second resolution in Kubernetes) -> unix seconds."""
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _diff(later: float | None, earlier: float | None) -> float | None:
+    return None if later is None or earlier is None else later - earlier
+
+
+def tolerates(tolerations: Iterable[dict[str, Any]], taint: dict[str, Any]) -> bool:
+    for tol in tolerations:
+        if tol.get("effect") and tol["effect"] != taint.get("effect"):
+            continue
+        if tol.get("operator") == "Exists":
+            if not tol.get("key") or tol["key"] == taint.get("key"):
+                return True
+        elif tol.get("key") == taint.get("key") and tol.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+def capacity_plan(
+    spec: BatchSpec,
+    nodes: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
+    overhead: dict[str, str],
+    runtime_scheduling: dict[str, Any],
+) -> tuple[int, str]:
+    """How many sandboxes of this spec fit on the schedulable nodes, and the arithmetic."""
+    cpu = parse_quantity(spec.resources.cpu_request) + parse_quantity(overhead.get("cpu", "0"))
+    mem = parse_quantity(spec.resources.memory_request) + parse_quantity(
+        overhead.get("memory", "0")
+    )
+    selector = {**spec.node_selector, **(runtime_scheduling.get("nodeSelector") or {})}
+    tolerations = [*spec.tolerations, *(runtime_scheduling.get("tolerations") or [])]
+    used: dict[str, list[Decimal]] = {}
+    for pod in pods:
+        node = pod.get("spec", {}).get("nodeName")
+        if not node:
+            continue
+        slot = used.setdefault(node, [Decimal(0), Decimal(0), Decimal(0)])
+        slot[2] += 1
+        for container in pod["spec"].get("containers", []):
+            requests = (container.get("resources") or {}).get("requests") or {}
+            slot[0] += parse_quantity(requests.get("cpu", "0"))
+            slot[1] += parse_quantity(requests.get("memory", "0"))
+        for name, value in ((pod["spec"].get("overhead")) or {}).items():
+            if name == "cpu":
+                slot[0] += parse_quantity(value)
+            elif name == "memory":
+                slot[1] += parse_quantity(value)
+    fits_total, lines = 0, []
+    for node in nodes:
+        meta, node_spec = node["metadata"], node.get("spec", {})
+        name = meta["name"]
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in node.get("status", {}).get("conditions", [])
+        )
+        labels = meta.get("labels") or {}
+        blocking = [
+            t
+            for t in node_spec.get("taints") or []
+            if t.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(tolerations, t)
+        ]
+        if (
+            not ready
+            or node_spec.get("unschedulable")
+            or blocking
+            or any(labels.get(key) != value for key, value in selector.items())
+        ):
+            continue
+        alloc = node.get("status", {}).get("allocatable", {})
+        use = used.get(name, [Decimal(0), Decimal(0), Decimal(0)])
+        free_cpu = parse_quantity(alloc.get("cpu", "0")) - use[0]
+        free_mem = parse_quantity(alloc.get("memory", "0")) - use[1]
+        free_pods = int(parse_quantity(alloc.get("pods", "110"))) - int(use[2])
+        fits = max(
+            0,
+            min(
+                int(free_cpu / cpu) if cpu else free_pods,
+                int(free_mem // mem) if mem else free_pods,
+                free_pods,
+            ),
+        )
+        fits_total += fits
+        lines.append(
+            f"{name}: free cpu {free_cpu:g}, memory {format_memory(int(free_mem))}, "
+            f"pods {free_pods} -> {fits}"
+        )
+    per_pod = (
+        f"(cpu {spec.resources.cpu_request} + overhead {overhead.get('cpu', '0')}, "
+        f"memory {spec.resources.memory_request} + overhead "
+        f"{overhead.get('memory', '0')} = {format_memory(int(mem))})"
+    )
+    text = (
+        f"parallelism {spec.parallelism} x {per_pod} = cpu {cpu * spec.parallelism:g}, "
+        f"memory {format_memory(int(mem * spec.parallelism))}; {len(lines)} schedulable node(s) "
+        f"fit {fits_total} sandbox(es)" + "".join(f"\n  {line}" for line in lines)
+    )
+    return fits_total, text
+
+
+def observe_pods(
+    handle: RunHandle, index: int, pods: Mapping[str, dict[str, Any]]
+) -> EpisodeObservation:
+    """What the Pods of one completion index say about its episode (the newest Pod counts;
+    earlier ones are restarts)."""
+    if not pods:
+        return EpisodeObservation(index=index, episode_id=handle.episode_id(index), phase="Pending")
+    ordered = sorted(pods.values(), key=lambda p: p["metadata"]["creationTimestamp"])
+    pod = ordered[-1]
+    meta, status = pod["metadata"], pod.get("status", {})
+    container: dict[str, Any] = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER_NAME),
+        {},
+    )
+    state = container.get("state") or {}
+    terminated = (
+        state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
+    )
+    running = state.get("running") or {}
+    conditions = {
+        c["type"]: ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
+    }
+    created = ts(meta["creationTimestamp"])
+    scheduled = conditions.get("PodScheduled")
+    started = ts(terminated.get("startedAt") or running.get("startedAt"))
+    finished = ts(terminated.get("finishedAt"))
+    phase = status.get("phase", "Pending")
+    if meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"):
+        phase = "Running"  # terminating: wait for its final state
+    return EpisodeObservation(
+        index=index,
+        episode_id=meta["name"],
+        phase=phase,
+        created_at=created,
+        started_at=started,
+        finished_at=finished,
+        node=pod.get("spec", {}).get("nodeName"),
+        image_id=container.get("imageID") or None,
+        exit_code=terminated.get("exitCode"),
+        restart_count=int(container.get("restartCount", 0)) + len(ordered) - 1,
+        reason=terminated.get("reason") or status.get("reason"),
+        termination_message=terminated.get("message") or None,
+        timing={
+            "scheduled_at": scheduled,
+            "initialized_at": conditions.get("Initialized"),
+            "containers_ready_at": conditions.get("ContainersReady"),
+            "container_started_at": started,
+            "container_finished_at": finished,
+            "scheduling_seconds": _diff(scheduled, created),
+            "container_start_seconds": _diff(started, scheduled),
+        },
+    )
+
+
+def job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
+    """(when, "Complete" | "Failed") once the Job has finished, else (None, "Running")."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return ts(condition.get("lastTransitionTime")), condition["type"]
+    return None, "Running"
+
+
+def pretty_json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+def events_text(events: list[dict[str, Any]]) -> str:
+    def when(event: dict[str, Any]) -> str:
+        return (
+            event.get("lastTimestamp")
+            or event.get("eventTime")
+            or event["metadata"].get("creationTimestamp")
+            or ""
+        )
+
+    lines = ["TIME\tTYPE\tREASON\tOBJECT\tMESSAGE"]
+    for event in sorted(events, key=when):
+        obj = event.get("involvedObject") or {}
+        lines.append(
+            "\t".join(
+                [
+                    when(event),
+                    event.get("type", ""),
+                    event.get("reason", ""),
+                    f"{obj.get('kind', '')}/{obj.get('name', '')}",
+                    (event.get("message") or "").replace("\n", " "),
+                ]
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def node_ready(node: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in node.get("status", {}).get("conditions", [])
+    )
+
+
+def handle_from_receipt(receipt: Mapping[str, Any]) -> RunHandle | None:
+    """The run handle of a run cut short before its handle was recorded: the receipt's first
+    fields (context, namespace, then its UID and the Job's) still prove what was created."""
+    if not receipt.get("namespace") or not receipt.get("uid"):
+        return None
+    return RunHandle(
+        backend="kubernetes",
+        batch_id=str(receipt.get("run_id") or receipt.get("batch_id")),
+        origin=0.0,
+        episode_prefix=JOB_NAME,
+        context=str(receipt.get("context")),
+        namespace=str(receipt["namespace"]),
+        namespace_uid=str(receipt["uid"]),
+        job_name=JOB_NAME,
+        job_uid=receipt.get("job_uid"),
+    )

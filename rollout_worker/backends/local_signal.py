@@ -1,0 +1,41 @@
+"""How the local supervisor wakes the collector of an episode that just ended, instead of the
+collector polling the run folder: a Redis list per episode, pushed once, popped by BLPOP."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from rollout_wire import constants as k
+
+# A signal nobody consumed is useless after this.
+SIGNAL_TTL = 3600
+# Without Redis, a waiting collector falls back to polling the run folder this often.
+POLL_SECONDS = 0.02
+
+
+class DoneSignal:
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+
+    @classmethod
+    def from_url(cls, url: str, *, socket_timeout: float | None = None) -> DoneSignal:
+        return cls(
+            redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=2)
+        )
+
+    def notify(self, batch_id: str, index: int) -> None:
+        key = k.done_key(batch_id, index)
+        pipe = self.redis.pipeline()
+        pipe.rpush(key, 1)
+        pipe.expire(key, SIGNAL_TTL)
+        pipe.execute()
+
+    def wait(self, batch_id: str, index: int, timeout: float) -> None:
+        """Return when episode `index` is signalled done or `timeout` passed (or, without
+        Redis, after a short poll interval: the caller looks at the run folder either way)."""
+        try:
+            self.redis.blpop([k.done_key(batch_id, index)], timeout=max(0.01, timeout))
+        except redis.RedisError:
+            time.sleep(min(POLL_SECONDS, timeout))

@@ -1,0 +1,356 @@
+"""The batch lifecycle without Celery: admit and start a batch, collect one episode, publish the
+report, clean the run up, and decide when the watchdog looks again.
+
+Celery tasks (`tasks.py`) call these with the Redis store and real backends; unit tests call
+them with an in-memory store and a stub backend. Every function is safe to run again for the
+same batch (brokers redeliver): the store's writes are first-writer-wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollout_wire.errors import BackendError, InvalidSpec, TransientBackendError
+from rollout_wire.request import BatchSpec, is_batch_id, parse_spec
+from rollout_wire.rows import EpisodeRow
+from rollout_worker.backends.base import Backend, FinishedRun, RunHandle
+from rollout_worker.quantities import resource_problems
+from rollout_worker.report import build_report, error_report
+from rollout_worker.validation import lost_row, validate_episode
+
+log = logging.getLogger(__name__)
+
+# The watchdog looks at a batch at least this often, and gives the chord this long after the
+# collectors' own give-up time before it finalises the batch itself.
+WATCHDOG_STEP_SECONDS = 60.0
+WATCHDOG_EXTRA_SECONDS = 30.0
+# A deleting run is looked at again after this long (the deletion runs in Kubernetes, not in
+# a worker slot).
+CLEANUP_RECHECK_SECONDS = 2.0
+
+# Cleanup states, stored in the receipt's `cleanup` field and shown by the report.
+CLEANUP_KEPT = "kept"
+CLEANUP_SCHEDULED = "scheduled"
+CLEANUP_DELETING = "deleting"
+CLEANUP_DELETED = "deleted"
+CLEANUP_FAILED = "failed"
+
+BackendFor = Callable[[str], Backend]
+
+
+class BatchStore(Protocol):
+    """What the lifecycle needs from storage (`store.Store` on Redis; a dict in unit tests)."""
+
+    def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool: ...
+    def update_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> None: ...
+    def load_receipt(self, batch_id: str) -> dict[str, Any] | None: ...
+    def record_episode(self, batch_id: str, row: EpisodeRow, log: str) -> bool: ...
+    def has_episode(self, batch_id: str, index: int) -> bool: ...
+    def episode_rows(self, batch_id: str) -> list[EpisodeRow]: ...
+    def publish_state(self, batch_id: str, index: int, state: str) -> bool: ...
+    def save_records(self, batch_id: str, records: Mapping[str, str]) -> None: ...
+    def publish_report(self, batch_id: str, report: Mapping[str, Any]) -> bool: ...
+    def has_report(self, batch_id: str) -> bool: ...
+    def set_flag(self, batch_id: str, name: str) -> None: ...
+    def has_flag(self, batch_id: str, name: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The settings the lifecycle reads (from `Settings`, read once at the worker's start)."""
+
+    max_batch_episodes: int
+    collect_grace_seconds: float
+
+
+class NotYet(Exception):
+    """The episode is still running and its batch is within its deadline."""
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """A batch's receipt in Redis: the request, then the run once it exists."""
+
+    batch_id: str
+    spec: BatchSpec
+    run: RunHandle | None = None
+    warnings: list[str] = field(default_factory=list)
+    cleanup: str | None = None
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> Receipt:
+        run = fields.get("run")
+        return cls(
+            batch_id=fields["batch_id"],
+            spec=BatchSpec.from_dict(fields["spec"]),
+            run=RunHandle.from_dict(run) if isinstance(run, Mapping) else None,
+            warnings=list(fields.get("warnings") or []),
+            cleanup=fields.get("cleanup"),
+        )
+
+
+def load_receipt(store: BatchStore, batch_id: str) -> Receipt | None:
+    fields = store.load_receipt(batch_id)
+    return Receipt.from_fields(fields) if fields and "spec" in fields else None
+
+
+# -- when to give up -------------------------------------------------------------------------
+def give_up_at(spec: BatchSpec, run: RunHandle, limits: Limits) -> float:
+    """After this, an episode that has not ended is lost."""
+    return run.origin + spec.deadline_seconds + limits.collect_grace_seconds
+
+
+def watchdog_countdown(spec: BatchSpec, run: RunHandle, limits: Limits, now: float) -> float:
+    """Seconds until the watchdog should look again: at most a step, never past its due time."""
+    due = give_up_at(spec, run, limits) + WATCHDOG_EXTRA_SECONDS
+    return max(0.0, min(WATCHDOG_STEP_SECONDS, due - now))
+
+
+# -- submit ----------------------------------------------------------------------------------
+def admit(request: Mapping[str, Any], max_episodes: int) -> BatchSpec:
+    """The worker's edge: the request's own rules, then the resource arithmetic."""
+    spec = parse_spec(request, max_episodes=max_episodes)
+    problems = resource_problems(spec.resources)
+    if problems:
+        raise InvalidSpec(problems)
+    return spec
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What `submit` did. `dispatch`: the collection chord still has to be sent."""
+
+    batch_id: str | None
+    status: str  # started | rejected | conflict | done | error
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    spec: BatchSpec | None = None
+    run: RunHandle | None = None
+    dispatch: bool = False
+
+    def as_result(self) -> dict[str, Any]:
+        return {
+            "batch_id": self.batch_id,
+            "status": self.status,
+            "errors": self.errors,
+            "warnings": self.warnings,
+        }
+
+
+def submit(
+    store: BatchStore,
+    backend_for: BackendFor,
+    message: Any,
+    *,
+    default_batch_id: str | None,
+    limits: Limits,
+    now: float,
+) -> Submitted:
+    """Admit a request, write its receipt, start (or adopt) its run.
+
+    A TransientBackendError propagates, for the caller to retry; `fail` ends the batch after.
+    """
+    if not isinstance(message, Mapping):
+        problem = f"a batch request must be a JSON object, got {type(message).__name__}"
+        return _reject(store, default_batch_id, [problem], {})
+    request = dict(message)
+    # A request without an id gets one derived from the message, so a redelivery of the same
+    # message maps to the same batch.
+    if request.get("batch_id") is None:
+        request["batch_id"] = default_batch_id
+    request.setdefault("submitted_at", now)
+    try:
+        spec = admit(request, limits.max_batch_episodes)
+    except InvalidSpec as exc:
+        return _reject(store, request.get("batch_id"), exc.problems, request)
+
+    fresh = store.create_receipt(
+        spec.batch_id,
+        {
+            "batch_id": spec.batch_id,
+            "spec": spec.to_dict(),
+            "backend": spec.backend,
+            "received_at": now,
+        },
+    )
+    if not fresh:
+        stored = load_receipt(store, spec.batch_id)
+        if stored is None or _comparable(stored.spec) != _comparable(spec):
+            log.error("batch id %s reused with a different request; ignored", spec.batch_id)
+            return Submitted(spec.batch_id, "conflict", [f"batch id {spec.batch_id} is taken"])
+        if store.has_report(spec.batch_id):
+            return Submitted(spec.batch_id, "done")
+        spec = stored.spec  # keep the first delivery's submitted_at
+
+    backend = backend_for(spec.backend)
+    try:
+        warnings = backend.preflight(spec)
+        run = backend.start_run(spec, lambda fields: store.update_receipt(spec.batch_id, fields))
+    except TransientBackendError:
+        raise
+    except BackendError as exc:
+        return fail(store, spec, [str(exc)])
+    store.update_receipt(spec.batch_id, {"run": run.to_dict(), "warnings": warnings})
+    return Submitted(
+        spec.batch_id,
+        "started",
+        warnings=warnings,
+        spec=spec,
+        run=run,
+        dispatch=not store.has_flag(spec.batch_id, "chord"),
+    )
+
+
+def _comparable(spec: BatchSpec) -> dict[str, Any]:
+    return {name: value for name, value in spec.to_dict().items() if name != "submitted_at"}
+
+
+def _reject(
+    store: BatchStore, batch_id: Any, problems: list[str], request: Mapping[str, Any]
+) -> Submitted:
+    # Answer under the batch id only when no batch owns it: a malformed copy of a valid
+    # batch's message must never overwrite that batch's outcome.
+    if is_batch_id(batch_id) and store.load_receipt(batch_id) is None:
+        store.publish_report(batch_id, error_report(batch_id, "rejected", problems, request))
+    log.warning("rejected batch %s: %s", batch_id, "; ".join(problems))
+    return Submitted(batch_id if is_batch_id(batch_id) else None, "rejected", list(problems))
+
+
+def fail(store: BatchStore, spec: BatchSpec, errors: list[str]) -> Submitted:
+    """End a batch whose run could not start: its report says why."""
+    store.publish_report(
+        spec.batch_id, error_report(spec.batch_id, "error", errors, spec.to_dict())
+    )
+    return Submitted(spec.batch_id, "error", list(errors), spec=spec)
+
+
+# -- collect ---------------------------------------------------------------------------------
+def collect(
+    store: BatchStore,
+    backend: Backend,
+    receipt: Receipt,
+    index: int,
+    *,
+    block: float,
+    final: bool,
+    limits: Limits,
+    now: Callable[[], float] = time.time,
+) -> EpisodeRow:
+    """Collect episode `index`: validate it if it ended; record it lost when `final` or past
+    the give-up time; else raise NotYet. The first row recorded for an index wins."""
+    spec, run = receipt.spec, receipt.run
+    assert run is not None, "collect needs a started run"
+
+    def in_time() -> bool:
+        return not final and now() < give_up_at(spec, run, limits)
+
+    episode_id = run.episode_id(index)
+    text = ""
+    try:
+        obs = backend.wait_episode(run, index, block)
+        if obs.terminal:
+            text = backend.read_output(run, obs)
+            row = validate_episode(obs, text, run.origin)
+        elif in_time():
+            if obs.phase == "Running":
+                store.publish_state(spec.batch_id, index, "running")
+            raise NotYet
+        else:
+            row = lost_row(
+                index,
+                obs.episode_id,
+                f"still {obs.phase} {spec.deadline_seconds}s after the run started "
+                "(deadline) and the collection grace period",
+                obs,
+            )
+    except TransientBackendError:
+        if in_time():
+            raise
+        row = lost_row(index, episode_id, "the backend kept failing until the deadline", None)
+    except BackendError as exc:
+        row = lost_row(index, episode_id, str(exc), None)
+    store.record_episode(spec.batch_id, row, text)
+    return row
+
+
+# -- report ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Finalized:
+    report: dict[str, Any]
+    cleanup: str  # CLEANUP_SCHEDULED (the caller schedules `cleanup`) or CLEANUP_KEPT
+
+
+def finalize(
+    store: BatchStore,
+    backend_for: BackendFor,
+    batch_id: str,
+    *,
+    finalized_by: str,
+    limits: Limits,
+    now: Callable[[], float] = time.time,
+) -> Finalized | None:
+    """Build and publish the report once; None when it was published before (or cannot be).
+
+    The watchdog (finalized_by="watchdog") first collects what the backend still has and
+    records every other episode as lost.
+    """
+    if store.has_report(batch_id):
+        return None
+    receipt = load_receipt(store, batch_id)
+    if receipt is None or receipt.run is None:
+        log.error("cannot finalize %s: no receipt with a run", batch_id)
+        return None
+    spec, run = receipt.spec, receipt.run
+    backend = backend_for(run.backend)
+    if finalized_by == "watchdog":
+        for index in range(spec.count):
+            if not store.has_episode(batch_id, index):
+                collect(store, backend, receipt, index, block=0, final=True, limits=limits)
+    finished: FinishedRun | None = None
+    batch_errors: list[str] = []
+    try:
+        finished = backend.finish_run(spec, run)
+        store.save_records(batch_id, finished.records)
+    except BackendError as exc:
+        batch_errors.append(f"could not read the run's records: {exc}")
+    cleanup = CLEANUP_KEPT if spec.keep_run else CLEANUP_SCHEDULED
+    report = build_report(
+        spec,
+        store.episode_rows(batch_id),
+        run,
+        finished,
+        finalized_by=finalized_by,
+        reported_at=now(),
+        warnings=receipt.warnings,
+        batch_errors=batch_errors,
+    ) | {"cleanup": cleanup}
+    if not store.publish_report(batch_id, report):
+        return None
+    store.update_receipt(batch_id, {"cleanup": cleanup})
+    return Finalized(report, cleanup)
+
+
+# -- cleanup ---------------------------------------------------------------------------------
+def cleanup(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
+    """Delete a reported batch's run (ownership-checked by the backend). Returns the cleanup
+    state: CLEANUP_DELETING means "look again later" (the deletion runs in the backend)."""
+    receipt = load_receipt(store, batch_id)
+    if receipt is None or receipt.run is None:
+        return CLEANUP_DELETED  # nothing was created, or the receipt expired with its run
+    if receipt.cleanup in (CLEANUP_DELETED, CLEANUP_KEPT, CLEANUP_FAILED):
+        return receipt.cleanup
+    try:
+        gone = backend_for(receipt.run.backend).delete_run(receipt.run)
+    except TransientBackendError:
+        raise
+    except BackendError as exc:
+        log.error("batch %s: run not deleted: %s", batch_id, exc)
+        store.update_receipt(batch_id, {"cleanup": CLEANUP_FAILED, "cleanup_error": str(exc)})
+        return CLEANUP_FAILED
+    state = CLEANUP_DELETED if gone else CLEANUP_DELETING
+    store.update_receipt(batch_id, {"cleanup": state})
+    return state

@@ -1,0 +1,129 @@
+"""The batch report, built in one place: verdict, the guide's metrics, run identity and
+per-episode rows. Pure: it reads rows and the run's facts, it writes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from rollout_wire.request import BatchSpec
+from rollout_wire.rows import EpisodeRow
+from rollout_worker.backends.base import FinishedRun, RunHandle
+from rollout_worker.metrics import phase_breakdown, spread
+
+
+def dedupe_rows(rows: Iterable[EpisodeRow]) -> dict[int, EpisodeRow]:
+    """One row per episode index (the first one recorded wins)."""
+    by_index: dict[int, EpisodeRow] = {}
+    for row in rows:
+        by_index.setdefault(row.index, row)
+    return by_index
+
+
+def build_report(
+    spec: BatchSpec,
+    rows: Iterable[EpisodeRow],
+    run: RunHandle,
+    finished: FinishedRun | None,
+    *,
+    finalized_by: str,
+    reported_at: float,
+    warnings: Sequence[str] = (),
+    batch_errors: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The report of a batch that ran. `finished` is None when the run's records could not be
+    read (`batch_errors` then says why)."""
+    by_index = dedupe_rows(rows)
+    errors = list(batch_errors)
+    missing = [i for i in range(spec.count) if i not in by_index]
+    if missing:
+        errors.append(f"{len(missing)} episode(s) never collected: indexes {missing[:20]}")
+    unexpected = sorted(i for i in by_index if not 0 <= i < spec.count)
+    if unexpected:
+        errors.append(f"rows for unknown episode indexes {unexpected[:20]}")
+    ordered = [by_index[i] for i in sorted(by_index)]
+    for row in ordered:
+        if not row.ok:
+            errors.append(f"episode {row.index} ({row.pod}) {row.status}: {'; '.join(row.errors)}")
+    if finished is not None and finished.verdict == "Failed":
+        errors.append("the run ended Failed (the guide requires the Job to end Complete)")
+
+    ok_rows = [r for r in ordered if r.ok]
+    ready = [r.batch_to_ready_seconds for r in ordered if r.batch_to_ready_seconds is not None]
+    rewards = [r.batch_to_reward_seconds for r in ordered if r.batch_to_reward_seconds is not None]
+    startup = [r.pod_to_ready_seconds for r in ordered if r.pod_to_ready_seconds is not None]
+    nodes: dict[str, int] = {}
+    for row in ordered:
+        if row.node:
+            nodes[row.node] = nodes.get(row.node, 0) + 1
+    completed_at = finished.completed_at if finished else None
+
+    ok = not errors and len(ok_rows) == spec.count
+    return {
+        "batch_id": spec.batch_id,
+        "ok": ok,
+        "status": "succeeded" if ok else "failed",
+        "errors": errors,
+        "warnings": list(warnings),
+        "episodes": spec.count,
+        "collected_episodes": len(ordered),
+        "successful_episodes": len(ok_rows),
+        "failed_episodes": sum(1 for r in ordered if r.status == "failed"),
+        "lost_episodes": sum(1 for r in ordered if r.status == "lost") + len(missing),
+        "reward_sum": sum(r.reward for r in ok_rows),
+        "parallelism": spec.parallelism,
+        "backend": spec.backend,
+        "image": spec.image,
+        "runtime": spec.runtime,
+        "action": spec.action,
+        "labels": dict(spec.labels),
+        # The guide's run identity: where it ran, and an image cache we do not control.
+        "context": run.context,
+        "namespace": run.namespace,
+        "cache_state": "uncontrolled",
+        "run": run.to_dict(),
+        "run_verdict": finished.verdict if finished else "Unknown",
+        **{f"run_{name}": value for name, value in (finished.facts if finished else {}).items()},
+        "batch_to_all_ready_seconds": max(ready) if ready else None,
+        "batch_to_all_rewards_seconds": max(rewards) if rewards else None,
+        **spread(startup, "pod_to_ready"),
+        # Run created -> the backend saw the run end (the Job's Complete/Failed condition).
+        "job_complete_seconds": completed_at - run.origin if completed_at else None,
+        "completed_at": completed_at,
+        "phases": phase_breakdown(ordered),
+        "nodes": nodes,
+        "image_ids": sorted({r.image_id for r in ordered if r.image_id}),
+        "submitted_at": spec.submitted_at,
+        "run_created_at": run.origin,
+        "reported_at": reported_at,
+        "finalized_by": finalized_by,
+        "pods": [r.to_dict() for r in ordered],
+    }
+
+
+def error_report(
+    batch_id: str, status: str, errors: Sequence[str], request: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The report of a batch that never ran (rejected request, backend refused to start)."""
+    count = request.get("count")
+    return {
+        "batch_id": batch_id,
+        "ok": False,
+        "status": status,
+        "errors": list(errors),
+        "episodes": count if isinstance(count, int) and not isinstance(count, bool) else None,
+        "collected_episodes": 0,
+        "successful_episodes": 0,
+        "failed_episodes": 0,
+        "lost_episodes": 0,
+        "reward_sum": 0,
+        "backend": request.get("backend") if isinstance(request.get("backend"), str) else None,
+        "pods": [],
+    }
+
+
+def summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report without its per-episode rows (what the CLI prints)."""
+    return {k: v for k, v in report.items() if k not in ("pods", "errors")} | {
+        "errors": list(report.get("errors", []))[:10]
+    }

@@ -1,0 +1,153 @@
+"""In-memory stand-ins for the lifecycle's store and backend (`core.BatchStore`, `Backend`),
+so the lifecycle's decisions are unit-tested without Redis, Celery or a cluster."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_wire.errors import BackendError
+from rollout_wire.request import BatchSpec
+from rollout_wire.rows import EpisodeRow
+from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.observation import EpisodeObservation
+
+
+class MemoryStore:
+    """The same first-writer-wins semantics as the Redis store's Lua scripts."""
+
+    def __init__(self) -> None:
+        self.receipts: dict[str, dict[str, Any]] = {}
+        self.rows: dict[str, dict[int, EpisodeRow]] = {}
+        self.logs: dict[str, dict[int, str]] = {}
+        self.states: dict[str, dict[int, str]] = {}
+        self.records: dict[str, dict[str, str]] = {}
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.flags: set[tuple[str, str]] = set()
+        self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
+
+    def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:
+        if batch_id in self.receipts:
+            return False
+        self.receipts[batch_id] = json.loads(json.dumps(dict(fields)))
+        return True
+
+    def update_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> None:
+        self.receipts.setdefault(batch_id, {}).update(json.loads(json.dumps(dict(fields))))
+
+    def load_receipt(self, batch_id: str) -> dict[str, Any] | None:
+        return self.receipts.get(batch_id)
+
+    def record_episode(self, batch_id: str, row: EpisodeRow, log: str) -> bool:
+        rows = self.rows.setdefault(batch_id, {})
+        if row.index in rows:
+            return False
+        rows[row.index] = row
+        self.logs.setdefault(batch_id, {})[row.index] = log
+        self.stream.append((batch_id, "episode", row.index))
+        return True
+
+    def has_episode(self, batch_id: str, index: int) -> bool:
+        return index in self.rows.get(batch_id, {})
+
+    def episode_rows(self, batch_id: str) -> list[EpisodeRow]:
+        return list(self.rows.get(batch_id, {}).values())
+
+    def publish_state(self, batch_id: str, index: int, state: str) -> bool:
+        if self.states.setdefault(batch_id, {}).get(index) == state:
+            return False
+        self.states[batch_id][index] = state
+        self.stream.append((batch_id, "state", (index, state)))
+        return True
+
+    def save_records(self, batch_id: str, records: Mapping[str, str]) -> None:
+        self.records.setdefault(batch_id, {}).update(records)
+
+    def publish_report(self, batch_id: str, report: Mapping[str, Any]) -> bool:
+        if batch_id in self.reports:
+            return False
+        self.reports[batch_id] = dict(report)
+        self.stream.append((batch_id, "report", report.get("status")))
+        return True
+
+    def has_report(self, batch_id: str) -> bool:
+        return batch_id in self.reports
+
+    def set_flag(self, batch_id: str, name: str) -> None:
+        self.flags.add((batch_id, name))
+
+    def has_flag(self, batch_id: str, name: str) -> bool:
+        return (batch_id, name) in self.flags
+
+
+def good_log(episode_id: str, at: float) -> str:
+    ready = {"event": "ready", "at": at, "episode_id": episode_id}
+    reward = {
+        "event": "reward",
+        "at": at + 0.5,
+        "episode_id": episode_id,
+        "reward": 1,
+        "baseline_exit": 1,
+        "tests_exit": 0,
+        "tests_output": "OK",
+    }
+    return f"{json.dumps(ready)}\n{json.dumps(reward)}\n"
+
+
+@dataclass
+class StubBackend:
+    """Episodes whose fate the test sets: `ended[index]` = (phase, log) once it has ended."""
+
+    origin: float = 1000.0
+    name: str = "stub"
+    ended: dict[int, tuple[str, str]] = field(default_factory=dict)
+    created: int = 0
+    deleted: int = 0
+    deleting_for: int = 0  # delete_run answers "still deleting" this many times
+    fail_start: BackendError | None = None
+    verdict: str = "Complete"
+
+    def preflight(self, spec: BatchSpec) -> list[str]:
+        return []
+
+    def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
+        if self.fail_start is not None:
+            raise self.fail_start
+        record({"namespace": f"ns-{spec.batch_id}"})  # the receipt names it before it exists
+        self.created += 1
+        return RunHandle(
+            backend=self.name,
+            batch_id=spec.batch_id,
+            origin=self.origin,
+            episode_prefix=f"ep-{spec.batch_id}",
+            context="stub",
+        )
+
+    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
+        episode_id = handle.episode_id(index)
+        if index not in self.ended:
+            return EpisodeObservation(index, episode_id, "Running")
+        phase, _ = self.ended[index]
+        return EpisodeObservation(
+            index,
+            episode_id,
+            phase,
+            created_at=self.origin + 0.1,
+            finished_at=self.origin + 2,
+            exit_code=0 if phase == "Succeeded" else 1,
+        )
+
+    def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
+        return self.ended[obs.index][1]
+
+    def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        return FinishedRun({"run.json": "{}"}, self.origin + 3, self.verdict)
+
+    def delete_run(self, handle: RunHandle) -> bool:
+        self.deleted += 1
+        if self.deleting_for > 0:
+            self.deleting_for -= 1
+            return False
+        return True

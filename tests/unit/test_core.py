@@ -1,0 +1,165 @@
+"""The batch lifecycle (`rollout_worker.core`) with an in-memory store and a stub backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_wire.errors import BackendError, OwnershipError
+from rollout_worker import core
+from tests.unit.stubs import MemoryStore, StubBackend, good_log
+
+LIMITS = core.Limits(max_batch_episodes=100, collect_grace_seconds=30)
+
+
+@pytest.fixture
+def store():
+    return MemoryStore()
+
+
+@pytest.fixture
+def backend():
+    return StubBackend()
+
+
+def submit(store, backend, message, default="task-1"):
+    return core.submit(
+        store, lambda name: backend, message, default_batch_id=default, limits=LIMITS, now=999.0
+    )
+
+
+def started(store, backend, **request):
+    done = submit(store, backend, {"batch_id": "b1", "count": 3, **request})
+    assert done.status == "started"
+    return core.load_receipt(store, "b1")
+
+
+def test_a_valid_request_gets_a_receipt_before_its_run_and_one_chord(store, backend):
+    done = submit(store, backend, {"batch_id": "b1", "count": 3})
+    assert (done.status, done.dispatch, backend.created) == ("started", True, 1)
+    receipt = store.receipts["b1"]
+    assert receipt["namespace"] == "ns-b1" and receipt["run"]["origin"] == 1000.0
+    store.set_flag("b1", "chord")
+    again = submit(store, backend, {"batch_id": "b1", "count": 3, "submitted_at": 5.0})
+    # A redelivery adopts the run and keeps the first delivery's request; no second chord.
+    assert (again.status, again.dispatch) == ("started", False)
+    assert again.spec is not None and again.spec.submitted_at == 999.0
+
+
+@pytest.mark.parametrize(
+    "message",
+    [None, [1, 2], "count=3", 7, {"count": "3"}, {"count": 3, "evil": True}, {"count": 10**6}],
+)
+def test_malformed_messages_are_rejected_before_anything_is_created(store, backend, message):
+    done = submit(store, backend, message)
+    assert done.status == "rejected" and done.errors
+    assert backend.created == 0 and store.receipts == {}
+    # The sender still gets an answer, under the id the message would have had.
+    assert store.reports["task-1"]["status"] == "rejected"
+
+
+def test_a_bad_copy_never_answers_for_the_batch_that_owns_its_id(store, backend):
+    started(store, backend)
+    done = submit(store, backend, {"batch_id": "b1", "count": -1})
+    assert done.status == "rejected" and "b1" not in store.reports
+    other = submit(store, backend, {"batch_id": "b1", "count": 4})
+    assert other.status == "conflict" and backend.created == 1 and "b1" not in store.reports
+
+
+def test_a_run_that_cannot_start_is_reported_as_an_error(store, backend):
+    backend.fail_start = BackendError("RuntimeClass 'cube' does not exist")
+    done = submit(store, backend, {"batch_id": "b1", "count": 2})
+    assert done.status == "error" and not done.dispatch
+    assert store.reports["b1"]["errors"] == ["RuntimeClass 'cube' does not exist"]
+
+
+def collect(store, backend, receipt, index, now, final=False):
+    return core.collect(
+        store, backend, receipt, index, block=0, final=final, limits=LIMITS, now=lambda: now
+    )
+
+
+def test_collect_waits_then_validates_and_counts_each_episode_once(store, backend):
+    receipt = started(store, backend)
+    with pytest.raises(core.NotYet):
+        collect(store, backend, receipt, 0, now=1001.0)
+    assert ("b1", "state", (0, "running")) in store.stream
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", 1000.5))
+    assert collect(store, backend, receipt, 0, now=1002.0).status == "ok"
+    backend.ended[0] = ("Failed", "")  # a later copy sees something else: it must not count
+    collect(store, backend, receipt, 0, now=1003.0)
+    assert store.rows["b1"][0].status == "ok"
+    assert [e for e in store.stream if e[1] == "episode"] == [("b1", "episode", 0)]
+
+
+def test_an_episode_still_running_after_the_deadline_and_grace_is_lost(store, backend):
+    receipt = started(store, backend, deadline_seconds=60)
+    give_up = core.give_up_at(receipt.spec, receipt.run, LIMITS)
+    assert give_up == 1000.0 + 60 + 30
+    with pytest.raises(core.NotYet):
+        collect(store, backend, receipt, 1, now=give_up - 1)
+    row = collect(store, backend, receipt, 1, now=give_up + 1)
+    assert row.status == "lost" and row.reward == 0 and "deadline" in row.errors[0]
+
+
+def test_a_failed_episode_never_carries_a_reward(store, backend):
+    receipt = started(store, backend)
+    backend.ended[2] = ("Succeeded", good_log("ep-b1-2", 1000.5).replace('"reward": 1', '"reward": 0'))
+    row = collect(store, backend, receipt, 2, now=1002.0)
+    assert row.status == "failed" and row.reward == 0
+
+
+def finalize(store, backend, by="chord"):
+    return core.finalize(store, lambda name: backend, "b1", finalized_by=by, limits=LIMITS)
+
+
+def test_the_report_is_published_once_and_schedules_the_cleanup(store, backend):
+    receipt = started(store, backend)
+    for index in range(3):
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", 1000.5))
+        collect(store, backend, receipt, index, now=1002.0)
+    done = finalize(store, backend)
+    assert done is not None and done.cleanup == core.CLEANUP_SCHEDULED
+    report = store.reports["b1"]
+    assert report["ok"] and report["reward_sum"] == 3 and report["cleanup"] == "scheduled"
+    assert report["job_complete_seconds"] == 3.0 and store.records["b1"] == {"run.json": "{}"}
+    assert finalize(store, backend) is None  # a second callback publishes nothing
+
+
+def test_the_watchdog_collects_what_ended_and_reports_the_rest_lost(store, backend):
+    receipt = started(store, backend)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", 1000.5))
+    done = finalize(store, backend, by="watchdog")
+    assert done is not None
+    report = done.report
+    assert (report["successful_episodes"], report["lost_episodes"]) == (1, 2)
+    assert report["finalized_by"] == "watchdog" and report["ok"] is False
+    assert core.watchdog_countdown(receipt.spec, receipt.run, LIMITS, now=0) == 60
+    assert core.watchdog_countdown(receipt.spec, receipt.run, LIMITS, now=10**10) == 0
+
+
+def test_a_kept_run_is_not_cleaned_up(store, backend):
+    started(store, backend, keep_run=True)
+    done = finalize(store, backend, by="watchdog")
+    assert done is not None and done.cleanup == core.CLEANUP_KEPT
+    assert core.cleanup(store, lambda name: backend, "b1") == "kept" and backend.deleted == 0
+
+
+def test_cleanup_looks_again_until_the_run_is_gone_and_then_is_a_no_op(store, backend):
+    started(store, backend)
+    finalize(store, backend, by="watchdog")
+    backend.deleting_for = 2
+    states = [core.cleanup(store, lambda name: backend, "b1") for _ in range(4)]
+    assert states == ["deleting", "deleting", "deleted", "deleted"]
+    assert backend.deleted == 3 and store.receipts["b1"]["cleanup"] == "deleted"
+
+
+def test_cleanup_that_cannot_prove_ownership_is_recorded_not_retried(store, backend):
+    started(store, backend)
+    finalize(store, backend, by="watchdog")
+
+    def refuse(handle):
+        raise OwnershipError("namespace has another uid")
+
+    backend.delete_run = refuse
+    assert core.cleanup(store, lambda name: backend, "b1") == "failed"
+    assert "another uid" in store.receipts["b1"]["cleanup_error"]
