@@ -21,8 +21,8 @@ from pathlib import Path
 from celery import chord
 
 from benchmarks.proc import tree_cpu_seconds
+from rollout_wire.request import parse_spec
 from rollout_worker.backends.local import LocalBackend
-from rollout_worker.models import parse_spec
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 from rollout_worker.stack import LocalStack

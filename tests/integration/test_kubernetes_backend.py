@@ -17,10 +17,10 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from rollout_worker.backends.kubernetes import KubernetesBackend
 from rollout_wire.errors import OwnershipError
+from rollout_wire.request import parse_spec
+from rollout_worker.backends.kubernetes import KubernetesBackend
 from rollout_worker.manifests import namespace_name
-from rollout_worker.models import parse_spec
 from rollout_worker.settings import Settings
 from rollout_worker.stack import LocalStack
 from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
@@ -160,10 +160,13 @@ def test_creation_is_idempotent_and_refuses_objects_that_are_not_ours(k8s_cluste
     receipt: dict = {}
     first = backend.start_run(spec, receipt.update)
     again = backend.start_run(spec, receipt.update)  # a redelivered submit_batch
-    assert again == first and receipt["uid"] == first["namespace_uid"]
-    assert receipt["job_uid"] == first["job_uid"]
-    backend.delete_run(first)
-    assert not namespace_exists(k8s_cluster, first["namespace"])
+    assert again == first and receipt["uid"] == first.namespace_uid
+    assert receipt["job_uid"] == first.job_uid
+    deadline = time.monotonic() + 120
+    while not backend.delete_run(first):  # deletion runs in Kubernetes; look again
+        assert time.monotonic() < deadline, "namespace still terminating after 120 s"
+        time.sleep(0.5)
+    assert not namespace_exists(k8s_cluster, first.namespace)
 
     squatter = parse_spec({"count": 2, **kwok_request(kwok_runtime)}, max_episodes=10)
     k8s_cluster.core.create_namespace({"metadata": {"name": namespace_name(squatter.batch_id)}})

@@ -3,14 +3,15 @@
 import json
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from rollout_wire.errors import OwnershipError
+from rollout_wire.request import parse_spec
 from rollout_worker.backends.local import LocalBackend
 from rollout_worker.backends.local_files import RunDir
-from rollout_wire.errors import OwnershipError
-from rollout_worker.models import parse_spec
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode
 
@@ -34,11 +35,11 @@ def test_runs_each_episode_once_in_its_own_workspace_with_bounded_parallelism(ba
     receipt = {}
     handle = backend.start_run(spec, receipt.update)
     again = backend.start_run(spec, receipt.update)  # a redelivered submit
-    assert again["origin"] == handle["origin"] and again["run_uid"] == handle["run_uid"]
-    assert receipt["run"]["run_uid"] == handle["run_uid"]
+    assert again.origin == handle.origin and again.run_uid == handle.run_uid
+    assert receipt["run"]["run_uid"] == handle.run_uid
     observations = run_all(backend, handle, 6)
     rows = [
-        validate_episode(o, backend.read_output(handle, o), handle["origin"]) for o in observations
+        validate_episode(o, backend.read_output(handle, o), handle.origin) for o in observations
     ]
     assert [r.status for r in rows] == ["ok"] * 6, [r.errors for r in rows]
     assert len({r.pod for r in rows}) == 6
@@ -73,7 +74,7 @@ def test_deadlines_kill_hung_episodes_and_unstarted_ones_fail(backend):
     assert time.monotonic() - started < 10
     assert all(o.phase == "Failed" and o.reason == "DeadlineExceeded" for o in observations)
     row = validate_episode(
-        observations[0], backend.read_output(handle, observations[0]), handle["origin"]
+        observations[0], backend.read_output(handle, observations[0]), handle.origin
     )
     assert row.status == "failed" and row.reward == 0
     assert any("DeadlineExceeded" in e for e in row.errors)
@@ -83,20 +84,20 @@ def test_delete_refuses_a_run_it_cannot_prove_it_created(backend, tmp_path):
     spec = parse_spec({"count": 1}, max_episodes=10)
     handle = backend.start_run(spec, lambda _: None)
     run_all(backend, handle, 1)
-    forged = dict(handle, run_uid="someone-else")
+    forged = replace(handle, run_uid="someone-else")
     with pytest.raises(OwnershipError, match="do not match the receipt"):
         backend.delete_run(forged)
-    outside = dict(handle, run_dir=str(tmp_path))
+    outside = replace(handle, run_dir=str(tmp_path))
     with pytest.raises(OwnershipError, match="not under"):
         backend.delete_run(outside)
     decoy = backend.root / "decoy"
     decoy.mkdir()
     (decoy / "run.json").write_text(json.dumps({"owner": "someone", "run_uid": "x"}))
     with pytest.raises(OwnershipError):
-        backend.delete_run(dict(handle, run_dir=str(decoy), run_uid="x"))
+        backend.delete_run(replace(handle, run_dir=str(decoy), run_uid="x"))
     assert decoy.exists()
-    backend.delete_run(handle)
-    backend.delete_run(handle)  # already gone: not an error
+    assert backend.delete_run(handle) is True
+    assert backend.delete_run(handle) is True  # already gone: not an error
 
 
 def _read(path: Path) -> bytes:
@@ -132,9 +133,9 @@ def run_processes(run_dir: Path, batch_id: str) -> dict[int, str]:
 def test_delete_stops_a_running_batch(backend):
     spec = parse_spec({"count": 4, "parallelism": 2, "action": "hang"}, max_episodes=10)
     handle = backend.start_run(spec, lambda _: None)
-    run_dir = Path(handle["run_dir"])
+    run_dir = Path(handle.run_dir)
     kinds = {"supervisor": 1, "episode": 2}  # two hanging episodes (parallelism 2)
-    if handle["isolation"] == "bwrap":
+    if handle.isolation == "bwrap":
         kinds["bwrap"] = 2
     deadline = time.monotonic() + 20
     while True:

@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from rollout_wire import constants as k
-from rollout_worker.models import new_batch_id
+from rollout_wire.request import new_batch_id
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers]

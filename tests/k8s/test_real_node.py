@@ -17,9 +17,11 @@ import pytest
 from kubernetes import client as k8s_client
 from kubernetes.client.rest import ApiException
 
+from rollout_wire.request import parse_spec
+from rollout_wire.rows import EpisodeRow
 from rollout_worker import manifests
 from rollout_worker.metrics import percentile
-from rollout_worker.models import EpisodeObservation, EpisodeRow, parse_spec
+from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.validation import validate_episode
 

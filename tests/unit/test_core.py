@@ -103,7 +103,8 @@ def test_an_episode_still_running_after_the_deadline_and_grace_is_lost(store, ba
 
 def test_a_failed_episode_never_carries_a_reward(store, backend):
     receipt = started(store, backend)
-    backend.ended[2] = ("Succeeded", good_log("ep-b1-2", 1000.5).replace('"reward": 1', '"reward": 0'))
+    zero = good_log("ep-b1-2", 1000.5).replace('"reward": 1', '"reward": 0')
+    backend.ended[2] = ("Succeeded", zero)
     row = collect(store, backend, receipt, 2, now=1002.0)
     assert row.status == "failed" and row.reward == 0
 
