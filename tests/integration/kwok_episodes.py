@@ -1,89 +1,655 @@
-"""Simulated episodes for KWOK nodes, where no container ever runs.
+"""Episodes for batch Pods on KWOK nodes, where no container ever runs.
 
-For every batch Pod that appears, write the log the episode program would have printed (a
-`ready` and a `reward` event naming the Pod) and serve it through a KWOK `Logs` object, so the
-pipeline reads it through the API server exactly as it reads a real Pod's log.
+KWOK starts every Pod and leaves a batch Pod (label ``rollout.dev/owner=rollout``) Running until
+this harness says how it ended: it annotates the Pod (:data:`OUTCOME`, :data:`EXIT_CODE`,
+:data:`MESSAGE`), and the ``rollout-episode-finish`` stage in hack/localkube/kwok-stages.yaml
+finishes it with exactly that phase, exit code and termination message. Its log is a CRI file
+served through a KWOK ``Logs`` object, so the pipeline reads it through the API server exactly
+as it reads a real Pod's log. The harness never decides an episode's reward by itself:
+
+- **Faithful** (the default for every batch): the harness runs the Pod's own episode program
+  (the ``episode.py`` of the batch's ConfigMap, as the Pod would mount it) in the local
+  bubblewrap sandbox the local backend uses, with the Pod's environment (``EPISODE_ID`` from the
+  Pod's name, ``ROLLOUT_ACTION`` and the rest from its spec). That run's stdout and stderr are
+  the Pod's log, its exit status is the container's exit code and what it wrote to
+  ``/dev/termination-log`` is the termination message.
+- **Mix** (:class:`Mix`, registered per batch id before it is submitted): each Pod's fate is
+  drawn from a seeded random mix (:data:`FATES`), so a test knows for every episode how it must
+  be classified. Its ``ready``/``reward`` events are those of one real run of the episode
+  program per action (made at start-up), renamed for the Pod and re-timed.
+
+Only Pods on KWOK nodes are touched, and each Pod by one harness only (a claim annotation with
+an optimistic-concurrency patch), so concurrent sessions and real-node tests are left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
 import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kubernetes import client, watch
+import pytest
+from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from rollout_wire import constants as k
+from rollout_worker.backends.sandbox_command import plan_sandbox
+from rollout_worker.stack import LocalStack
 from tests.k8s import cluster as kc
 
+#: Annotations the harness puts on a batch Pod; kwok-stages.yaml reads them.
+OUTCOME = "rollout.test/outcome"  # succeeded | failed | deadline
+EXIT_CODE = "rollout.test/exit-code"
+MESSAGE = "rollout.test/message"  # the container's termination message
+FATE = "rollout.test/fate"  # informative: the drawn fate (mix) or "episode" (faithful)
+CLAIM = "rollout.test/harness"
 
-def episode_lines(pod_name: str, reward: int = 1) -> list[str]:
-    now = time.time()
-    ready = {"event": "ready", "at": now, "episode_id": pod_name}
-    done = {
-        "event": "reward",
-        "at": now + 0.001,
-        "episode_id": pod_name,
-        "reward": reward,
-        "baseline_exit": 1,
-        "tests_exit": 0 if reward else 1,
-        "tests_output": "simulated",
-    }
-    return [json.dumps(ready), json.dumps(done)]
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+CONTAINER = "episode"
+PROGRAM_KEY = "episode.py"
+#: Exit code of a container the kubelet kills after the grace period (python as PID 1 ignores
+#: SIGTERM, so the SIGKILL ends it): what a `hang` episode past activeDeadlineSeconds shows.
+KILLED_EXIT = 137
+RUN_TIMEOUT_S = 120
+#: The episode program (the same file the backends ship to every sandbox).
+EPISODE_PROGRAM = kc.REPO_ROOT / "rollout_worker" / "sandbox" / "episode.py"
+
+# -- fates of the seeded mix ------------------------------------------------------------------
+SUCCESS = "success"
+REWARD_ZERO = "reward0-exit0"
+NONZERO_EXIT = "nonzero-exit"
+DEADLINE = "deadline"
+DELETED = "deleted"
+FORGED = "forged-episode"
+TWO_REWARDS = "two-rewards"
+NOT_JSON = "non-json-line"
+EMPTY = "empty-log"
+#: Every fate with its weight in the mix (half succeed, the rest split evenly).
+FATES: dict[str, int] = {
+    SUCCESS: 8,
+    REWARD_ZERO: 1,
+    NONZERO_EXIT: 1,
+    DEADLINE: 1,
+    DELETED: 1,
+    FORGED: 1,
+    TWO_REWARDS: 1,
+    NOT_JSON: 1,
+    EMPTY: 1,
+}
+NONZERO_EXIT_CODE = 2
 
 
-class SimulatedEpisodes:
-    def __init__(self, cluster: kc.Cluster, directory: Path) -> None:
+@dataclass(frozen=True)
+class Mix:
+    """A seeded draw of one fate per episode index (independent of Pod names and timing)."""
+
+    seed: int
+    weights: tuple[tuple[str, int], ...] = tuple(FATES.items())
+
+    def fate(self, index: int) -> str:
+        names = [name for name, _ in self.weights]
+        weights = [weight for _, weight in self.weights]
+        return random.Random(f"{self.seed}:{index}").choices(names, weights)[0]
+
+    def fates(self, count: int) -> list[str]:
+        return [self.fate(index) for index in range(count)]
+
+
+@dataclass
+class RealRun:
+    """One run of the episode program in the sandbox."""
+
+    exit_code: int
+    entries: list[tuple[float, str, str]]  # (time, stream, line) in arrival order
+    termination_message: str
+
+    def stdout(self) -> list[str]:
+        return [line for _, stream, line in self.entries if stream == "stdout"]
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.stdout():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+
+@dataclass
+class Served:
+    """What the harness did with one Pod (for tests and for debugging a failure)."""
+
+    namespace: str
+    pod: str
+    index: int | None
+    fate: str
+    exit_code: int | None = None
+    run: RealRun | None = None
+    error: str | None = None
+
+
+# -- running the episode program --------------------------------------------------------------
+def _sandbox_python() -> tuple[str, str]:
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    done = subprocess.run(
+        [python, "-c", "import sys; print(sys.base_prefix)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return python, done.stdout.strip()
+
+
+def _read_lines(pipe, stream: str, out: list, lock: threading.Lock) -> None:
+    for raw in iter(pipe.readline, ""):
+        with lock:
+            out.append((time.time(), stream, raw.rstrip("\n")))
+    pipe.close()
+
+
+def run_episode(
+    program: Path,
+    episode_id: str,
+    env: dict[str, str],
+    scratch: Path,
+    timeout: float = RUN_TIMEOUT_S,
+) -> RealRun:
+    """Run ``program`` as the Pod would: bubblewrap as the local backend plans it (own
+    namespaces, uid 1000, no network, read-only system), with the Pod's ``EPISODE_ID`` and
+    ``ROLLOUT_ACTION``, and a host file bound at /dev/termination-log."""
+    python, prefix = _sandbox_python_cached()
+    workspace = scratch / "workspace"
+    workspace.mkdir(parents=True)
+    termination = scratch / "termination-log"
+    termination.write_text("")
+    plan = plan_sandbox(
+        isolation="bwrap",
+        python=python,
+        python_prefix=prefix,
+        program=program,
+        workspace=workspace,
+        episode_id=episode_id,
+        action=env.get("ROLLOUT_ACTION", "fix"),
+        running_as_root=os.geteuid() == 0,
+    )
+    argv = list(plan.argv)
+    cut = argv.index("--")
+    argv[cut:cut] = ["--bind", str(termination), "/dev/termination-log"]
+    entries: list[tuple[float, str, str]] = []
+    lock = threading.Lock()
+    proc = subprocess.Popen(
+        argv,
+        cwd=plan.cwd,
+        env=plan.env or None,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    readers = [
+        threading.Thread(target=_read_lines, args=(proc.stdout, "stdout", entries, lock)),
+        threading.Thread(target=_read_lines, args=(proc.stderr, "stderr", entries, lock)),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    for reader in readers:
+        reader.join()
+    return RealRun(code, entries, termination.read_text())
+
+
+_PYTHON: tuple[str, str] | None = None
+
+
+def _sandbox_python_cached() -> tuple[str, str]:
+    global _PYTHON
+    if _PYTHON is None:
+        _PYTHON = _sandbox_python()
+    return _PYTHON
+
+
+def write_cri_entries(path: Path, entries: Iterable[tuple[float, str, str]]) -> Path:
+    """Write ``(unix time, stream, line)`` entries as a CRI-format container log."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for at, stream, line in entries:
+            ts = _dt.datetime.fromtimestamp(at, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f000Z")
+            f.write(f"{ts} {stream} F {line}\n")
+    path.chmod(0o644)  # the KWOK controller (another process) reads it
+    return path
+
+
+def termination_summary(reward_event: dict[str, Any]) -> str:
+    """The termination message the episode program writes for this reward event."""
+    keys = ("at", "episode_id", "reward", "baseline_exit", "tests_exit")
+    return json.dumps({key: reward_event[key] for key in keys})
+
+
+# -- the harness ------------------------------------------------------------------------------
+class KwokEpisodes:
+    """Watches batch Pods on KWOK nodes and ends each one faithfully or by its drawn fate."""
+
+    def __init__(
+        self, cluster: kc.Cluster, directory: Path, *, api_workers: int = 16, run_slots: int = 2
+    ) -> None:
         self.cluster = cluster
+        # Its own client and connection pool: up to api_workers threads call the API at once.
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=cfg)
+        cfg.connection_pool_maxsize = api_workers + 4
+        self.api = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
         self.directory = directory
-        self.seen: set[str] = set()
+        self.name = f"h-{uuid.uuid4().hex[:8]}"
         self.errors: list[str] = []
+        self.served: dict[str, Served] = {}  # "namespace/pod" -> what was done
+        self._mixes: dict[str, Mix] = {}  # namespace -> mix
+        self._seen: set[str] = set()
+        self._programs: dict[str, Path] = {}
+        self._kwok_nodes: set[str] = set()
+        self._lock = threading.Lock()
+        self._runs = threading.Semaphore(run_slots)  # real runs at once (2 cores)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kwok-episodes", daemon=True)
-        # Pods arrive hundreds at a time; serve them in parallel, well before KWOK finishes them.
-        self._pool = ThreadPoolExecutor(16, thread_name_prefix="kwok-logs")
+        self._thread = threading.Thread(target=self._watch, name="kwok-episodes", daemon=True)
+        self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="kwok-episode")
+        self.templates: dict[str, RealRun] = {}
 
-    def __enter__(self) -> SimulatedEpisodes:
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> KwokEpisodes:
+        program = self.directory / "template" / PROGRAM_KEY
+        program.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(EPISODE_PROGRAM, program)
+        for action in ("fix", "none"):
+            with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+                run = run_episode(program, "template", {"ROLLOUT_ACTION": action}, Path(scratch))
+            rewards = [e for e in run.events() if e.get("event") == "reward"]
+            if len(rewards) != 1:
+                raise RuntimeError(f"the episode program ({action}) printed {run.entries}")
+            self.templates[action] = run
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
-        self._pool.shutdown(wait=True)
+        self._thread.join(15)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.api.close()
 
-    def _run(self) -> None:
-        core = client.CoreV1Api(self.cluster.api_client)
+    def use_mix(self, batch_id: str, mix: Mix) -> Mix:
+        """Serve the batch ``batch_id`` (submit it with this id) by ``mix``'s draws."""
+        with self._lock:
+            self._mixes[f"rollout-{batch_id}"] = mix
+        return mix
+
+    def served_in(self, namespace: str) -> dict[str, Served]:
+        prefix = f"{namespace}/"
+        with self._lock:
+            return {key: s for key, s in self.served.items() if key.startswith(prefix)}
+
+    # -- watching ------------------------------------------------------------------------------
+    def _watch(self) -> None:
         selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE}"
         while not self._stop.is_set():
             stream = watch.Watch()
             try:
                 for event in stream.stream(
-                    core.list_pod_for_all_namespaces, label_selector=selector, timeout_seconds=2
+                    self.core.list_pod_for_all_namespaces,
+                    label_selector=selector,
+                    timeout_seconds=5,
                 ):
                     pod = event["raw_object"]
-                    key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
-                    if event["type"] == "ADDED" and key not in self.seen:
-                        self.seen.add(key)
-                        self._pool.submit(
-                            self._serve, pod["metadata"]["namespace"], pod["metadata"]["name"]
-                        )
+                    if event["type"] in ("ADDED", "MODIFIED") and self._ready_to_serve(pod):
+                        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+                        if key not in self._seen:
+                            self._seen.add(key)
+                            self._pool.submit(self._serve_safely, pod)
                     if self._stop.is_set():
                         break
             except (ApiException, OSError) as exc:
-                self.errors.append(str(exc))
-                time.sleep(0.2)
+                self.errors.append(f"watch: {exc}")
+                time.sleep(0.5)
+            except RuntimeError:  # the pool shut down under us
+                break
             finally:
                 stream.stop()
 
-    def _serve(self, namespace: str, name: str) -> None:
-        key = f"{namespace}/{name}"
-        path = kc.write_cri_log(self.directory / namespace / f"{name}.log", episode_lines(name))
+    def _ready_to_serve(self, pod: dict[str, Any]) -> bool:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            return False
+        if CLAIM in (meta.get("annotations") or {}):
+            return False  # another harness (or an earlier watch of ours) has it
+        return self._on_kwok_node((pod.get("spec") or {}).get("nodeName"))
+
+    def _on_kwok_node(self, node: str | None) -> bool:
+        if not node:
+            return False
+        if node not in self._kwok_nodes:
+            try:
+                nodes = self.core.list_node(label_selector="type=kwok").items
+            except ApiException:
+                return False
+            self._kwok_nodes = {n.metadata.name for n in nodes}
+        return node in self._kwok_nodes
+
+    # -- serving one Pod -----------------------------------------------------------------------
+    def _serve_safely(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
         try:
-            kc.create_pod_logs(self.cluster, namespace, name, path)
+            if self._claim(meta["namespace"], meta["name"]):
+                self._serve(pod)
+        except Exception as exc:  # recorded; a test asserts harness.errors is empty
+            self.errors.append(f"{key}: {type(exc).__name__}: {exc}")
+
+    def _claim(self, namespace: str, name: str) -> bool:
+        """Mark the Pod as ours with an optimistic-concurrency patch; False if another
+        harness got it first."""
+        for _ in range(20):
+            try:
+                pod = self.core.read_namespaced_pod(name, namespace)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return False
+                raise
+            if CLAIM in (pod.metadata.annotations or {}):
+                return pod.metadata.annotations[CLAIM] == self.name
+            patch = {
+                "metadata": {
+                    "resourceVersion": pod.metadata.resource_version,
+                    "annotations": {CLAIM: self.name},
+                }
+            }
+            try:
+                self.core.patch_namespaced_pod(name, namespace, patch)
+                return True
+            except ApiException as exc:
+                if exc.status == 404:
+                    return False
+                if exc.status != 409:
+                    raise
+        raise RuntimeError(f"could not claim {namespace}/{name}: kept conflicting")
+
+    def _serve(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        raw_index = (meta.get("labels") or {}).get(INDEX_LABEL)
+        index = int(raw_index) if raw_index is not None else None
+        with self._lock:
+            mix = self._mixes.get(namespace)
+        log_path = self.directory / namespace / f"{name}.log"
+        if mix is None or index is None:
+            served = self._faithful(pod, log_path)
+        else:
+            served = self._drawn(namespace, name, index, mix.fate(index), log_path)
+        with self._lock:
+            self.served[f"{namespace}/{name}"] = served
+
+    def _faithful(self, pod: dict[str, Any], log_path: Path) -> Served:
+        meta = pod["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        container = next(c for c in pod["spec"]["containers"] if c["name"] == CONTAINER)
+        env = {}
+        for var in container.get("env") or []:
+            if "value" in var:
+                env[var["name"]] = var["value"]
+            elif (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == (
+                "metadata.name"
+            ):
+                env[var["name"]] = name
+        program = self._program(namespace, pod)
+        with self._runs, tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+            run = run_episode(program, env.get("EPISODE_ID", name), env, Path(scratch))
+        write_cri_entries(log_path, run.entries)
+        self._serve_log(namespace, name, log_path)
+        outcome = "succeeded" if run.exit_code == 0 else "failed"
+        self._finish(namespace, name, outcome, run.exit_code, run.termination_message, "episode")
+        index = (meta.get("labels") or {}).get(INDEX_LABEL)
+        return Served(namespace, name, int(index) if index else None, "episode", run.exit_code, run)
+
+    def _program(self, namespace: str, pod: dict[str, Any]) -> Path:
+        """The episode program the Pod mounts: its ConfigMap volume, fetched once per batch."""
+        with self._lock:
+            cached = self._programs.get(namespace)
+        if cached is not None:
+            return cached
+        volume = next(v for v in pod["spec"].get("volumes") or [] if "configMap" in v)
+        cm = self.core.read_namespaced_config_map(volume["configMap"]["name"], namespace)
+        path = self.directory / namespace / "program" / PROGRAM_KEY
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(cm.data[PROGRAM_KEY])
+        path.chmod(0o644)
+        with self._lock:
+            self._programs[namespace] = path
+        return path
+
+    def _drawn(self, namespace: str, name: str, index: int, fate: str, log_path: Path) -> Served:
+        now = time.time()
+        ready = {"event": "ready", "at": now, "episode_id": name}
+
+        def reward(action: str, at: float, episode_id: str = name) -> dict[str, Any]:
+            template = next(
+                e for e in self.templates[action].events() if e.get("event") == "reward"
+            )
+            return {**template, "at": at, "episode_id": episode_id}
+
+        good = reward("fix", now + 0.05)
+        lines: list[str] = [json.dumps(ready), json.dumps(good)]
+        outcome, exit_code, message = "succeeded", 0, termination_summary(good)
+        if fate == REWARD_ZERO:
+            bad = reward("none", now + 0.05)
+            lines = [json.dumps(ready), json.dumps(bad)]
+            message = termination_summary(bad)
+        elif fate == NONZERO_EXIT:
+            outcome, exit_code = "failed", NONZERO_EXIT_CODE
+        elif fate == DEADLINE:
+            lines = [json.dumps(ready)]
+            outcome, exit_code, message = "deadline", KILLED_EXIT, ""
+        elif fate == DELETED:
+            lines = [json.dumps(ready)]
+        elif fate == FORGED:
+            forged = reward("fix", now + 0.05, f"rollout-{index + 1}-forged")
+            lines = [json.dumps(ready), json.dumps(forged)]
+        elif fate == TWO_REWARDS:
+            lines = [json.dumps(ready), json.dumps(good), json.dumps(reward("fix", now + 0.06))]
+        elif fate == NOT_JSON:
+            lines = [json.dumps(ready), "Traceback (most recent call last):", json.dumps(good)]
+        elif fate == EMPTY:
+            lines = []
+        entries = [(now + i * 0.001, "stdout", line) for i, line in enumerate(lines)]
+        write_cri_entries(log_path, entries)
+        self._serve_log(namespace, name, log_path)
+        if fate == DELETED:
+            time.sleep(0.5)  # mid-run: started, printed `ready`, then deleted through the API
+            try:
+                self.core.delete_namespaced_pod(name, namespace)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+            return Served(namespace, name, index, fate)
+        self._finish(namespace, name, outcome, exit_code, message, fate)
+        return Served(namespace, name, index, fate, exit_code)
+
+    def _serve_log(self, namespace: str, name: str, path: Path) -> None:
+        body = {
+            "apiVersion": f"{kc.KWOK_GROUP}/{kc.KWOK_VERSION}",
+            "kind": "Logs",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"logs": [{"logsFile": str(path.resolve()), "follow": False}]},
+        }
+        try:
+            self.custom.create_namespaced_custom_object(
+                kc.KWOK_GROUP, kc.KWOK_VERSION, namespace, "logs", body
+            )
         except ApiException as exc:
             if exc.status != 409:
-                self.errors.append(f"{key}: {exc.status} {exc.reason}")
+                raise
+
+    def _finish(
+        self, namespace: str, name: str, outcome: str, exit_code: int, message: str, fate: str
+    ) -> None:
+        """Annotate the Pod; the rollout-episode-finish stage ends it accordingly."""
+        patch = {
+            "metadata": {
+                "annotations": {
+                    FATE: fate,
+                    EXIT_CODE: str(exit_code),
+                    MESSAGE: message,
+                    OUTCOME: outcome,
+                }
+            }
+        }
+        self.core.patch_namespaced_pod(name, namespace, patch)
+
+
+#: The old name (benchmarks/bench_kubernetes.py): every batch is now served faithfully.
+SimulatedEpisodes = KwokEpisodes
+
+
+# -- classifying a report row -----------------------------------------------------------------
+#: Error categories of a report row, by what its error strings say (validation.py's wording).
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("deadline", "DeadlineExceeded"),
+    ("deleted", "delet"),
+    ("phase", "sandbox phase is "),
+    ("exit", "exit code "),
+    ("restart", "container restarted"),
+    ("not-json", "is not a JSON event"),
+    ("not-event", "is not an event object"),
+    ("event-count", "expected exactly one ready and one reward event"),
+    ("forged", "event names episode"),
+    ("reward", "reward is "),
+    ("tests-exit", "tests_exit is "),
+    ("baseline", "baseline_exit is "),
+    ("no-timestamp", "numeric 'at' timestamp"),
+    ("time-order", "time order violated"),
+    ("termination-unmatched", "termination message reports an outcome the log does not contain"),
+    ("termination-disagrees", "disagrees with the log"),
+    ("termination-not-json", "termination message is not JSON"),
+    ("lost-deadline", "(deadline) and the collection grace period"),
+    ("backend", "the backend kept failing"),
+)
+
+
+def categories(errors: Iterable[str]) -> set[str]:
+    """The categories named by a row's errors ("other" for an error no category matches)."""
+    found: set[str] = set()
+    for error in errors:
+        hits = {name for name, needle in CATEGORIES if needle.lower() in error.lower()}
+        found |= hits or {"other"}
+    return found
+
+
+#: How the pipeline must classify each fate: (status, the exact error categories).
+EXPECTED: dict[str, tuple[str, frozenset[str]]] = {
+    SUCCESS: ("ok", frozenset()),
+    # The log says reward 0 (tests still failing) and the Pod exited 0.
+    REWARD_ZERO: ("failed", frozenset({"reward", "tests-exit"})),
+    # A rewarded log and a matching termination message, but the container exited 2.
+    NONZERO_EXIT: ("failed", frozenset({"phase", "exit"})),
+    # Killed at activeDeadlineSeconds after `ready`: the cause must be named.
+    DEADLINE: ("failed", frozenset({"phase", "deadline", "exit", "event-count"})),
+    # Deleted through the API mid-run: the Pod ended Failed (killed) and the row must say it
+    # was deleted (as tests/integration/test_real_failures.py asks on the real node).
+    DELETED: ("failed", frozenset({"phase", "deleted", "exit", "event-count"})),
+    # The reward event names another episode; the termination message names this one.
+    FORGED: ("failed", frozenset({"forged", "termination-disagrees"})),
+    # Two reward events; the termination message then matches no single one.
+    TWO_REWARDS: ("failed", frozenset({"event-count", "termination-unmatched"})),
+    NOT_JSON: ("failed", frozenset({"not-json"})),
+    # Nothing on stdout, but the termination message carries an outcome.
+    EMPTY: ("failed", frozenset({"event-count", "termination-unmatched"})),
+}
+
+
+def misclassified(report: dict[str, Any], fates: list[str]) -> list[str]:
+    """Every episode whose row differs from what its drawn fate must give, explained."""
+    problems = []
+    rows = {row["index"]: row for row in report["pods"]}
+    for index, fate in enumerate(fates):
+        row = rows.get(index)
+        if row is None:
+            problems.append(f"episode {index} ({fate}): no row")
+            continue
+        status, cats = EXPECTED[fate]
+        got = categories(row["errors"])
+        want_reward = 1 if fate == SUCCESS else 0
+        if row["status"] != status or got != cats or row["reward"] != want_reward:
+            problems.append(
+                f"episode {index} ({fate}): expected {status} {sorted(cats)} reward "
+                f"{want_reward}, got {row['status']} {sorted(got)} reward {row['reward']}: "
+                f"{row['errors']}"
+            )
+    return problems
+
+
+# -- fixtures shared by the KWOK test modules (import them into a test module) ----------------
+RUNTIME_CLASS = "rollout-kwok"
+OVERHEAD = {"cpu": "10m", "memory": "64Mi"}
+
+
+@pytest.fixture(scope="module", name="kwok_runtime")
+def kwok_runtime_fixture(k8s_cluster, kwok_nodes):
+    body = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": RUNTIME_CLASS},
+        "handler": "kwok",
+        "overhead": {"podFixed": OVERHEAD},
+    }
+    try:
+        client.NodeV1Api(k8s_cluster.api_client).create_runtime_class(body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    return RUNTIME_CLASS
+
+
+@pytest.fixture(scope="module", name="kube_stack")
+def kube_stack_fixture(k8s_cluster):
+    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig), "ROLLOUT_COLLECT_BLOCK_SECONDS": "2"}
+    with LocalStack(collectors=2, collect_concurrency=16, extra_env=env) as stack:
+        stack.wait_ready()
+        yield stack
+
+
+@pytest.fixture(scope="module", name="episodes")
+def episodes_fixture(k8s_cluster, kwok_nodes, tmp_path_factory):
+    with KwokEpisodes(k8s_cluster, tmp_path_factory.mktemp("kwok-episodes")) as harness:
+        yield harness
+    assert not harness.errors, harness.errors[:10]
+
+
+def kwok_request(runtime: str, **changes: Any) -> dict[str, Any]:
+    placement = kc.kwok_placement()
+    return {
+        "backend": "kubernetes",
+        "runtime": runtime,
+        "capacity_check": "error",
+        "node_selector": placement["nodeSelector"],
+        "tolerations": placement["tolerations"],
+        **changes,
+    }
+
+
+def new_batch_id() -> str:
+    return uuid.uuid4().hex[:16]

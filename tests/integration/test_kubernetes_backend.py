@@ -1,8 +1,10 @@
 """The kubernetes backend against a real API server (the local cluster, KWOK nodes).
 
-Pods on KWOK nodes never run: SimulatedEpisodes serves each one the log the episode program
-would print. Everything else is real: the API server, the Job controller, the scheduler,
-Redis and the Celery workers.
+Pods on KWOK nodes never run a container: for each batch Pod the harness
+(tests/integration/kwok_episodes.py) runs the Pod's own episode program in the local sandbox
+and serves that run's output, exit code and termination message as the Pod's, so every reward
+here was computed by a real episode run. Everything else is real: the API server, the Job
+controller, the scheduler, Redis and the Celery workers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import sys
 import time
 
 import pytest
-from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import OwnershipError
@@ -22,67 +23,41 @@ from rollout_wire.request import parse_spec
 from rollout_worker.backends.kubernetes import KubernetesBackend
 from rollout_worker.manifests import namespace_name
 from rollout_worker.settings import Settings
-from rollout_worker.stack import LocalStack
 from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
-from tests.integration.kwok_episodes import SimulatedEpisodes
+from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
+    episodes_fixture,
+    kube_stack_fixture,
+    kwok_request,
+    kwok_runtime_fixture,
+)
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.redis, pytest.mark.workers]
 
-RUNTIME_CLASS = "rollout-kwok"
-OVERHEAD = {"cpu": "10m", "memory": "64Mi"}
 
-
-@pytest.fixture(scope="module")
-def kwok_runtime(k8s_cluster, kwok_nodes):
-    body = {
-        "apiVersion": "node.k8s.io/v1",
-        "kind": "RuntimeClass",
-        "metadata": {"name": RUNTIME_CLASS},
-        "handler": "kwok",
-        "overhead": {"podFixed": OVERHEAD},
-    }
-    try:
-        client.NodeV1Api(k8s_cluster.api_client).create_runtime_class(body)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    return RUNTIME_CLASS
-
-
-@pytest.fixture(scope="module")
-def kube_stack(k8s_cluster):
-    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig), "ROLLOUT_COLLECT_BLOCK_SECONDS": "2"}
-    with LocalStack(collectors=2, collect_concurrency=16, extra_env=env) as stack:
-        stack.wait_ready()
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def episodes(k8s_cluster, tmp_path_factory):
-    with SimulatedEpisodes(k8s_cluster, tmp_path_factory.mktemp("kwok-logs")) as simulated:
-        yield simulated
-
-
-def kwok_request(runtime: str, **changes):
-    placement = kc.kwok_placement()
-    return {
-        "backend": "kubernetes",
-        "runtime": runtime,
-        "capacity_check": "error",
-        "node_selector": placement["nodeSelector"],
-        "tolerations": placement["tolerations"],
-        **changes,
-    }
-
-
-def assert_exact(report, count):
+def assert_exact(report, count, episodes=None):
+    """Every episode rewarded, once; with ``episodes`` (the harness) also: by its own real run."""
     assert report["ok"] is True, report["errors"][:5]
     assert report["successful_episodes"] == count and report["reward_sum"] == count
     assert sorted(row["index"] for row in report["pods"]) == list(range(count))
     assert len({row["pod"] for row in report["pods"]}) == count
     assert all(row["node"].startswith(kc.KWOK_NODE_PREFIX) for row in report["pods"])
+    if episodes is not None:
+        assert_from_real_runs(report, episodes)
+
+
+def assert_from_real_runs(report, episodes):
+    """Each row's reward and timestamps are those its Pod's real episode run printed."""
+    served = episodes.served_in(report["run"]["namespace"])
+    runs = {s.pod: s.run for s in served.values()}
+    for row in report["pods"]:
+        run = runs.get(row["pod"])
+        assert run is not None, f"{row['pod']} was not run by the harness"
+        reward = [e for e in run.events() if e.get("event") == "reward"]
+        assert len(reward) == 1 and reward[0]["episode_id"] == row["pod"], run.entries
+        assert row["reward"] == reward[0]["reward"] and row["reward_at"] == reward[0]["at"]
+        assert row["exit_code"] == run.exit_code
 
 
 def namespace_exists(cluster, name) -> bool:
@@ -102,7 +77,7 @@ def test_one_batch_of_1000_episodes_is_reported_exactly(
     rollout = RolloutClient(kube_stack.redis_url)
     submission = rollout.submit(count=1000, parallelism=200, **kwok_request(kwok_runtime))
     report = rollout.wait(submission.batch_id, timeout=900)
-    assert_exact(report, 1000)
+    assert_exact(report, 1000, episodes)
     assert report["run_job_status"] == "Complete"
     assert report["phases"]["scheduling"]["n"] == 1000
     # The run was deleted after its report (keep_run is off by default for the trainer).
@@ -115,19 +90,33 @@ def test_one_batch_of_1000_episodes_is_reported_exactly(
 
 @pytest.mark.slow
 def test_ten_concurrent_batches_of_100(kube_stack, kwok_runtime, episodes):
+    """Ten rounds at once, alternating the action: each report holds exactly its own batch's
+    outcomes (fix: all rewarded; none: all failed, as the real runs computed)."""
     rollout = RolloutClient(kube_stack.redis_url)
+    actions = ["fix" if n % 2 == 0 else "none" for n in range(10)]
     submissions = [
         rollout.submit(
-            count=100, parallelism=50, labels={"round": str(n)}, **kwok_request(kwok_runtime)
+            count=100,
+            parallelism=50,
+            action=action,
+            labels={"round": str(n)},
+            **kwok_request(kwok_runtime),
         )
-        for n in range(10)
+        for n, action in enumerate(actions)
     ]
     reports = rollout.wait_many([s.batch_id for s in submissions], timeout=900)
     pods = set()
     for n, submission in enumerate(submissions):
         report = reports[submission.batch_id]
         assert report["labels"] == {"round": str(n)}
-        assert_exact(report, 100)
+        if actions[n] == "fix":
+            assert_exact(report, 100, episodes)
+        else:
+            assert report["ok"] is False and report["reward_sum"] == 0
+            assert report["failed_episodes"] == 100, report["errors"][:5]
+            assert sorted(row["index"] for row in report["pods"]) == list(range(100))
+            assert all("reward is 0, expected 1" in row["errors"] for row in report["pods"])
+            assert_from_real_runs(report, episodes)
         pods |= {(report["run"]["namespace"], row["pod"]) for row in report["pods"]}
     assert len(pods) == 1000
     rollout.close()
@@ -210,6 +199,7 @@ def test_guide_drop_in_records_and_cleanup_refusing_a_decoy(
     results = json.loads((out / "results.json").read_text())
     assert set(GUIDE_FIELDS) <= set(results), set(GUIDE_FIELDS) - set(results)
     assert (results["episodes"], results["successful_episodes"], results["reward_sum"]) == (3, 3, 3)
+    assert_from_real_runs(results | {"run": {"namespace": results["namespace"]}}, episodes)
     for row in results["pods"]:
         assert set(GUIDE_ROW_FIELDS) <= set(row)
         assert (out / f"{row['pod']}.log").exists()

@@ -1,0 +1,155 @@
+"""Outcomes the tests do not invent (issue 9): batches on KWOK nodes whose episodes either
+really run (the episode program in the local sandbox, per Pod) or end by a seeded draw of fates
+the pipeline must classify exactly. The harness is tests/integration/kwok_episodes.py; the
+stages that end a Pod as it says are in hack/localkube/kwok-stages.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
+    EXPECTED,
+    FATES,
+    SUCCESS,
+    Mix,
+    episodes_fixture,
+    kube_stack_fixture,
+    kwok_request,
+    kwok_runtime_fixture,
+    misclassified,
+    new_batch_id,
+)
+from tests.k8s import cluster as kc
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.k8s, pytest.mark.kwok, pytest.mark.redis, pytest.mark.workers]
+
+
+@pytest.fixture
+def rollout(kube_stack):
+    kube_stack.check_alive()
+    client = RolloutClient(kube_stack.redis_url)
+    yield client
+    client.close()
+
+
+def _real_runs(episodes, namespace: str, count: int) -> dict[str, object]:
+    """What the harness ran for each Pod of the batch, by Pod name (all of them, really run)."""
+    served = kc.wait_for(
+        lambda: (s := episodes.served_in(namespace)) and len(s) >= count and s,
+        30,
+        f"{count} episodes served in {namespace}",
+    )
+    assert all(s.fate == "episode" and s.run is not None for s in served.values()), served
+    return {s.pod: s for s in served.values()}
+
+
+def test_fix_batch_is_rewarded_by_real_episode_runs(rollout, kwok_runtime, episodes):
+    count = 6
+    sub = rollout.submit(count=count, parallelism=count, action="fix", **kwok_request(kwok_runtime))
+    report = rollout.wait(sub.batch_id, timeout=300)
+    print(json.dumps({key: report[key] for key in ("status", "reward_sum", "errors")}))
+    assert report["ok"] is True, report["errors"]
+    assert report["successful_episodes"] == count and report["reward_sum"] == count
+    runs = _real_runs(episodes, report["run"]["namespace"], count)
+    for row in report["pods"]:
+        run = runs[row["pod"]].run
+        events = run.events()
+        # The reward in the report is the one this Pod's own run computed and printed.
+        assert [e["event"] for e in events] == ["ready", "reward"]
+        assert events[1]["episode_id"] == row["pod"] and events[1]["reward"] == 1
+        assert (run.exit_code, row["exit_code"]) == (0, 0)
+        assert (row["baseline_exit"], row["tests_exit"]) == (1, 0)
+        assert row["reward_at"] == events[1]["at"] and row["ready_at"] == events[0]["at"]
+        assert json.loads(run.termination_message)["reward"] == 1
+        assert row["node"].startswith(kc.KWOK_NODE_PREFIX)
+
+
+def test_none_batch_fails_by_real_episode_runs(rollout, kwok_runtime, episodes):
+    count = 4
+    sub = rollout.submit(
+        count=count, parallelism=count, action="none", **kwok_request(kwok_runtime)
+    )
+    report = rollout.wait(sub.batch_id, timeout=300)
+    assert report["ok"] is False
+    assert report["successful_episodes"] == 0 and report["reward_sum"] == 0
+    assert report["failed_episodes"] == count
+    runs = _real_runs(episodes, report["run"]["namespace"], count)
+    for row in report["pods"]:
+        run = runs[row["pod"]].run
+        events = run.events()
+        assert events[-1]["event"] == "reward" and events[-1]["reward"] == 0, run.entries
+        assert run.exit_code == 1
+        # The program's stderr is part of the Pod's log, as a kubelet serves it.
+        assert ("stderr", "tests still fail after the action") in [
+            (stream, line) for _, stream, line in run.entries
+        ]
+        assert row["status"] == "failed" and row["reward"] == 0
+        assert (row["exit_code"], row["baseline_exit"], row["tests_exit"]) == (1, 1, 1)
+        text = "; ".join(row["errors"])
+        assert "reward is 0, expected 1" in text, text
+        assert "tests_exit is 1 after the action, expected 0" in text, text
+        assert "exit code 1, expected 0" in text, text
+
+
+def _run_mix(rollout, episodes, runtime: str, count: int, seed: int, parallelism: int):
+    mix = Mix(seed)
+    fates = mix.fates(count)
+    batch_id = new_batch_id()
+    episodes.use_mix(batch_id, mix)
+    t0 = time.monotonic()
+    rollout.submit(
+        batch_id=batch_id,
+        count=count,
+        parallelism=parallelism,
+        deadline_seconds=900,
+        **kwok_request(runtime),
+    )
+    report = rollout.wait(batch_id, timeout=1200)
+    elapsed = time.monotonic() - t0
+    drawn = Counter(fates)
+    print(f"\nmix seed {seed}: {count} episodes in {elapsed:.0f}s, drawn {dict(drawn)}")
+    print(
+        f"report: status={report['status']} ok/failed/lost={report['successful_episodes']}/"
+        f"{report['failed_episodes']}/{report['lost_episodes']} reward_sum={report['reward_sum']}"
+    )
+    return report, fates
+
+
+def _assert_classified_exactly(report, fates):
+    count = len(fates)
+    assert report["episodes"] == count
+    assert sorted(row["index"] for row in report["pods"]) == list(range(count))
+    problems = misclassified(report, fates)
+    by_fate = Counter(p.split("(", 1)[1].split(")", 1)[0] for p in problems)
+    assert not problems, (
+        f"{len(problems)} of {count} episodes misclassified, by fate {dict(by_fate)}; first "
+        "of each:\n" + "\n".join(next(p for p in problems if f"({f})" in p) for f in by_fate)
+    )
+    successes = sum(1 for fate in fates if fate == SUCCESS)
+    assert report["reward_sum"] == successes
+    assert report["successful_episodes"] == successes
+    statuses = Counter(EXPECTED[fate][0] for fate in fates)
+    assert report["failed_episodes"] == statuses["failed"]
+    assert report["lost_episodes"] == statuses["lost"]
+
+
+def test_seeded_mix_is_classified_exactly(rollout, kwok_runtime, episodes):
+    """A small mix in which every fate occurs (seed chosen so)."""
+    count, seed = 60, 1
+    assert set(Mix(seed).fates(count)) == set(FATES)
+    report, fates = _run_mix(rollout, episodes, kwok_runtime, count, seed, parallelism=60)
+    _assert_classified_exactly(report, fates)
+
+
+@pytest.mark.slow
+def test_seeded_mix_of_1000_is_classified_exactly(rollout, kwok_runtime, episodes):
+    count, seed = 1000, 20261130
+    assert set(Mix(seed).fates(count)) == set(FATES)
+    report, fates = _run_mix(rollout, episodes, kwok_runtime, count, seed, parallelism=200)
+    _assert_classified_exactly(report, fates)
