@@ -138,6 +138,9 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
             # failed episode no longer stops the others.
             "backoffLimitPerIndex": 0,
             "maxFailedIndexes": spec.count,
+            # The guide's limit, for a cluster that drops the per-index fields (older, or the
+            # gate off): a failed episode is never rerun there either.
+            "backoffLimit": 0,
             "podReplacementPolicy": "Failed",
             "activeDeadlineSeconds": spec.deadline_seconds,
             "ttlSecondsAfterFinished": ttl_seconds_after_finished,
