@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import time
 from dataclasses import replace
@@ -429,6 +430,11 @@ def _print_report(report: dict[str, Any], submission: Submission, as_json: bool)
 @click.option("--hostname", "-n", default=None, help="Worker node name (Celery -n).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--events/--no-events", default=False, help="Send task events (for Flower).")
+@click.option(
+    "--beat",
+    is_flag=True,
+    help="Also run the periodic sweeper (ROLLOUT_SWEEP_SECONDS); one per deployment.",
+)
 @redis_option
 def worker(
     queues: str,
@@ -437,6 +443,7 @@ def worker(
     hostname: str | None,
     loglevel: str,
     events: bool,
+    beat: bool,
     redis_url: str | None,
 ) -> None:
     """Start a Celery worker for the given queues."""
@@ -469,7 +476,76 @@ def worker(
         argv += ["-n", hostname]
     if events:
         argv.append("-E")
+    if beat:
+        import tempfile
+
+        schedule = Path(tempfile.gettempdir()) / f"rollout-beat-{hostname or 'worker'}"
+        argv += ["-B", "--schedule", str(schedule)]
     app.worker_main(argv)
+
+
+@cli.command()
+@click.argument("batch_id")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the report.")
+@click.option("--timeout", type=float, default=120, show_default=True)
+@redis_option
+def cancel(batch_id: str, wait: bool, timeout: float, redis_url: str | None) -> None:
+    """Stop a running batch: its sandboxes stop, its report says `cancelled`."""
+    from trainer_stub.client import RolloutClient
+
+    client = RolloutClient(_settings(redis_url).redis_url)
+    try:
+        if not client.receipt(batch_id):
+            raise click.ClickException(f"no batch {batch_id} in this Redis")
+        client.cancel(batch_id)
+        if not wait:
+            out(f"cancel of batch {batch_id} sent")
+            return
+        report = client.wait(batch_id, timeout)
+    except RolloutError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        client.close()
+    out(
+        f"batch {batch_id}: {report.get('status')}, {report.get('successful_episodes')} of "
+        f"{report.get('episodes')} episodes had finished ok"
+    )
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@redis_option
+def sweep(dry_run: bool, redis_url: str | None) -> None:
+    """Delete runs of ours that nothing else will (the sweeper that `--beat` runs)."""
+    from rollout_worker import core
+    from rollout_worker.backends import get_backend
+    from rollout_worker.store import Store
+    from rollout_worker.tasks import sweep_backends
+
+    settings = _settings(redis_url)
+    store = Store.from_url(settings.redis_url, settings.record_ttl)
+    backends: dict[str, Any] = {}
+
+    def backend_for(name: str) -> Any:
+        if name not in backends:
+            backends[name] = get_backend(name, settings)
+        return backends[name]
+
+    try:
+        swept = core.sweep(
+            store,
+            backend_for,
+            sweep_backends(settings),
+            run_ttl=settings.run_ttl_seconds,
+            now=time.time(),
+            dry_run=dry_run,
+        )
+    except RolloutError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for item in swept:
+        out(f"{item.action:12} {item.batch_id}  {item.reason}", highlight=False)
+    if not swept:
+        out("nothing to sweep")
 
 
 @cli.command()
@@ -479,7 +555,8 @@ def worker(
     "--kubernetes/--no-kubernetes",
     "check_cluster",
     default=None,
-    help="Also check the cluster and the RuntimeClass. [default: when KUBECONFIG is set]",
+    help="Also check the cluster, the RuntimeClass and the workers' permissions. "
+    "[default: when KUBECONFIG is set or in a Pod]",
 )
 @click.option("--runtime", default=DEFAULT_RUNTIME, show_default=True)
 def check(redis_url: str | None, timeout: float, check_cluster: bool | None, runtime: str) -> None:
@@ -510,11 +587,14 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
             problems.append(
                 f"no worker consumes queue {queue!r} (start `rollout worker -Q {queue}`)"
             )
-    if check_cluster or (check_cluster is None and settings.kubeconfig):
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))  # a Pod: in-cluster config
+    if check_cluster or (check_cluster is None and (settings.kubeconfig or in_cluster)):
         from rollout_worker.backends.kubernetes import KubernetesBackend
+        from rollout_worker.permissions import cluster_check
 
         try:
-            found, missing = KubernetesBackend(settings).check(runtime)
+            # One line per permission (SelfSubjectAccessReview): granted or denied.
+            found, missing = cluster_check(KubernetesBackend(settings), runtime)
         except RolloutError as exc:
             found, missing = [], [f"cluster not usable: {exc}"]
         for line in found:
