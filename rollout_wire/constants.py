@@ -17,8 +17,16 @@ TASK_COLLECT = "rollout.collect_episode"
 TASK_AGGREGATE = "rollout.aggregate_batch"
 TASK_WATCHDOG = "rollout.batch_watchdog"
 TASK_CLEANUP = "rollout.cleanup_run"
+TASK_CANCEL = "rollout.cancel_batch"
+TASK_SWEEP = "rollout.sweep"
 
 KEY_PREFIX = "rollout"
+
+
+# Hash batch id -> JSON proof of what its run created (the receipt's run fields). Written with
+# the receipt, before the first mutation; kept until the run is deleted, even after the
+# receipt expires, so the sweeper can prove (by UID) what it deletes.
+RUNS_KEY = f"{KEY_PREFIX}:runs"
 
 
 def batch_key(batch_id: str, part: str) -> str:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeGuard
 
+import orjson
+
 from rollout_wire.errors import InvalidSpec
 
 BACKENDS = ("local", "kubernetes")
@@ -80,6 +82,24 @@ class BatchSpec:
     capacity_check: str = "error"  # error | warn | off
     # Keep the run (namespace, local directory) after the report, for `rollout cleanup`.
     keep_run: bool = False
+    # Real rollouts: the tasks (resolved to data at the client's edge), samples per task
+    # (group size) and the policy the agent runner asks for actions. No tasks: the guide's
+    # demo task, `count` samples of it (one group); no policy: the demo's fixed `action`.
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    samples_per_task: int = 1
+    policy: dict[str, Any] | None = None
+
+    def episode(self, index: int) -> EpisodeTask:
+        """Which task and sample episode `index` runs, and its group."""
+        if not self.tasks:
+            task_id, task_index, sample = DEMO_TASK_ID, None, index
+        else:
+            position, sample = divmod(index, self.samples_per_task)
+            task_id, task_index = str(self.tasks[position]["id"]), position
+        return EpisodeTask(index, task_index, task_id, sample, group_id(self.batch_id, task_id))
+
+    def task_ids(self) -> list[str]:
+        return [str(t["id"]) for t in self.tasks] if self.tasks else [DEMO_TASK_ID]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +110,23 @@ class BatchSpec:
         values = dict(data)
         values["resources"] = Resources(**values.get("resources", {}))
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class EpisodeTask:
+    """One episode's place in its batch: the task it runs (`task_index` None for the built-in
+    demo), its sample number within the task's group, and the group id trainers join on."""
+
+    index: int
+    task_index: int | None
+    task_id: str
+    sample: int
+    group_id: str
+
+
+def group_id(batch_id: str, task_id: str) -> str:
+    """The samples of one task in one batch share this id (trainers join on it)."""
+    return f"{batch_id}:{task_id}"
 
 
 def _int_field(data: Mapping[str, Any], name: str, default: int, problems: list[str]) -> int:
@@ -123,7 +160,27 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
             "starting and ending with a letter or digit"
         )
 
-    count = _int_field(data, "count", 10, problems)
+    tasks = _parse_tasks(data.get("tasks"), problems)
+    samples = _int_field(data, "samples_per_task", 1, problems)
+    if not 1 <= samples <= MAX_SAMPLES_PER_TASK:
+        problems.append(f"samples_per_task must be within 1..{MAX_SAMPLES_PER_TASK}, got {samples}")
+        samples = 1
+    if tasks:
+        # A batch is the task set times samples_per_task; `count` may only repeat that.
+        count = len(tasks) * samples
+        if data.get("count") is not None and data.get("count") != count:
+            problems.append(
+                f"count {data.get('count')!r} disagrees with {len(tasks)} task(s) x "
+                f"samples_per_task {samples} = {count}; leave count out with tasks"
+            )
+    else:
+        if data.get("samples_per_task") not in (None, 1):
+            problems.append(
+                "samples_per_task needs tasks; the built-in demo runs `count` samples of its "
+                "one task"
+            )
+        samples = 1
+        count = _int_field(data, "count", 10, problems)
     parallelism = (
         count
         if data.get("parallelism") is None
@@ -192,6 +249,16 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         labels = {}
 
     placement = _parse_placement(data, problems)
+    policy = _parse_policy(data.get("policy"), problems)
+    if tasks and policy is None:
+        problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
+    for task in tasks:
+        limit = task.get("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS)
+        if isinstance(limit, int) and limit >= episode_timeout:
+            problems.append(
+                f"task {task.get('id')!r}: time_limit_seconds {limit} must be below "
+                f"episode_timeout_seconds ({episode_timeout}), which also covers setup and tests"
+            )
 
     if problems:
         raise InvalidSpec(problems)
@@ -208,6 +275,9 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         action=str(action),
         submitted_at=float(submitted_at),
         labels=dict(labels),
+        tasks=tasks,
+        samples_per_task=samples,
+        policy=policy,
         **placement,
     )
 
@@ -276,3 +346,147 @@ def _parse_resources(data: Any, problems: list[str]) -> Resources:
             problems.append(f"resources: {name} {value!r} is not a quantity like {example}")
             bad = True
     return Resources() if bad else Resources(**data)
+
+
+# -- tasks and policy ------------------------------------------------------------------------
+DEMO_TASK_ID = "shipping-demo"
+MAX_SAMPLES_PER_TASK = 256
+# A batch's tasks travel in the request, the receipt and (on Kubernetes) the batch's ConfigMap,
+# whose whole object the API server caps at 1 MiB: the encoded tasks must stay below this.
+MAX_TASKS_BYTES = 900 * 1024
+MAX_TASKS = 1000
+DEFAULT_TASK_TIME_LIMIT_SECONDS = 60
+DEFAULT_MAX_STEPS = 10
+MAX_STEPS = 200
+REWARD_RULES = ("all", "fraction")
+TASK_FIELDS = {
+    "id": "lower-case name, unique in the batch",
+    "statement": "the problem shown to the policy",
+    "files": "path -> text: the repository the episode starts from",
+    "test_files": "path -> text: written again just before the final tests (not editable)",
+    "test_command": "argv list; 'python' means the sandbox's interpreter",
+    "reward": "all (1 when every test passes, else 0) | fraction (passed / total)",
+    "time_limit_seconds": "the agent loop's time limit",
+    "max_steps": "the agent loop's step limit",
+    "image": "the image the task needs (kubernetes)",
+    "description": "free text for people (not shown to the policy)",
+}
+_TASK_ID = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
+_FILE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
+# What the runner sends itself; sampling parameters may not override them.
+_RUNNER_OWNED = {"model", "messages", "tools", "tool_choice", "stream", "n"}
+_URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
+
+
+def _parse_files(task_id: object, name: str, files: Any, problems: list[str]) -> None:
+    if not isinstance(files, Mapping) or not all(isinstance(v, str) for v in files.values()):
+        problems.append(f"task {task_id!r}: {name} must map relative paths to text")
+        return
+    for path in files:
+        if not isinstance(path, str) or len(path) > 200 or not _FILE_PATH.match(path):
+            problems.append(
+                f"task {task_id!r}: {name} path {path!r} must be relative, without '..', made "
+                "of letters, digits, '_', '.', '-' and '/'"
+            )
+
+
+def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
+    """Tasks are data: each one checked here, every problem listed."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        problems.append("tasks must be a list of task objects")
+        return []
+    if len(value) > MAX_TASKS:
+        problems.append(f"{len(value)} tasks exceed the limit of {MAX_TASKS} per batch")
+    size = len(orjson.dumps(value))
+    if size > MAX_TASKS_BYTES:
+        problems.append(
+            f"tasks take {size} bytes encoded, above the {MAX_TASKS_BYTES} bytes a batch may carry "
+            "(they travel in the batch's ConfigMap, which the API server caps at 1 MiB): split "
+            "the task set into several batches or make the tasks smaller"
+        )
+    seen: set[str] = set()
+    before = len(problems)
+    for task in value:
+        tid = task.get("id")
+        unknown = sorted(set(task) - set(TASK_FIELDS))
+        if unknown:
+            problems.append(f"task {tid!r}: unknown fields {unknown}; allowed: {sorted(TASK_FIELDS)}")
+        if not isinstance(tid, str) or not _TASK_ID.match(tid):
+            problems.append(f"task id {tid!r} must be 1-63 lower-case letters, digits, '-', '_', '.'")
+        elif tid in seen:
+            problems.append(f"task id {tid!r} appears twice")
+        else:
+            seen.add(tid)
+        if not isinstance(task.get("statement"), str) or not task.get("statement"):
+            problems.append(f"task {tid!r}: statement must be non-empty text")
+        _parse_files(tid, "files", task.get("files"), problems)
+        if "test_files" in task:
+            _parse_files(tid, "test_files", task["test_files"], problems)
+        command = task.get("test_command")
+        if (
+            not isinstance(command, list)
+            or not command
+            or not all(isinstance(a, str) for a in command)
+        ):
+            problems.append(f"task {tid!r}: test_command must be a non-empty list of strings")
+        if task.get("reward", "all") not in REWARD_RULES:
+            problems.append(
+                f"task {tid!r}: reward {task.get('reward')!r} is not one of {list(REWARD_RULES)}"
+            )
+        for name, default, top in (
+            ("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS, MAX_DEADLINE_SECONDS),
+            ("max_steps", DEFAULT_MAX_STEPS, MAX_STEPS),
+        ):
+            number = task.get(name, default)
+            if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= top:
+                problems.append(f"task {tid!r}: {name} must be an integer within 1..{top}")
+        image = task.get("image")
+        if image is not None and (not isinstance(image, str) or not _IMAGE.match(image)):
+            problems.append(f"task {tid!r}: image {image!r} is not a valid image reference")
+    if len(problems) > before:
+        return []
+    return [dict(t) for t in value]
+
+
+def _parse_policy(value: Any, problems: list[str]) -> dict[str, Any] | None:
+    """{url, model, sampling, request_timeout_seconds, max_retries}."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        problems.append("policy must be an object {url, model, sampling}")
+        return None
+    allowed = {"url", "model", "sampling", "request_timeout_seconds", "max_retries"}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        problems.append(f"unknown policy fields {unknown}; allowed: {sorted(allowed)}")
+    url = value.get("url")
+    if not isinstance(url, str) or not _URL.match(url):
+        problems.append(
+            f"policy.url {url!r} must be an http(s) URL like 'http://10.0.0.5:8000' (the "
+            "server's root: episodes call <url>/rollout/<episode id>/v1/chat/completions)"
+        )
+    model = value.get("model", "policy")
+    if not isinstance(model, str) or not model:
+        problems.append("policy.model must be a non-empty string")
+    sampling = value.get("sampling") or {}
+    if not isinstance(sampling, Mapping):
+        problems.append("policy.sampling must be an object (temperature, top_p, max_tokens, ...)")
+        sampling = {}
+    owned = sorted(set(sampling) & _RUNNER_OWNED)
+    if owned:
+        problems.append(f"policy.sampling may not set {owned}: the runner sends those")
+    timeout = value.get("request_timeout_seconds", 60)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
+        problems.append("policy.request_timeout_seconds must be a number within (0, 600]")
+    retries = value.get("max_retries", 2)
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
+        problems.append("policy.max_retries must be an integer within 0..10")
+    return {
+        "url": str(url).rstrip("/"),
+        "model": model,
+        "sampling": dict(sampling),
+        "request_timeout_seconds": timeout,
+        "max_retries": retries,
+    }

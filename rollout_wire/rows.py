@@ -9,6 +9,11 @@ from typing import Any
 # Row statuses: `ok` passed every rule of the guide; `failed` ended but broke a rule (its
 # reward is 0); `lost` never gave a usable outcome before the deadline.
 ROW_STATUSES = ("ok", "failed", "lost")
+# Why a row that is not ok is not: `infrastructure` (the sandbox never started, the policy
+# endpoint was unreachable or timed out, a deadline, a lost supervisor) means the row is NOT a
+# sample of the policy and must not enter a reward average (a retry may run it again in a fresh
+# sandbox); `episode` means the episode itself broke a rule (its record is invalid).
+FAILURE_KINDS = ("infrastructure", "episode")
 
 # The headline numbers of a report, in the order people read them (CLI tables, summaries).
 REPORT_METRICS = (
@@ -38,7 +43,7 @@ class EpisodeRow:
     pod: str
     status: str  # one of ROW_STATUSES
     errors: list[str] = field(default_factory=list)
-    reward: int = 0
+    reward: float = 0
     baseline_exit: int | None = None
     tests_exit: int | None = None
     exit_code: int | None = None
@@ -55,6 +60,17 @@ class EpisodeRow:
     batch_to_reward_seconds: float | None = None
     timing: dict[str, float | None] = field(default_factory=dict)
     collected_at: float | None = None
+    # Real rollouts: the task and sample this episode ran, its group (the samples of one task
+    # in one batch), and how the agent loop ended.
+    task_id: str | None = None
+    sample: int | None = None
+    group_id: str | None = None
+    steps: int | None = None
+    stop_reason: str | None = None  # submit | max_steps | time_limit
+    tests_passed: int | None = None
+    tests_total: int | None = None
+    failure_kind: str | None = None  # one of FAILURE_KINDS when the row is not ok
+    failure_cause: str | None = None  # the first reason, short
 
     @property
     def ok(self) -> bool:

@@ -37,9 +37,15 @@ def celery_config(settings: Settings) -> dict[str, object]:
             k.TASK_AGGREGATE: {"queue": k.QUEUE_CONTROL},
             k.TASK_WATCHDOG: {"queue": k.QUEUE_CONTROL},
             k.TASK_CLEANUP: {"queue": k.QUEUE_CONTROL},
+            k.TASK_CANCEL: {"queue": k.QUEUE_CONTROL},
+            k.TASK_SWEEP: {"queue": k.QUEUE_CONTROL},
             k.TASK_COLLECT: {"queue": k.QUEUE_COLLECT},
         },
         "worker_hijack_root_logger": False,
+        # Run by `rollout worker --beat` (one per deployment); every run is idempotent.
+        "beat_schedule": {
+            "sweep": {"task": k.TASK_SWEEP, "schedule": settings.sweep_seconds},
+        },
         "task_send_sent_event": True,
     }
 

@@ -39,6 +39,10 @@ CLEANUP_DELETING = "deleting"
 CLEANUP_DELETED = "deleted"
 CLEANUP_FAILED = "failed"
 
+# A report older than this whose run is still scheduled for deletion is the sweeper's to delete
+# (its cleanup task was lost).
+SWEEP_STALLED_CLEANUP_SECONDS = 600.0
+
 BackendFor = Callable[[str], Backend]
 
 
@@ -57,6 +61,10 @@ class BatchStore(Protocol):
     def has_report(self, batch_id: str) -> bool: ...
     def set_flag(self, batch_id: str, name: str) -> None: ...
     def has_flag(self, batch_id: str, name: str) -> bool: ...
+    def register_run(self, batch_id: str, fields: Mapping[str, Any]) -> None: ...
+    def registered_runs(self) -> dict[str, dict[str, Any]]: ...
+    def forget_run(self, batch_id: str) -> None: ...
+    def report(self, batch_id: str) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,9 @@ class Limits:
 
     max_batch_episodes: int
     collect_grace_seconds: float
+
+
+FLAG_CANCEL = "cancel"
 
 
 class NotYet(Exception):
@@ -177,7 +188,12 @@ def submit(
             "received_at": now,
         },
     )
-    if not fresh:
+    if fresh:
+        # The registry entry outlives the receipt: the sweeper's proof of what was created.
+        store.register_run(
+            spec.batch_id, {"batch_id": spec.batch_id, "backend": spec.backend, "created_at": now}
+        )
+    else:
         stored = load_receipt(store, spec.batch_id)
         if stored is None or _comparable(stored.spec) != _comparable(spec):
             log.error("batch id %s reused with a different request; ignored", spec.batch_id)
@@ -187,14 +203,20 @@ def submit(
         spec = stored.spec  # keep the first delivery's submitted_at
 
     backend = backend_for(spec.backend)
+
+    def record(fields: Mapping[str, Any]) -> None:
+        store.update_receipt(spec.batch_id, fields)
+        store.register_run(spec.batch_id, fields)
+
     try:
         warnings = backend.preflight(spec)
-        run = backend.start_run(spec, lambda fields: store.update_receipt(spec.batch_id, fields))
+        run = backend.start_run(spec, record)
     except TransientBackendError:
         raise
     except BackendError as exc:
         return fail(store, spec, [str(exc)])
     store.update_receipt(spec.batch_id, {"run": run.to_dict(), "warnings": warnings})
+    store.register_run(spec.batch_id, {"run": run.to_dict()})
     return Submitted(
         spec.batch_id,
         "started",
@@ -250,9 +272,12 @@ def collect(
 
     episode_id = run.episode_id(index)
     text = ""
+    cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
     try:
-        obs = backend.wait_episode(run, index, block)
-        if obs.terminal:
+        obs = backend.wait_episode(run, index, 0 if cancelled else block)
+        if cancelled and (not obs.terminal or obs.reason == "Stopped"):
+            row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
+        elif obs.terminal:
             text = backend.read_output(run, obs)
             row = validate_episode(obs, text, run.origin)
         elif in_time():
@@ -318,6 +343,7 @@ def finalize(
     except BackendError as exc:
         batch_errors.append(f"could not read the run's records: {exc}")
     cleanup = CLEANUP_KEPT if spec.keep_run else CLEANUP_SCHEDULED
+    cancelled = store.has_flag(batch_id, FLAG_CANCEL)
     report = build_report(
         spec,
         store.episode_rows(batch_id),
@@ -328,6 +354,8 @@ def finalize(
         warnings=receipt.warnings,
         batch_errors=batch_errors,
     ) | {"cleanup": cleanup}
+    if cancelled:
+        report |= {"ok": False, "status": "cancelled"}
     if not store.publish_report(batch_id, report):
         return None
     store.update_receipt(batch_id, {"cleanup": cleanup})
@@ -353,4 +381,104 @@ def cleanup(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
         return CLEANUP_FAILED
     state = CLEANUP_DELETED if gone else CLEANUP_DELETING
     store.update_receipt(batch_id, {"cleanup": state})
+    if gone:
+        store.forget_run(batch_id)
     return state
+
+
+# -- cancel ----------------------------------------------------------------------------------
+def cancel(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
+    """Stop a running batch: its sandboxes are stopped, its collectors record every episode
+    that had not finished as cancelled, and its report says `cancelled`."""
+    receipt = load_receipt(store, batch_id)
+    if receipt is None:
+        return "unknown"
+    if store.has_report(batch_id):
+        return "already-reported"
+    store.set_flag(batch_id, FLAG_CANCEL)
+    if receipt.run is not None:
+        backend_for(receipt.run.backend).cancel_run(receipt.run)
+    return "cancelling"
+
+
+# -- sweep -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Swept:
+    batch_id: str
+    action: str  # deleted | deleting | would-delete | left | forgotten | failed
+    reason: str
+
+
+def sweep(
+    store: BatchStore,
+    backend_for: BackendFor,
+    backends: list[str],
+    *,
+    run_ttl: float,
+    now: float,
+    dry_run: bool,
+) -> list[Swept]:
+    """The backstop behind `cleanup`: delete runs of ours that nothing else will delete (no
+    live receipt, a kept run past its TTL, a cleanup that stalled), proving each by the UIDs
+    in the run registry. Runs that carry our labels but are not in the registry are listed,
+    never deleted: nothing proves we created them."""
+    results: list[Swept] = []
+    registry = store.registered_runs()
+    for batch_id, entry in sorted(registry.items()):
+        reason = _sweep_reason(store, batch_id, entry, run_ttl, now)
+        if reason is None:
+            continue
+        run = entry.get("run")
+        handle = RunHandle.from_dict(run) if isinstance(run, Mapping) else _partial(entry)
+        if handle is None:
+            if not dry_run:
+                store.forget_run(batch_id)
+            results.append(Swept(batch_id, "forgotten", f"{reason}; nothing was created"))
+            continue
+        if dry_run:
+            results.append(Swept(batch_id, "would-delete", reason))
+            continue
+        try:
+            gone = backend_for(handle.backend).delete_run(handle)
+        except BackendError as exc:
+            results.append(Swept(batch_id, "failed", f"{reason}; {exc}"))
+            continue
+        if gone:
+            store.forget_run(batch_id)
+        results.append(Swept(batch_id, "deleted" if gone else "deleting", reason))
+    for name in backends:
+        for batch_id in backend_for(name).list_runs():
+            if batch_id not in registry:
+                results.append(
+                    Swept(batch_id, "left", f"{name} run with our labels but no registry entry")
+                )
+    return results
+
+
+def _sweep_reason(
+    store: BatchStore, batch_id: str, entry: Mapping[str, Any], run_ttl: float, now: float
+) -> str | None:
+    receipt = load_receipt(store, batch_id)
+    created = float(entry.get("created_at") or 0)
+    if receipt is None:
+        return "its receipt is gone (expired or lost)"
+    report = store.report(batch_id)
+    if report is None:
+        deadline = created + receipt.spec.deadline_seconds + 3600
+        return "no report an hour past its deadline" if now > deadline else None
+    reported = float(report.get("reported_at") or created)
+    if receipt.cleanup == CLEANUP_KEPT:
+        return f"kept run past its TTL ({run_ttl:.0f}s)" if now > created + run_ttl else None
+    if receipt.cleanup in (CLEANUP_SCHEDULED, CLEANUP_DELETING, None):
+        stalled = now > reported + SWEEP_STALLED_CLEANUP_SECONDS
+        return "its cleanup stalled" if stalled else None
+    return f"cleanup ended {receipt.cleanup}"
+
+
+def _partial(entry: Mapping[str, Any]) -> RunHandle | None:
+    """A run cut short before its handle was recorded: what the registry proves of it."""
+    if entry.get("backend") == "kubernetes":
+        from rollout_worker.backends.kube_read import handle_from_receipt
+
+        return handle_from_receipt(entry)
+    return None

@@ -19,8 +19,8 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_REDIS_URL": "Redis for the broker, results, receipts and reports "
     "(default redis://127.0.0.1:6379/0)",
     "ROLLOUT_MAX_BATCH_EPISODES": "largest batch accepted; larger ones are refused (default 5000)",
-    "ROLLOUT_VISIBILITY_TIMEOUT": "seconds before an unacked task is redelivered; must exceed "
-    "every task's run time (default 300)",
+    "ROLLOUT_VISIBILITY_TIMEOUT": "seconds before the task of a dead worker is redelivered; must "
+    "exceed every task's run time (default 40: a killed worker's work resumes within a minute)",
     "ROLLOUT_RESULT_EXPIRES": "seconds Celery keeps task results and chord state; must exceed "
     "the longest batch plus redelivery delay (default 172800)",
     "ROLLOUT_RECORD_TTL": "seconds receipts, episode rows, logs and reports stay in Redis "
@@ -36,6 +36,9 @@ SETTINGS_DOC: dict[str, str] = {
     "KUBECONFIG": "kubeconfig for the kubernetes backend "
     "(default: in-cluster, then ~/.kube/config)",
     "ROLLOUT_KUBE_CONTEXT": "kubeconfig context for the kubernetes backend (default: current)",
+    "ROLLOUT_RUN_TTL": "seconds a kept run (keep_run) may stay before the sweeper deletes it "
+    "(default 604800)",
+    "ROLLOUT_SWEEP_SECONDS": "how often `rollout worker --beat` runs the sweeper (default 300)",
     "ROLLOUT_KUBE_JOB_TTL": "ttlSecondsAfterFinished of batch Jobs, a safety net for runs nobody "
     "cleans up (default 86400)",
 }
@@ -50,7 +53,7 @@ def _default_python() -> str:
 class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     max_batch_episodes: int = 5000
-    visibility_timeout: int = 300
+    visibility_timeout: int = 40
     result_expires: int = 2 * 24 * 3600
     record_ttl: int = 7 * 24 * 3600
     collect_block_seconds: float = 2.0
@@ -59,6 +62,8 @@ class Settings:
     local_python: str = ""
     local_isolation: str = "auto"
     kube_job_ttl_seconds: int = 24 * 3600
+    run_ttl_seconds: int = 7 * 24 * 3600
+    sweep_seconds: float = 300.0
     kubeconfig: str | None = None
     kube_context: str | None = None
 
@@ -129,6 +134,8 @@ class Settings:
         if env.get("ROLLOUT_LOCAL_ISOLATION"):
             values["local_isolation"] = env["ROLLOUT_LOCAL_ISOLATION"]
         number("ROLLOUT_KUBE_JOB_TTL", "kube_job_ttl_seconds", int)
+        number("ROLLOUT_RUN_TTL", "run_ttl_seconds", int)
+        number("ROLLOUT_SWEEP_SECONDS", "sweep_seconds", float)
         values["kubeconfig"] = env.get("KUBECONFIG") or None
         values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
         values.update(overrides)

@@ -87,6 +87,25 @@ class Store:
         raw = self.redis.hgetall(k.receipt_key(batch_id))
         return codec.decode_fields(raw) if raw else None
 
+    # -- the run registry: proof of what each run created, outliving receipts --------------
+    def register_run(self, batch_id: str, fields: Mapping[str, Any]) -> None:
+        """Merge `fields` into the batch's registry entry (one JSON document per batch)."""
+        entry = self.registered_run(batch_id) or {}
+        self.redis.hset(k.RUNS_KEY, batch_id, codec.dumps(entry | dict(fields)))
+
+    def registered_run(self, batch_id: str) -> dict[str, Any] | None:
+        raw = self.redis.hget(k.RUNS_KEY, batch_id)
+        return None if raw is None else codec.loads(raw)
+
+    def registered_runs(self) -> dict[str, dict[str, Any]]:
+        return {
+            name.decode(): codec.loads(value)
+            for name, value in self.redis.hgetall(k.RUNS_KEY).items()
+        }
+
+    def forget_run(self, batch_id: str) -> None:
+        self.redis.hdel(k.RUNS_KEY, batch_id)
+
     # -- episodes ----------------------------------------------------------------------------
     def record_episode(self, batch_id: str, row: EpisodeRow, log: str) -> bool:
         """Store the row and log of an episode; False if this episode was recorded before."""

@@ -8,6 +8,8 @@ Every task is idempotent (brokers redeliver) and short (well under the visibilit
 - batch_watchdog: if the chord never completes (lost callback, crashed collector), finalise the
   batch after its deadline, so a trainer is never left waiting forever.
 - cleanup_run: delete a reported run; looks again later instead of waiting on Kubernetes.
+- cancel_batch: stop a running batch's sandboxes; its collectors then finish it as cancelled.
+- sweep: the backstop (periodic with `rollout worker --beat`): delete orphaned runs.
 """
 
 from __future__ import annotations
@@ -180,6 +182,34 @@ def cleanup_run(self: Task, batch_id: str) -> dict[str, Any]:
     return {"batch_id": batch_id, "cleanup": state}
 
 
+def cancel_batch(self: Task, batch_id: str) -> dict[str, Any]:
+    c = clients(self.app)
+    try:
+        state = core.cancel(c.store, c.backend, batch_id)
+    except TransientBackendError as exc:
+        raise self.retry(countdown=1, exc=exc) from exc
+    return {"batch_id": batch_id, "cancel": state}
+
+
+def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
+    c = clients(self.app)
+    swept = core.sweep(
+        c.store,
+        c.backend,
+        sweep_backends(c.settings),
+        run_ttl=c.settings.run_ttl_seconds,
+        now=time.time(),
+        dry_run=dry_run,
+    )
+    return [{"batch_id": s.batch_id, "action": s.action, "reason": s.reason} for s in swept]
+
+
+def sweep_backends(settings: Settings) -> list[str]:
+    """The backends whose runs the sweeper lists: local always, Kubernetes when configured."""
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    return ["local", "kubernetes"] if settings.kubeconfig or in_cluster else ["local"]
+
+
 def register(app: Celery) -> None:
     common: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_worker_lost": True}
     app.task(name=k.TASK_SUBMIT, **common)(submit_batch)
@@ -190,3 +220,5 @@ def register(app: Celery) -> None:
     app.task(name=k.TASK_AGGREGATE, **common)(aggregate_batch)
     app.task(name=k.TASK_WATCHDOG, **unbounded)(batch_watchdog)
     app.task(name=k.TASK_CLEANUP, **common, max_retries=CLEANUP_RETRIES)(cleanup_run)
+    app.task(name=k.TASK_CANCEL, **common, max_retries=SUBMIT_RETRIES)(cancel_batch)
+    app.task(name=k.TASK_SWEEP, **common)(sweep)

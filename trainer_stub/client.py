@@ -50,6 +50,9 @@ class Submission:
         yield from self.client.stream(self.batch_id, timeout)
         self.saw_report()
 
+    def cancel(self) -> None:
+        self.client.cancel(self.batch_id)
+
     def saw_report(self) -> None:
         if self.submit_to_report_seconds is None:
             self.submit_to_report_seconds = time.monotonic() - self.started
@@ -79,6 +82,11 @@ class RolloutClient:
 
     def submit(self, **request: Any) -> Submission:
         return self.send(self.prepare(request))
+
+    def cancel(self, batch_id: str) -> None:
+        """Ask the workers to stop a batch; its report then says `cancelled` with what had
+        finished (wait for it as for any report)."""
+        self.celery.send_task(k.TASK_CANCEL, args=(batch_id,), queue=k.QUEUE_CONTROL)
 
     # -- reading -----------------------------------------------------------------------------
     def entries(

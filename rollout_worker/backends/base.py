@@ -77,6 +77,12 @@ class Backend(Protocol):
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         """Once every episode is collected: the run's records and how it ended."""
 
+    def cancel_run(self, handle: RunHandle) -> None:
+        """Stop the run's sandboxes now (its records stay until `delete_run`)."""
+
+    def list_runs(self) -> list[str]:
+        """Batch ids of the runs of ours this backend can see (for the sweeper's report)."""
+
     def delete_run(self, handle: RunHandle) -> bool:
         """Delete everything the run created, after proving it is ours. Never waits for a slow
         deletion: True once the run is gone, False while it is still being deleted."""

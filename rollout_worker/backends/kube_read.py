@@ -177,10 +177,15 @@ def observe_pods(
 
 
 def job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
-    """(when, "Complete" | "Failed") once the Job has finished, else (None, "Running")."""
-    for condition in (job.get("status") or {}).get("conditions") or []:
-        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
-            return ts(condition.get("lastTransitionTime")), condition["type"]
+    """(when, "Complete" | "Failed") once the Job has finished, (when, "Suspended") once a
+    cancelled Job stopped its Pods, else (None, "Running")."""
+    conditions = [
+        c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"
+    ]
+    for wanted in (("Complete", "Failed"), ("Suspended",)):
+        for condition in conditions:
+            if condition.get("type") in wanted:
+                return ts(condition.get("lastTransitionTime")), condition["type"]
     return None, "Running"
 
 

@@ -386,6 +386,26 @@ class KubernetesBackend:
         }
         return FinishedRun(records=records, completed_at=completed_at, verdict=verdict)
 
+    def cancel_run(self, handle: RunHandle) -> None:
+        """Suspend the Job: its controller deletes the running Pods and starts no more, and the
+        Job stays (with its records) until the run is deleted."""
+        with contextlib.suppress(ResourceNotFound):
+            self._call(
+                "suspend job",
+                self.batch.patch_namespaced_job,
+                JOB_NAME,
+                _namespace(handle),
+                {"spec": {"suspend": True}},
+            )
+
+    def list_runs(self) -> list[str]:
+        selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE}"
+        found = self._call("list namespaces", self.core.list_namespace, label_selector=selector)
+        return [
+            (ns["metadata"].get("labels") or {}).get(k.LABEL_BATCH, ns["metadata"]["name"])
+            for ns in found.get("items", [])
+        ]
+
     def delete_run(self, handle: RunHandle) -> bool:
         """Delete the batch's namespace (it takes the Job, Pods and the rest with it) once its
         UID and labels, and the Job's UID, match the receipt. Does not wait: True once the

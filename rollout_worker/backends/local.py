@@ -247,6 +247,34 @@ class LocalBackend:
             facts={"isolation": handle.isolation, "run_dir": handle.run_dir},
         )
 
+    def cancel_run(self, handle: RunHandle) -> None:
+        # The supervisor kills the running sandboxes and marks the rest Stopped.
+        self._signal_supervisor(self._dir(handle))
+
+    def list_runs(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in sorted(self.root.iterdir()):
+            run = RunDir(path).read_json(RunDir(path).run_file) if path.is_dir() else None
+            if run and run.get("owner") == OWNER:
+                found.append(str(run.get("batch_id")))
+        return found
+
+    def _signal_supervisor(self, run_dir: RunDir) -> int | None:
+        """SIGTERM the run's supervisor, once its process is proven to be that supervisor (a
+        stale pid file may name a reused pid)."""
+        try:
+            pid = int(run_dir.pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            return None
+        if str(run_dir.path).encode() not in cmdline:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        return pid
+
     def delete_run(self, handle: RunHandle) -> bool:
         run_dir = self._dir(handle)
         root = self.root.resolve()
@@ -268,9 +296,8 @@ class LocalBackend:
         return True
 
     def _stop_supervisor(self, run_dir: RunDir, wait: float = 10.0) -> None:
-        try:
-            pid = int(run_dir.pid_file.read_text())
-        except (FileNotFoundError, ValueError):
+        pid = self._signal_supervisor(run_dir)
+        if pid is None:
             return
         end = time.monotonic() + wait
         with open(run_dir.lock_file, "a+") as lock:

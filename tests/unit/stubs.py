@@ -26,6 +26,7 @@ class MemoryStore:
         self.records: dict[str, dict[str, str]] = {}
         self.reports: dict[str, dict[str, Any]] = {}
         self.flags: set[tuple[str, str]] = set()
+        self.registry: dict[str, dict[str, Any]] = {}
         self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
 
     def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:
@@ -81,6 +82,18 @@ class MemoryStore:
     def has_flag(self, batch_id: str, name: str) -> bool:
         return (batch_id, name) in self.flags
 
+    def register_run(self, batch_id: str, fields: Mapping[str, Any]) -> None:
+        self.registry[batch_id] = self.registry.get(batch_id, {}) | json.loads(json.dumps(fields))
+
+    def registered_runs(self) -> dict[str, dict[str, Any]]:
+        return dict(self.registry)
+
+    def forget_run(self, batch_id: str) -> None:
+        self.registry.pop(batch_id, None)
+
+    def report(self, batch_id: str) -> dict[str, Any] | None:
+        return self.reports.get(batch_id)
+
 
 def good_log(episode_id: str, at: float) -> str:
     ready = {"event": "ready", "at": at, "episode_id": episode_id}
@@ -105,6 +118,8 @@ class StubBackend:
     ended: dict[int, tuple[str, str]] = field(default_factory=dict)
     created: int = 0
     deleted: int = 0
+    cancelled: int = 0
+    seen: list[str] = field(default_factory=list)  # batch ids list_runs finds
     deleting_for: int = 0  # delete_run answers "still deleting" this many times
     fail_start: BackendError | None = None
     verdict: str = "Complete"
@@ -144,6 +159,12 @@ class StubBackend:
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         return FinishedRun({"run.json": "{}"}, self.origin + 3, self.verdict)
+
+    def cancel_run(self, handle: RunHandle) -> None:
+        self.cancelled += 1
+
+    def list_runs(self) -> list[str]:
+        return list(self.seen)
 
     def delete_run(self, handle: RunHandle) -> bool:
         self.deleted += 1

@@ -164,3 +164,56 @@ def test_cleanup_that_cannot_prove_ownership_is_recorded_not_retried(store, back
     backend.delete_run = refuse
     assert core.cleanup(store, lambda name: backend, "b1") == "failed"
     assert "another uid" in store.receipts["b1"]["cleanup_error"]
+
+
+def test_a_cancelled_batch_stops_its_run_and_reports_what_had_finished(store, backend):
+    receipt = started(store, backend)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", 1000.5))
+    collect(store, backend, receipt, 0, now=1001.0)
+    assert core.cancel(store, lambda name: backend, "b1") == "cancelling"
+    assert backend.cancelled == 1
+    # Collectors of unfinished episodes finish at once, without waiting for the deadline.
+    rows = [collect(store, backend, receipt, i, now=1002.0) for i in (1, 2)]
+    assert [r.status for r in rows] == ["lost", "lost"] and "cancelled" in rows[0].errors[0]
+    done = finalize(store, backend)
+    assert done is not None and done.report["status"] == "cancelled"
+    assert done.report["successful_episodes"] == 1 and done.report["ok"] is False
+    assert core.cancel(store, lambda name: backend, "b1") == "already-reported"
+    assert core.cancel(store, lambda name: backend, "nope") == "unknown"
+
+
+def sweep(store, backend, now, dry_run=False):
+    return {
+        s.batch_id: s.action
+        for s in core.sweep(
+            store, lambda name: backend, ["stub"], run_ttl=3600, now=now, dry_run=dry_run
+        )
+    }
+
+
+def test_the_sweeper_deletes_only_runs_it_can_prove_and_nothing_live(store, backend):
+    started(store, backend)  # b1: running
+    assert sweep(store, backend, now=1010.0) == {}
+    # Its receipt expires (lost Redis data, or a long-kept run): the registry still proves it.
+    del store.receipts["b1"]
+    assert sweep(store, backend, now=1010.0, dry_run=True) == {"b1": "would-delete"}
+    assert backend.deleted == 0
+    assert sweep(store, backend, now=1010.0) == {"b1": "deleted"} and "b1" not in store.registry
+    # A run with our labels that the registry never heard of is listed, never touched.
+    backend.seen.append("stranger")
+    assert sweep(store, backend, now=1010.0) == {"stranger": "left"} and backend.deleted == 1
+
+
+def test_the_sweeper_takes_over_stalled_cleanups_and_expired_kept_runs(store, backend):
+    started(store, backend)
+    finalize(store, backend, by="watchdog")  # cleanup scheduled, but its task was lost
+    reported = store.reports["b1"]["reported_at"]
+    assert sweep(store, backend, now=reported + 60) == {}
+    assert sweep(store, backend, now=reported + core.SWEEP_STALLED_CLEANUP_SECONDS + 1) == {
+        "b1": "deleted"
+    }
+    kept = MemoryStore()
+    started(kept, backend, keep_run=True)
+    finalize(kept, backend, by="watchdog")
+    assert sweep(kept, backend, now=999.0 + 3000) == {}
+    assert sweep(kept, backend, now=999.0 + 3601) == {"b1": "deleted"}

@@ -1,0 +1,54 @@
+"""Task sets: tasks are data. Resolved at the edge (CLI, trainer client) into the request.
+
+A task set is a JSON file `{"name": ..., "tasks": [task, ...]}` (or a bare list of tasks); the
+task fields are described by `rollout_wire.request.TASK_FIELDS` and checked by `parse_spec`.
+`bundled` names the set shipped with the package (9 small Python repositories with different
+bugs, one of them needing several steps); it is what the tests and the demo use.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from rollout_wire.errors import InvalidSpec
+
+BUNDLED = "bundled"
+_BUNDLED_FILE = "data/bundled-tasks.json"
+
+
+def _tasks_of(value: Any, where: str) -> list[dict[str, Any]]:
+    tasks = value.get("tasks") if isinstance(value, dict) else value
+    if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
+        raise InvalidSpec([f"{where}: a task set is a list of tasks or {{'tasks': [...]}}"])
+    return tasks
+
+
+def bundled_tasks() -> list[dict[str, Any]]:
+    raw = resources.files("rollout_wire").joinpath(_BUNDLED_FILE).read_bytes()
+    return _tasks_of(orjson.loads(raw), BUNDLED)
+
+
+def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """The tasks of `ref`: "bundled" or a JSON file. `only` keeps these task ids, in order."""
+    if ref == BUNDLED:
+        tasks = bundled_tasks()
+    else:
+        path = Path(ref)
+        try:
+            value = orjson.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise InvalidSpec([f"task set {ref!r}: no such file (or use {BUNDLED!r})"]) from None
+        except orjson.JSONDecodeError as exc:
+            raise InvalidSpec([f"task set {ref!r} is not JSON: {exc}"]) from None
+        tasks = _tasks_of(value, ref)
+    if only:
+        by_id = {t.get("id"): t for t in tasks}
+        missing = [name for name in only if name not in by_id]
+        if missing:
+            raise InvalidSpec([f"task set {ref!r} has no task(s) {missing}"])
+        tasks = [by_id[name] for name in only]
+    return tasks
