@@ -412,9 +412,13 @@ def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
         tid = task.get("id")
         unknown = sorted(set(task) - set(TASK_FIELDS))
         if unknown:
-            problems.append(f"task {tid!r}: unknown fields {unknown}; allowed: {sorted(TASK_FIELDS)}")
+            problems.append(
+                f"task {tid!r}: unknown fields {unknown}; allowed: {sorted(TASK_FIELDS)}"
+            )
         if not isinstance(tid, str) or not _TASK_ID.match(tid):
-            problems.append(f"task id {tid!r} must be 1-63 lower-case letters, digits, '-', '_', '.'")
+            problems.append(
+                f"task id {tid!r} must be 1-63 lower-case letters, digits, '-', '_', '.'"
+            )
         elif tid in seen:
             problems.append(f"task id {tid!r} appears twice")
         else:
