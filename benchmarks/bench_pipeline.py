@@ -1,16 +1,26 @@
-"""Benchmarks, measured in one run on this machine (not tests; they print ratios).
+"""Benchmarks on this machine (not tests): each figure is the median of --runs runs [min-max].
 
-1. Orchestration cost: a no-op Celery chord of N tasks vs our pipeline collecting N local
-   episodes, with the local backend alone (no Celery) running the same N episodes as the floor.
-2. Sandbox cost: our local backend vs a bare process pool running the same episodes.
+1. Orchestration cost: our pipeline (submit -> report) collecting N local episodes, against
+   - a no-op Celery chord of N tasks on workers of the same shape (header tasks on
+     `--collectors` thread-pool workers of `--collect-concurrency` slots, the callback on a
+     prefork worker of `--control-concurrency`, as the pipeline's collectors and control
+     worker), and
+   - the local backend alone (no Celery) running the same N episodes.
+   CPU is that of every process of ours that works for the batch: control worker and its
+   children, collectors, the local supervisors and the sandboxes they run (see proc.py); Redis
+   is shown next to it, and the benchmark process (the trainer side) apart.
+2. Sandbox cost: the local backend (bwrap + supervisor) against a bare process pool running the
+   same episode program, at the same parallelism. Every local run must be seen running in
+   bubblewrap sandboxes (own pid/user/net namespaces, uid 1000 inside) or the benchmark fails.
 
-    python -m benchmarks.bench_pipeline [--episodes 200] [--parallelism 10] [--pool-episodes 100]
+    python -m benchmarks.bench_pipeline [--episodes 100] [--parallelism 10] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +30,7 @@ from pathlib import Path
 
 from celery import chord
 
-from benchmarks.proc import tree_cpu_seconds
+from benchmarks.proc import Meter, SandboxEvidence, Stats, Usage, become_subreaper
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.local import LocalBackend
 from rollout_worker.sandbox import episode_program_text
@@ -28,78 +38,145 @@ from rollout_worker.settings import Settings
 from rollout_worker.stack import LocalStack
 from trainer_stub.client import RolloutClient
 
+ROOT = Path(__file__).resolve().parent.parent
 
-def noop_chord(stack: LocalStack, n: int) -> float:
-    os.environ["ROLLOUT_REDIS_URL"] = stack.redis_url  # read by noop_app at import
-    from benchmarks.noop_app import app, done, noop
 
-    log = open(stack.dir / "worker-bench.log", "wb")  # noqa: SIM115 - owned by the child
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "benchmarks.noop_app",
-            "worker",
-            "-Q",
-            "bench",
-            "-P",
-            "prefork",
-            "-c",
-            "2",
-            "--without-gossip",
-            "--without-mingle",
-            "-l",
-            "WARNING",
-        ],
-        env=stack.env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    app.control.ping(timeout=10)
-    time.sleep(2)
+# -- 1a. the no-op chord floor ---------------------------------------------------------------
+class NoopWorkers:
+    """Workers for benchmarks.noop_app shaped like the stack's: thread-pool header workers and a
+    prefork callback worker, with the same slots, log level and flags as `rollout worker`."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self.stack = stack
+        self.control: list[subprocess.Popen[bytes]] = []
+        self.collectors: list[subprocess.Popen[bytes]] = []
+
+    def _start(self, queue: str, name: str, pool: str, concurrency: int) -> subprocess.Popen:
+        log = open(self.stack.dir / f"worker-{name}.log", "wb")  # noqa: SIM115 - the child's
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "benchmarks.noop_app",
+                "worker",
+                "-Q",
+                queue,
+                "-P",
+                pool,
+                "-c",
+                str(concurrency),
+                "-n",
+                f"{name}@%h",
+                # As `rollout worker` starts the stack's workers.
+                "-l",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+            env=self.stack.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> NoopWorkers:
+        from benchmarks.noop_app import app
+
+        stack = self.stack
+        self.control.append(
+            self._start("bench_control", "benchcontrol", "prefork", stack.control_concurrency)
+        )
+        for n in range(stack.collectors):
+            self.collectors.append(
+                self._start(
+                    "bench_collect", f"benchcollect{n + 1}", "threads", stack.collect_concurrency
+                )
+            )
+        names = {f"benchcontrol@{socket.gethostname()}"} | {
+            f"benchcollect{n + 1}@{socket.gethostname()}" for n in range(stack.collectors)
+        }
+        end = time.monotonic() + 60
+        while not names <= {n for reply in app.control.ping(timeout=1.0) or [] for n in reply}:
+            assert time.monotonic() < end, f"no-op workers not ready: {names}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.control + self.collectors:
+            proc.terminate()
+        for proc in self.control + self.collectors:
+            proc.wait(30)
+
+
+def noop_chord(stack: LocalStack, workers: NoopWorkers, n: int) -> tuple[float, Usage]:
+    from benchmarks.noop_app import done, noop
+
+    meter = Meter(
+        {
+            "control": [p.pid for p in workers.control],
+            "collectors": [p.pid for p in workers.collectors],
+        },
+        stack.redis_proc.pid if stack.redis_proc else None,
+        str(stack.dir),
+    ).start()
     start = time.perf_counter()
-    result = chord([noop.s(i).set(queue="bench") for i in range(n)])(done.s().set(queue="bench"))
+    header = [noop.s(i).set(queue="bench_collect") for i in range(n)]
+    result = chord(header)(done.s().set(queue="bench_control"))
     # Wait on the callback only: following parents would poll every header task.
     count = result.get(timeout=600, follow_parents=False)
     elapsed = time.perf_counter() - start
-    worker.terminate()
-    worker.wait(30)
+    usage, _ = meter.stop()
     assert count == n
-    return elapsed
+    return elapsed, usage
 
 
-def pipeline(stack: LocalStack, n: int, parallelism: int) -> tuple[float, dict, float]:
+# -- 1b. the pipeline ------------------------------------------------------------------------
+def stack_meter(stack: LocalStack) -> Meter:
+    control = [w.proc.pid for w in stack.workers if w.queue == "control"]
+    collectors = [w.proc.pid for w in stack.workers if w.queue == "collect"]
+    assert control and collectors
+    redis_pid = stack.redis_proc.pid if stack.redis_proc else None
+    return Meter({"control": control, "collectors": collectors}, redis_pid, str(stack.dir))
+
+
+def pipeline(
+    stack: LocalStack, n: int, parallelism: int
+) -> tuple[float, dict, Usage, SandboxEvidence]:
     client = RolloutClient(stack.redis_url)
-    pids = [w.proc.pid for w in stack.workers]
-    cpu0 = tree_cpu_seconds(pids)
+    meter = stack_meter(stack).start()
     start = time.perf_counter()
     submission = client.submit(count=n, parallelism=parallelism)
     report = client.wait(submission.batch_id, timeout=900)
     elapsed = time.perf_counter() - start
-    # Workers only: the episodes run under the (detached) supervisor, not in this tree.
-    cpu = tree_cpu_seconds(pids) - cpu0
+    # Until the run's supervisor has exited (the report can come a moment before).
+    usage, evidence = meter.stop()
     assert report["ok"] and report["reward_sum"] == n, report["errors"][:3]
+    assert report["run_isolation"] == "bwrap", report.get("warnings")
     client.close()
-    return elapsed, report, cpu
+    return elapsed, report, usage, evidence
 
 
-def backend_alone(n: int, parallelism: int) -> float:
-    with tempfile.TemporaryDirectory() as root:
+# -- 1c / 2. the local backend alone and a bare pool --------------------------------------------
+def backend_alone(n: int, parallelism: int) -> tuple[float, Usage, SandboxEvidence]:
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as root:
         backend = LocalBackend(Settings(local_root=Path(root)))
         spec = parse_spec({"count": n, "parallelism": parallelism}, max_episodes=n)
+        meter = Meter({}, None, root).start()
         start = time.perf_counter()
         handle = backend.start_run(spec, lambda _: None)
         for index in range(n):
             assert backend.wait_episode(handle, index, 600).phase == "Succeeded"
         elapsed = time.perf_counter() - start
+        usage, evidence = meter.stop()
+        assert handle.isolation == "bwrap"
         backend.delete_run(handle)
-    return elapsed
+    return elapsed, usage, evidence
 
 
-def bare_pool(n: int, parallelism: int) -> float:
-    """The same episode program as plain subprocesses: no sandbox, no supervisor, no limits."""
+def bare_pool(n: int, parallelism: int) -> tuple[float, float]:
+    """The same episode program as plain subprocesses: no sandbox, no supervisor, no limits.
+    Returns (seconds, CPU seconds of the children)."""
     with tempfile.TemporaryDirectory() as root:
         program = Path(root) / "episode.py"
         program.write_text(episode_program_text())
@@ -116,56 +193,131 @@ def bare_pool(n: int, parallelism: int) -> float:
                 ["/usr/bin/python3", "-B", str(program)], env=env, capture_output=True, check=False
             ).returncode
 
+        before = os.times()
         start = time.perf_counter()
         with ThreadPoolExecutor(parallelism) as pool:
             codes = list(pool.map(one, range(n)))
         elapsed = time.perf_counter() - start
+        after = os.times()
     assert codes == [0] * n
-    return elapsed
+    cpu = (after.children_user + after.children_system) - (
+        before.children_user + before.children_system
+    )
+    return elapsed, cpu
+
+
+# -- output ----------------------------------------------------------------------------------
+def line(label: str, stats: Stats, per: int, unit: str, scale: float = 1000.0) -> None:
+    per_unit = Stats([v / per * scale for v in stats.values])
+    print(f"  {label:<44} {stats.fmt():>24}   {per_unit.fmt():>24} {unit}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--episodes", type=int, default=200)
+    parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--parallelism", type=int, default=10)
-    parser.add_argument("--pool-episodes", type=int, default=100)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--collectors", type=int, default=2)
+    parser.add_argument("--collect-concurrency", type=int, default=8)
+    parser.add_argument("--control-concurrency", type=int, default=2)
     args = parser.parse_args()
-    n, p = args.episodes, args.parallelism
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    print(f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}")
-    with LocalStack(collectors=2, extra_env=env) as stack:
-        time.sleep(2)  # let workers finish booting so start-up is not measured
-        t_noop = noop_chord(stack, n)
-        t_pipe, report, cpu = pipeline(stack, n, p)
-    t_alone = backend_alone(n, p)
-    latency = (
-        report["reported_at"] - report["run_created_at"] - report["batch_to_all_rewards_seconds"]
-    )
-    overhead = (t_pipe - t_alone) / n
-    print(f"\n1. orchestration, N={n} episodes, parallelism {p}")
-    row("no-op Celery chord of N tasks", t_noop, n, "task")
-    row("local backend alone (no Celery)", t_alone, n, "episode")
-    row("our pipeline, submit -> report", t_pipe, n, "episode")
+    assert args.runs >= 3, "a figure is a median of at least 3 runs"
+    n, p, runs = args.episodes, args.parallelism, args.runs
+    become_subreaper()  # daemonized supervisors come back to us, to be counted
+    env = {"PYTHONPATH": str(ROOT), "ROLLOUT_MAX_BATCH_EPISODES": str(max(n, 1000))}
     print(
-        f"  pipeline overhead over the backend: {overhead * 1000:.2f} ms/episode "
-        f"= {overhead / (t_noop / n):.2f}x a no-op chord task"
+        f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}; N={n} episodes, "
+        f"parallelism {p}, {runs} runs per figure: median [min-max]"
     )
-    print(f"  report latency (last reward -> report published): {latency:.3f} s")
-    print(f"  worker CPU (control + collectors): {cpu:.2f} s = {cpu / n * 1000:.1f} ms/episode")
+    print(
+        f"workers: control prefork x{args.control_concurrency}, "
+        f"{args.collectors} collectors threads x{args.collect_concurrency} "
+        "(the no-op chord runs on workers of the same shape)"
+    )
+    noop_t, noop_u, pipe_t, pipe_u, latency = [], [], [], [], []
+    evidence: list[SandboxEvidence] = []
+    with LocalStack(
+        collectors=args.collectors,
+        collect_concurrency=args.collect_concurrency,
+        control_concurrency=args.control_concurrency,
+        extra_env=env,
+    ) as stack:
+        stack.wait_ready()
+        os.environ["ROLLOUT_REDIS_URL"] = stack.redis_url  # read by noop_app at import
+        with NoopWorkers(stack) as workers:
+            noop_chord(stack, workers, 20)  # warm-up, not counted
+            for _ in range(runs):
+                elapsed, usage = noop_chord(stack, workers, n)
+                noop_t.append(elapsed)
+                noop_u.append(usage)
+        pipeline(stack, 10, p)  # warm-up, not counted
+        for _ in range(runs):
+            elapsed, report, usage, seen = pipeline(stack, n, p)
+            pipe_t.append(elapsed)
+            pipe_u.append(usage)
+            evidence.append(seen)
+            latency.append(
+                report["reported_at"]
+                - report["run_created_at"]
+                - report["batch_to_all_rewards_seconds"]
+            )
+    alone_t, alone_u = [], []
+    for _ in range(runs):
+        elapsed, usage, seen = backend_alone(n, p)
+        alone_t.append(elapsed)
+        alone_u.append(usage)
+        evidence.append(seen)
+    bare_t, bare_cpu = [], []
+    for _ in range(runs):
+        elapsed, cpu = bare_pool(n, p)
+        bare_t.append(elapsed)
+        bare_cpu.append(cpu)
+    for seen in evidence:
+        seen.assert_bwrap()  # every local run really ran in bubblewrap sandboxes
 
-    m = args.pool_episodes
-    t_bare = bare_pool(m, p)
-    t_local = backend_alone(m, p)
-    print(f"\n2. sandbox cost, {m} episodes, parallelism {p}")
-    row("bare process pool (no isolation)", t_bare, m, "episode")
-    row("local backend (bwrap + supervisor)", t_local, m, "episode")
-    print(f"  ratio local/bare: {t_local / t_bare:.2f}x")
+    def cpu(usages: list[Usage], role: str) -> Stats:
+        return Stats([getattr(u, role) for u in usages])
 
+    print(f"\n1. orchestration, N={n}{'':<33} {'total s':>24}   {'per item':>24}")
+    print(" wall clock")
+    line("no-op Celery chord of N tasks", Stats(noop_t), n, "ms/task")
+    line("local backend alone (no Celery)", Stats(alone_t), n, "ms/episode")
+    line("our pipeline, submit -> report", Stats(pipe_t), n, "ms/episode")
+    gap = (Stats(pipe_t).median - Stats(alone_t).median) / n
+    print(
+        f"  pipeline - backend alone (medians): {gap * 1000:.2f} ms/episode "
+        f"= {gap / (Stats(noop_t).median / n):.2f}x a no-op chord task"
+    )
+    print(f"  report latency (last reward -> report published): {Stats(latency).fmt(digits=3)} s")
+    print(" CPU seconds (user+system)")
+    line("no-op chord: control worker + children", cpu(noop_u, "control"), n, "ms/task")
+    line("no-op chord: collector workers", cpu(noop_u, "collectors"), n, "ms/task")
+    line("no-op chord: all workers", cpu(noop_u, "ours"), n, "ms/task")
+    line("no-op chord: redis-server", cpu(noop_u, "redis"), n, "ms/task")
+    line("pipeline: control worker + children", cpu(pipe_u, "control"), n, "ms/episode")
+    line("pipeline: collectors", cpu(pipe_u, "collectors"), n, "ms/episode")
+    line("pipeline: local supervisors (own)", cpu(pipe_u, "supervisors"), n, "ms/episode")
+    line("pipeline: sandboxes (bwrap + episodes)", cpu(pipe_u, "sandboxes"), n, "ms/episode")
+    line("pipeline: all of ours", cpu(pipe_u, "ours"), n, "ms/episode")
+    line("pipeline: redis-server", cpu(pipe_u, "redis"), n, "ms/episode")
+    line("pipeline: trainer client (not in ours)", cpu(pipe_u, "trainer"), n, "ms/episode")
+    line("backend alone: supervisor (own)", cpu(alone_u, "supervisors"), n, "ms/episode")
+    line("backend alone: sandboxes", cpu(alone_u, "sandboxes"), n, "ms/episode")
+    line("backend alone: in-process collector", cpu(alone_u, "trainer"), n, "ms/episode")
 
-def row(label: str, seconds: float, n: int, unit: str) -> None:
-    print(f"  {label:<36} {seconds:8.2f} s  ({seconds / n * 1000:.2f} ms/{unit})")
+    print(f"\n2. sandbox cost, N={n}, parallelism {p}")
+    line("bare process pool (no isolation): wall", Stats(bare_t), n, "ms/episode")
+    line("local backend (bwrap + supervisor): wall", Stats(alone_t), n, "ms/episode")
+    line("bare process pool: CPU", Stats(bare_cpu), n, "ms/episode")
+    local_cpu = Stats([u.supervisors + u.sandboxes for u in alone_u])
+    line("local backend: CPU (supervisor + sandboxes)", local_cpu, n, "ms/episode")
+    print(
+        f"  ratio local/bare (medians): wall {Stats(alone_t).median / Stats(bare_t).median:.2f}x,"
+        f" CPU {local_cpu.median / Stats(bare_cpu).median:.2f}x"
+    )
+    print(f"  sandboxes seen, per local run: {'; '.join(e.describe() for e in evidence)}")
 
 
 if __name__ == "__main__":
