@@ -177,7 +177,11 @@ def submit(
     try:
         spec = admit(request, limits.max_batch_episodes)
     except InvalidSpec as exc:
-        return _reject(store, request.get("batch_id"), exc.problems, request)
+        # An unusable batch id is answered under the message's own id, which the sender knows.
+        given = request.get("batch_id")
+        return _reject(
+            store, given if is_batch_id(given) else default_batch_id, exc.problems, request
+        )
 
     fresh = store.create_receipt(
         spec.batch_id,

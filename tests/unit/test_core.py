@@ -47,7 +47,16 @@ def test_a_valid_request_gets_a_receipt_before_its_run_and_one_chord(store, back
 
 @pytest.mark.parametrize(
     "message",
-    [None, [1, 2], "count=3", 7, {"count": "3"}, {"count": 3, "evil": True}, {"count": 10**6}],
+    [
+        None,
+        [1, 2],
+        "count=3",
+        7,
+        {"count": "3"},
+        {"count": 3, "evil": True},
+        {"count": 10**6},
+        {"count": 3, "batch_id": "NOT AN ID"},
+    ],
 )
 def test_malformed_messages_are_rejected_before_anything_is_created(store, backend, message):
     done = submit(store, backend, message)
