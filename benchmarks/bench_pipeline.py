@@ -277,7 +277,7 @@ def main() -> None:
     for seen in evidence:
         seen.assert_bwrap()  # every local run really ran in bubblewrap sandboxes
 
-    def cpu(usages: list[Usage], role: str) -> Stats:
+    def role_cpu(usages: list[Usage], role: str) -> Stats:
         return Stats([getattr(u, role) for u in usages])
 
     print(f"\n1. orchestration, N={n}{'':<33} {'total s':>24}   {'per item':>24}")
@@ -292,20 +292,20 @@ def main() -> None:
     )
     print(f"  report latency (last reward -> report published): {Stats(latency).fmt(digits=3)} s")
     print(" CPU seconds (user+system)")
-    line("no-op chord: control worker + children", cpu(noop_u, "control"), n, "ms/task")
-    line("no-op chord: collector workers", cpu(noop_u, "collectors"), n, "ms/task")
-    line("no-op chord: all workers", cpu(noop_u, "ours"), n, "ms/task")
-    line("no-op chord: redis-server", cpu(noop_u, "redis"), n, "ms/task")
-    line("pipeline: control worker + children", cpu(pipe_u, "control"), n, "ms/episode")
-    line("pipeline: collectors", cpu(pipe_u, "collectors"), n, "ms/episode")
-    line("pipeline: local supervisors (own)", cpu(pipe_u, "supervisors"), n, "ms/episode")
-    line("pipeline: sandboxes (bwrap + episodes)", cpu(pipe_u, "sandboxes"), n, "ms/episode")
-    line("pipeline: all of ours", cpu(pipe_u, "ours"), n, "ms/episode")
-    line("pipeline: redis-server", cpu(pipe_u, "redis"), n, "ms/episode")
-    line("pipeline: trainer client (not in ours)", cpu(pipe_u, "trainer"), n, "ms/episode")
-    line("backend alone: supervisor (own)", cpu(alone_u, "supervisors"), n, "ms/episode")
-    line("backend alone: sandboxes", cpu(alone_u, "sandboxes"), n, "ms/episode")
-    line("backend alone: in-process collector", cpu(alone_u, "trainer"), n, "ms/episode")
+    line("no-op chord: control worker + children", role_cpu(noop_u, "control"), n, "ms/task")
+    line("no-op chord: collector workers", role_cpu(noop_u, "collectors"), n, "ms/task")
+    line("no-op chord: all workers", role_cpu(noop_u, "ours"), n, "ms/task")
+    line("no-op chord: redis-server", role_cpu(noop_u, "redis"), n, "ms/task")
+    line("pipeline: control worker + children", role_cpu(pipe_u, "control"), n, "ms/episode")
+    line("pipeline: collectors", role_cpu(pipe_u, "collectors"), n, "ms/episode")
+    line("pipeline: local supervisors (own)", role_cpu(pipe_u, "supervisors"), n, "ms/episode")
+    line("pipeline: sandboxes (bwrap + episodes)", role_cpu(pipe_u, "sandboxes"), n, "ms/episode")
+    line("pipeline: all of ours", role_cpu(pipe_u, "ours"), n, "ms/episode")
+    line("pipeline: redis-server", role_cpu(pipe_u, "redis"), n, "ms/episode")
+    line("pipeline: trainer client (not in ours)", role_cpu(pipe_u, "trainer"), n, "ms/episode")
+    line("backend alone: supervisor (own)", role_cpu(alone_u, "supervisors"), n, "ms/episode")
+    line("backend alone: sandboxes", role_cpu(alone_u, "sandboxes"), n, "ms/episode")
+    line("backend alone: in-process collector", role_cpu(alone_u, "trainer"), n, "ms/episode")
 
     print(f"\n2. sandbox cost, N={n}, parallelism {p}")
     line("bare process pool (no isolation): wall", Stats(bare_t), n, "ms/episode")

@@ -217,7 +217,17 @@ class Meter:
     must have exited (and been re-parented to us) by `stop()`; `stop()` waits for that.
     """
 
-    def __init__(self, roles: dict[str, list[int]], redis_pid: int | None, marker: str) -> None:
+    def __init__(
+        self,
+        roles: dict[str, list[int]],
+        redis_pid: int | None,
+        marker: str,
+        *,
+        reap_orphans: bool = True,
+    ) -> None:
+        """`reap_orphans=False` where no supervisor runs and this process has subprocesses of
+        its own (the KWOK harness): reaping could steal their exit status."""
+        self.reap_orphans = reap_orphans
         self.roles = roles
         self.redis_pid = redis_pid
         self.marker = marker.encode()
@@ -306,7 +316,9 @@ class Meter:
         re-parented to this subreaper: supervisors, their daemonizing forks, and the inner
         bwrap of each sandbox (the outer bwrap exits without reaping it, so it is orphaned
         with the episode's CPU in it). pid -> (comm, CPU seconds of it and all it reaped)."""
-        reaped = {}
+        reaped: dict[int, tuple[str, float]] = {}
+        if not self.reap_orphans:
+            return reaped
         me, popen = os.getpid(), self._popen_pids()
         for proc in snapshot().values():
             if proc.ppid == me and proc.state == "Z" and proc.pid not in popen:
