@@ -32,6 +32,15 @@ def bundled_tasks() -> list[dict[str, Any]]:
     return _tasks_of(orjson.loads(raw), BUNDLED)
 
 
+def demo_task() -> dict[str, Any]:
+    """The guide's demo as a task (what a policy sees when a batch has a policy but no tasks):
+    the bundled shipping task under the demo's id."""
+    from rollout_wire.request import DEMO_TASK_ID
+
+    task = next(t for t in bundled_tasks() if t["id"] == "shipping-boundary")
+    return dict(task, id=DEMO_TASK_ID)
+
+
 def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any]]:
     """The tasks of `ref`: "bundled" or a JSON file. `only` keeps these task ids, in order."""
     if ref == BUNDLED:

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import orjson
 import redis
 
 from rollout_wire.request import BatchSpec
+from rollout_wire.tasksets import demo_task
 from rollout_worker.backends.local_files import RunDir, write_json_atomic
+from rollout_worker.backends.local_policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local_signal import DoneSignal
-from rollout_worker.backends.sandbox_command import plan_sandbox
+from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
 from rollout_worker.store import Store
 
 FILE_SIZE_LIMIT = 64 * 2**20
@@ -96,6 +99,7 @@ class Supervisor:
             raise SystemExit(f"no run.json in {run_dir.path}")
         self.run = run
         spec = BatchSpec.from_dict(run["spec"])
+        self.spec = spec
         self.count = spec.count
         self.parallelism = spec.parallelism
         self.action = spec.action
@@ -110,6 +114,43 @@ class Supervisor:
         self.stopping = False
         self.as_root = os.geteuid() == 0
         self.progress = Reporter(run.get("progress"))
+        # Real rollouts: the policy is reached through a per-episode socket (no network in the
+        # sandbox); each episode sees only its own task.
+        self.proxy: PolicyProxy | None = None
+        if spec.policy is not None:
+            timeout = float(spec.policy.get("request_timeout_seconds", 60)) + 5
+            self.proxy = PolicyProxy(spec.policy["url"], timeout)
+            self.runner_policy = orjson.dumps(
+                {k: v for k, v in spec.policy.items() if k != "url"}
+            ).decode()
+            for position, task in enumerate(spec.tasks or [demo_task()]):
+                write_json_atomic(self.task_file(position), [task])
+
+    def task_file(self, position: int) -> Path:
+        return self.dir.path / "tasks" / f"{position}.json"
+
+    def agent_setup(self, index: int) -> tuple[dict[str, str], list[Mount]]:
+        """The runner's environment and mounts for episode `index` (none for the demo)."""
+        if self.proxy is None:
+            return {}, []
+        episode = self.spec.episode(index)
+        identity = EpisodeIdentity(
+            self.episode_id(index), episode.group_id, episode.task_id, episode.sample
+        )
+        sock = self.proxy.open(index, identity)
+        env = {
+            "ROLLOUT_POLICY": self.runner_policy,
+            "ROLLOUT_TASK_ID": episode.task_id,
+            "ROLLOUT_SAMPLE": str(episode.sample),
+            "ROLLOUT_GROUP_ID": episode.group_id,
+        }
+        mounts = [
+            Mount(
+                self.task_file(episode.task_index or 0), "/sandbox/tasks.json", "ROLLOUT_TASKS_FILE"
+            ),
+            Mount(sock, "/sandbox/policy.sock", "ROLLOUT_POLICY_SOCKET"),
+        ]
+        return env, mounts
 
     def episode_id(self, index: int) -> str:
         return f"{self.run['episode_prefix']}-{index}"
@@ -147,6 +188,7 @@ class Supervisor:
         workspace = self.dir.workspace(index)
         shutil.rmtree(workspace, ignore_errors=True)
         workspace.mkdir(parents=True)
+        extra_env, mounts = self.agent_setup(index)
         plan = plan_sandbox(
             isolation=self.run["isolation"],
             python=self.run["python"],
@@ -156,6 +198,8 @@ class Supervisor:
             episode_id=self.episode_id(index),
             action=self.action,
             running_as_root=self.as_root,
+            extra_env=extra_env,
+            mounts=mounts,
         )
         if plan.run_as:
             os.chown(workspace, *plan.run_as)
@@ -220,6 +264,8 @@ class Supervisor:
         assert item.proc.stdout is not None
         item.proc.stdout.close()
         item.log.close()
+        if self.proxy is not None:
+            self.proxy.close(item.index)
         code = item.proc.wait()
         finished_at = time.time()
         reason = item.killed_for
@@ -279,6 +325,8 @@ class Supervisor:
                     self.finish(item)
                 elif not self.read_output(item):
                     self.selector.unregister(item.out)  # EOF before exit: wait for the exit
+        if self.proxy is not None:
+            self.proxy.close_all()
         write_json_atomic(self.dir.finished_file, {"finished_at": time.time()})
 
     def request_stop(self, *_: object) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,16 @@ SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 PROGRAM_MOUNT = "/sandbox/episode.py"
 WORKSPACE_MOUNT = "/workspace"
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host file shown read-only inside the sandbox at `target`; the environment variable
+    `env` tells the episode where it is (the target in bwrap, the host path without it)."""
+
+    host: Path
+    target: str
+    env: str
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ def plan_sandbox(
     episode_id: str,
     action: str,
     running_as_root: bool,
+    extra_env: Mapping[str, str] | None = None,
+    mounts: Sequence[Mount] = (),
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
@@ -52,9 +65,10 @@ def plan_sandbox(
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "PYTHONDONTWRITEBYTECODE": "1",
         "LANG": "C.UTF-8",
-    }
+    } | dict(extra_env or {})
     if isolation == "none":
         env = base_env | {"ROLLOUT_WORKSPACE": str(workspace), "HOME": str(workspace)}
+        env |= {m.env: str(m.host) for m in mounts}
         run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
         return SandboxPlan([python, "-B", str(program)], env, str(workspace), run_as)
     if isolation != "bwrap":
@@ -81,6 +95,7 @@ def plan_sandbox(
         "--bind",
         str(workspace),
         WORKSPACE_MOUNT,
+        *(arg for m in mounts for arg in ("--ro-bind", str(m.host), m.target)),
         "--proc",
         "/proc",
         "--dev",
@@ -92,6 +107,7 @@ def plan_sandbox(
         "--clearenv",
     ]
     env = base_env | {"ROLLOUT_WORKSPACE": WORKSPACE_MOUNT, "HOME": WORKSPACE_MOUNT}
+    env |= {m.env: m.target for m in mounts}
     for key, value in env.items():
         argv += ["--setenv", key, value]
     argv += ["--", python, "-B", PROGRAM_MOUNT]

@@ -1,0 +1,189 @@
+"""How a local sandbox (no network) reaches the batch's policy: one unix socket per episode.
+
+The supervisor opens a socket for each episode it starts and bind-mounts it into the sandbox;
+the runner speaks HTTP over it. The proxy forwards only POST `/rollout/<this episode>/v1/chat/
+completions` (and GET `.../v1/models`) to the batch's policy URL, nothing else: no other
+path, no other episode's identity, no other host. It sets the identity headers itself (group,
+task, sample, episode), whatever the sandbox sent, so a trainer can trust them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import socketserver
+import tempfile
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+MAX_BODY = 8 * 2**20
+MAX_RESPONSE = 16 * 2**20
+IDENTITY_HEADERS = {
+    "group_id": "X-Rollout-Group-Id",
+    "task_id": "X-Rollout-Task-Id",
+    "sample": "X-Rollout-Sample",
+    "episode_id": "X-Rollout-Episode-Id",
+}
+
+
+@dataclass(frozen=True)
+class EpisodeIdentity:
+    episode_id: str
+    group_id: str
+    task_id: str
+    sample: int
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _EpisodeServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def address_string(self) -> str:
+        return "sandbox"
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass
+
+    def _refuse(self, status: int, why: str) -> None:
+        self.server.proxy.refused.append(f"{self.command} {self.path}: {why}")
+        self._send(status, b'{"error": {"message": "' + why.encode() + b'"}}')
+
+    def _allowed(self) -> bool:
+        prefix = f"/rollout/{urllib.parse.quote(self.server.identity.episode_id)}/v1/"
+        path = self.path.split("?")[0]
+        if not path.startswith(prefix):
+            self._refuse(403, "only this episode's policy endpoint may be called")
+            return False
+        rest = path[len(prefix) :]
+        if (self.command, rest) not in (("POST", "chat/completions"), ("GET", "models")):
+            self._refuse(404, "only chat/completions and models are forwarded")
+            return False
+        return True
+
+    def do_GET(self) -> None:
+        if self._allowed():
+            self._forward(None)
+
+    def do_POST(self) -> None:
+        if not self._allowed():
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            self._refuse(413, f"request body above {MAX_BODY} bytes")
+            return
+        self._forward(self.rfile.read(length))
+
+    def do_PUT(self) -> None:
+        self._refuse(405, "method not allowed")
+
+    do_DELETE = do_PATCH = do_PUT
+
+    def _forward(self, body: bytes | None) -> None:
+        proxy = self.server.proxy
+        headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
+        identity = self.server.identity
+        for field, name in IDENTITY_HEADERS.items():
+            headers[name] = str(getattr(identity, field))
+        conn_class = (
+            http.client.HTTPSConnection if proxy.scheme == "https" else http.client.HTTPConnection
+        )
+        conn = conn_class(proxy.netloc, timeout=proxy.timeout)
+        try:
+            conn.request(self.command, proxy.prefix + self.path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read(MAX_RESPONSE + 1)
+            status = response.status
+            content_type = response.getheader("Content-Type", "application/json")
+        except (OSError, http.client.HTTPException) as exc:
+            # 502/504: the runner retries, then reports an infrastructure failure.
+            timed_out = "timed out" in str(exc).lower()
+            why = f"policy endpoint {'timed out' if timed_out else 'unreachable'}: {exc}"
+            self._send(504 if timed_out else 502, json.dumps({"error": {"message": why}}).encode())
+            return
+        finally:
+            conn.close()
+        if len(data) > MAX_RESPONSE:
+            self._send(502, b'{"error": {"message": "policy response too large"}}')
+            return
+        self._send(status, data, content_type)
+
+
+class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, identity: EpisodeIdentity, proxy: PolicyProxy) -> None:
+        self.identity = identity
+        self.proxy = proxy
+        super().__init__(path, _Handler)
+
+
+class PolicyProxy:
+    """Per-episode sockets forwarding to one policy URL (the batch's)."""
+
+    def __init__(self, policy_url: str, timeout: float) -> None:
+        parsed = urllib.parse.urlsplit(policy_url)
+        self.scheme, self.netloc = parsed.scheme, parsed.netloc
+        self.prefix = parsed.path.rstrip("/")
+        self.timeout = timeout
+        # Short paths: a unix socket path has at most 107 bytes.
+        self.dir = Path(tempfile.mkdtemp(prefix="rollout-policy-"))
+        self.dir.chmod(0o755)
+        self.servers: dict[int, tuple[_EpisodeServer, threading.Thread]] = {}
+        self.refused: list[str] = []
+
+    def socket_path(self, index: int) -> Path:
+        return self.dir / f"{index}.sock"
+
+    def open(self, index: int, identity: EpisodeIdentity) -> Path:
+        path = self.socket_path(index)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server = _EpisodeServer(str(path), identity, self)
+        # The sandbox runs as another user: it must be able to connect.
+        os.chmod(path, 0o666)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        self.servers[index] = (server, thread)
+        return path
+
+    def close(self, index: int, wait: bool = False) -> None:
+        """Stop serving episode `index` (in the background: the supervisor's loop never waits
+        for a server thread's poll interval)."""
+        entry = self.servers.pop(index, None)
+        if entry is None:
+            return
+        server, _ = entry
+        path = self.socket_path(index)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # no new connection from now on
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+
+        stopper = threading.Thread(target=stop, daemon=True)
+        stopper.start()
+        if wait:
+            stopper.join()
+
+    def close_all(self) -> None:
+        for index in list(self.servers):
+            self.close(index, wait=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
