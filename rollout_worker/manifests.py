@@ -138,9 +138,12 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
             # failed episode no longer stops the others.
             "backoffLimitPerIndex": 0,
             "maxFailedIndexes": spec.count,
-            # The guide's limit, for a cluster that drops the per-index fields (older, or the
-            # gate off): a failed episode is never rerun there either.
-            "backoffLimit": 0,
+            # Set explicitly, as the ceiling per-index limits can never reach (each index fails
+            # at most once): 0 here would fail the whole Job, and stop every other episode, at
+            # the first failed one (seen on 1.34). A cluster that drops the per-index fields
+            # may rerun a failed episode; its collector then sees two Pods for one index and
+            # reports the episode failed (restarted), never counted twice.
+            "backoffLimit": spec.count,
             "podReplacementPolicy": "Failed",
             "activeDeadlineSeconds": spec.deadline_seconds,
             "ttlSecondsAfterFinished": ttl_seconds_after_finished,

@@ -17,6 +17,7 @@ def test_job_has_the_guides_shape_and_security():
     assert js["completionMode"] == "Indexed"
     assert (js["completions"], js["parallelism"], js["activeDeadlineSeconds"]) == (10, 4, 240)
     assert js["backoffLimitPerIndex"] == 0 and js["ttlSecondsAfterFinished"] == 600
+    assert js["backoffLimit"] == 10  # = count, never reached: one failure per index at most
     pod = js["template"]["spec"]
     assert pod["runtimeClassName"] == "cube" and pod["restartPolicy"] == "Never"
     assert pod["automountServiceAccountToken"] is False
