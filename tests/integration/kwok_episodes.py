@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -602,6 +603,108 @@ def misclassified(report: dict[str, Any], fates: list[str]) -> list[str]:
     return problems
 
 
+def classification_problems(report: dict[str, Any], fates: list[str]) -> list[str]:
+    """Everything in ``report`` that does not follow from the drawn ``fates`` (empty if the
+    report classifies every episode exactly as drawn)."""
+    count = len(fates)
+    problems = []
+    if report.get("episodes") != count:
+        problems.append(f"report has {report.get('episodes')} episodes, drawn {count}")
+    indexes = sorted(row["index"] for row in report.get("pods", []))
+    if indexes != list(range(count)):
+        problems.append(f"rows for indexes {indexes[:10]}..., expected each of 0..{count - 1} once")
+    wrong = misclassified(report, fates)
+    if wrong:
+        by_fate = Counter(p.split("(", 1)[1].split(")", 1)[0] for p in wrong)
+        firsts = [next(p for p in wrong if f"({fate})" in p) for fate in by_fate]
+        problems.append(
+            f"{len(wrong)} of {count} episodes misclassified, by fate {dict(by_fate)}; first of "
+            "each:\n  " + "\n  ".join(firsts)
+        )
+    successes = sum(1 for fate in fates if fate == SUCCESS)
+    statuses = Counter(EXPECTED[fate][0] for fate in fates)
+    want = (successes, successes, statuses["failed"], statuses["lost"])
+    got = tuple(
+        report.get(key)
+        for key in ("reward_sum", "successful_episodes", "failed_episodes", "lost_episodes")
+    )
+    if got != want:
+        problems.append(f"reward_sum/ok/failed/lost are {got}, drawn {want}")
+    return problems
+
+
+def describe_mix(report: dict[str, Any], fates: list[str], seconds: float) -> str:
+    return (
+        f"{len(fates)} episodes in {seconds:.0f}s, drawn {dict(Counter(fates))}; report: "
+        f"status={report.get('status')} ok/failed/lost={report.get('successful_episodes')}/"
+        f"{report.get('failed_episodes')}/{report.get('lost_episodes')} "
+        f"reward_sum={report.get('reward_sum')}"
+    )
+
+
+# -- the cluster's stages --------------------------------------------------------------------
+class StagesMismatch(RuntimeError):
+    """The KWOK controller does not run hack/localkube/kwok-stages.yaml's stages."""
+
+
+def verify_stages(cluster: kc.Cluster, *, hold: float = 6.0, timeout: float = 30.0) -> None:
+    """Prove the KWOK controller runs this clone's stages: a probe batch Pod on a KWOK node
+    stays Running without the harness's annotations (``hold`` seconds, longer than the old
+    stages' 4.5 s), then ends exactly as annotated (exit code and termination message).
+
+    Raises StagesMismatch otherwise (e.g. the cluster was created from an older
+    kwok-stages.yaml, or its KWOK controller is not running).
+    """
+    namespace = kc.create_test_namespace(cluster, "kwok-stages")
+    name = "stage-probe"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {k.LABEL_OWNER: k.LABEL_OWNER_VALUE}},
+        "spec": {
+            **kc.kwok_placement(),
+            "containers": [{"name": CONTAINER, "image": "probe"}],
+            "restartPolicy": "Never",
+        },
+    }
+    how = "run `hack/localkube/cluster.sh up` (it recreates a cluster whose config is stale)"
+    try:
+        cluster.core.create_namespaced_pod(namespace, pod)
+
+        def phase() -> str | None:
+            return cluster.core.read_namespaced_pod_status(name, namespace).status.phase
+
+        try:
+            kc.wait_for(lambda: phase() == "Running", timeout, "the probe Pod Running")
+        except TimeoutError as exc:
+            raise StagesMismatch(f"KWOK did not start a batch Pod: {exc}; {how}") from exc
+        end = time.monotonic() + hold
+        while time.monotonic() < end:
+            if phase() != "Running":
+                raise StagesMismatch(
+                    f"a batch Pod without {OUTCOME} ended by itself ({phase()}): the cluster "
+                    f"runs other KWOK stages than hack/localkube/kwok-stages.yaml; {how}"
+                )
+            time.sleep(0.5)
+        message = '{"probe": 1}'
+        annotations = {FATE: "probe", EXIT_CODE: "3", MESSAGE: message, OUTCOME: "failed"}
+        patch = {"metadata": {"annotations": annotations}}
+        cluster.core.patch_namespaced_pod(name, namespace, patch)
+        try:
+            kc.wait_for(lambda: phase() == "Failed", timeout, "the annotated probe Pod to end")
+        except TimeoutError as exc:
+            raise StagesMismatch(f"an annotated batch Pod did not end: {exc}; {how}") from exc
+        status = cluster.core.read_namespaced_pod_status(name, namespace).status
+        terminated = status.container_statuses[0].state.terminated
+        if (terminated.exit_code, terminated.message) != (3, message):
+            raise StagesMismatch(
+                f"the probe ended with exit code {terminated.exit_code} and message "
+                f"{terminated.message!r}, annotated 3 and {message!r}; {how}"
+            )
+    finally:
+        kc.delete_namespace(cluster, namespace)
+
+
 # -- fixtures shared by the KWOK test modules (import them into a test module) ----------------
 RUNTIME_CLASS = "rollout-kwok"
 OVERHEAD = {"cpu": "10m", "memory": "64Mi"}
@@ -634,6 +737,10 @@ def kube_stack_fixture(k8s_cluster):
 
 @pytest.fixture(scope="module", name="episodes")
 def episodes_fixture(k8s_cluster, kwok_nodes, tmp_path_factory):
+    try:
+        verify_stages(k8s_cluster)
+    except StagesMismatch as exc:
+        pytest.fail(str(exc), pytrace=False)
     with KwokEpisodes(k8s_cluster, tmp_path_factory.mktemp("kwok-episodes")) as harness:
         yield harness
     assert not harness.errors, harness.errors[:10]

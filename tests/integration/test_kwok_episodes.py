@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 
 import pytest
 
 from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
-    EXPECTED,
     FATES,
-    SUCCESS,
     Mix,
+    classification_problems,
+    describe_mix,
     episodes_fixture,
     kube_stack_fixture,
     kwok_request,
     kwok_runtime_fixture,
-    misclassified,
     new_batch_id,
 )
 from tests.k8s import cluster as kc
@@ -97,59 +95,19 @@ def test_none_batch_fails_by_real_episode_runs(rollout, kwok_runtime, episodes):
         assert "exit code 1, expected 0" in text, text
 
 
-def _run_mix(rollout, episodes, runtime: str, count: int, seed: int, parallelism: int):
+def test_seeded_mix_is_classified_exactly(rollout, kwok_runtime, episodes):
+    """Every fate of the mix (the seed makes each occur) through the whole pipeline: the
+    report classifies every episode exactly as drawn. The 1000-episode version is
+    test_kubernetes_backend.py::test_one_batch_of_1000_episodes_is_reported_exactly."""
+    count, seed = 60, 1
     mix = Mix(seed)
     fates = mix.fates(count)
+    assert set(fates) == set(FATES)
     batch_id = new_batch_id()
     episodes.use_mix(batch_id, mix)
     t0 = time.monotonic()
-    rollout.submit(
-        batch_id=batch_id,
-        count=count,
-        parallelism=parallelism,
-        deadline_seconds=900,
-        **kwok_request(runtime),
-    )
-    report = rollout.wait(batch_id, timeout=1200)
-    elapsed = time.monotonic() - t0
-    drawn = Counter(fates)
-    print(f"\nmix seed {seed}: {count} episodes in {elapsed:.0f}s, drawn {dict(drawn)}")
-    print(
-        f"report: status={report['status']} ok/failed/lost={report['successful_episodes']}/"
-        f"{report['failed_episodes']}/{report['lost_episodes']} reward_sum={report['reward_sum']}"
-    )
-    return report, fates
-
-
-def _assert_classified_exactly(report, fates):
-    count = len(fates)
-    assert report["episodes"] == count
-    assert sorted(row["index"] for row in report["pods"]) == list(range(count))
-    problems = misclassified(report, fates)
-    by_fate = Counter(p.split("(", 1)[1].split(")", 1)[0] for p in problems)
-    assert not problems, (
-        f"{len(problems)} of {count} episodes misclassified, by fate {dict(by_fate)}; first "
-        "of each:\n" + "\n".join(next(p for p in problems if f"({f})" in p) for f in by_fate)
-    )
-    successes = sum(1 for fate in fates if fate == SUCCESS)
-    assert report["reward_sum"] == successes
-    assert report["successful_episodes"] == successes
-    statuses = Counter(EXPECTED[fate][0] for fate in fates)
-    assert report["failed_episodes"] == statuses["failed"]
-    assert report["lost_episodes"] == statuses["lost"]
-
-
-def test_seeded_mix_is_classified_exactly(rollout, kwok_runtime, episodes):
-    """A small mix in which every fate occurs (seed chosen so)."""
-    count, seed = 60, 1
-    assert set(Mix(seed).fates(count)) == set(FATES)
-    report, fates = _run_mix(rollout, episodes, kwok_runtime, count, seed, parallelism=60)
-    _assert_classified_exactly(report, fates)
-
-
-@pytest.mark.slow
-def test_seeded_mix_of_1000_is_classified_exactly(rollout, kwok_runtime, episodes):
-    count, seed = 1000, 20261130
-    assert set(Mix(seed).fates(count)) == set(FATES)
-    report, fates = _run_mix(rollout, episodes, kwok_runtime, count, seed, parallelism=200)
-    _assert_classified_exactly(report, fates)
+    rollout.submit(batch_id=batch_id, count=count, parallelism=count, **kwok_request(kwok_runtime))
+    report = rollout.wait(batch_id, timeout=600)
+    print("\n" + describe_mix(report, fates, time.monotonic() - t0))
+    problems = classification_problems(report, fates)
+    assert not problems, "\n".join(problems)
