@@ -48,6 +48,12 @@ def logs_key(batch_id: str) -> str:
     return batch_key(batch_id, "logs")
 
 
+def trajectories_key(batch_id: str) -> str:
+    """Hash index -> the episode's trajectory (JSON: steps and outcome, see
+    rollout_wire.trajectory), written with its row; the trainer reads it per episode."""
+    return batch_key(batch_id, "trajectories")
+
+
 def artifacts_key(batch_id: str) -> str:
     """Hash name -> backend records (job.json, pods.json, events.txt, ...)."""
     return batch_key(batch_id, "artifacts")

@@ -3,6 +3,8 @@ per-episode rows. Pure: it reads rows and the run's facts, it writes nothing."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +60,20 @@ def build_report(
             nodes[row.node] = nodes.get(row.node, 0) + 1
     completed_at = finished.completed_at if finished else None
 
+    groups = build_groups(spec, by_index)
+    for row in ordered:
+        if row.group_id is not None and 0 <= row.index < spec.count:
+            expected = spec.episode(row.index)
+            if (row.group_id, row.task_id, row.sample) != (
+                expected.group_id,
+                expected.task_id,
+                expected.sample,
+            ):
+                errors.append(
+                    f"episode {row.index} ran task {row.task_id!r} sample {row.sample!r} "
+                    f"(group {row.group_id!r}), the batch assigned {expected.task_id!r} "
+                    f"sample {expected.sample} (group {expected.group_id!r})"
+                )
     ok = not errors and len(ok_rows) == spec.count
     return {
         "batch_id": spec.batch_id,
@@ -71,6 +87,14 @@ def build_report(
         "failed_episodes": sum(1 for r in ordered if r.status == "failed"),
         "lost_episodes": sum(1 for r in ordered if r.status == "lost") + len(missing),
         "reward_sum": sum(r.reward for r in ok_rows),
+        "infrastructure_failures": sum(1 for r in ordered if r.failure_kind == "infrastructure")
+        + len(missing),
+        "episode_failures": sum(1 for r in ordered if r.failure_kind == "episode"),
+        "samples_per_task": spec.samples_per_task if spec.tasks else spec.count,
+        "policy": (
+            {"url": spec.policy["url"], "model": spec.policy.get("model")} if spec.policy else None
+        ),
+        "groups": groups,
         "parallelism": spec.parallelism,
         "backend": spec.backend,
         "image": spec.image,
@@ -99,6 +123,60 @@ def build_report(
         "finalized_by": finalized_by,
         "pods": [r.to_dict() for r in ordered],
     }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from n samples of which c passed: the chance that at
+    least one of k samples drawn without replacement passes."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def build_groups(spec: BatchSpec, by_index: Mapping[int, EpisodeRow]) -> list[dict[str, Any]]:
+    """Per task: its group id, samples (the episodes the batch assigned it), the rewards of
+    its valid samples, mean and population standard deviation, pass@k (a sample passes with
+    reward 1) for k = 1, 2, 4, ... up to the valid samples. Failed and lost episodes are listed
+    with their kind and cause and enter no figure: an infrastructure failure is not a reward-0
+    sample. A group is `complete` when every sample is valid, else `incomplete`."""
+    by_task: dict[str, list[int]] = {}
+    for index in range(spec.count):
+        by_task.setdefault(spec.episode(index).task_id, []).append(index)
+    groups = []
+    for task_id, indexes in by_task.items():
+        rows = [by_index.get(i) for i in indexes]
+        valid = [r for r in rows if r is not None and r.ok]
+        rewards = [r.reward for r in valid]
+        passed = sum(1 for value in rewards if value >= 1)
+        n = len(valid)
+        failed = [
+            {
+                "index": i,
+                "sample": spec.episode(i).sample,
+                "status": r.status if r is not None else "lost",
+                "failure_kind": (r.failure_kind if r is not None else None) or "infrastructure",
+                "cause": (r.failure_cause if r is not None else None) or "never collected",
+            }
+            for i, r in zip(indexes, rows, strict=True)
+            if r is None or not r.ok
+        ]
+        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, n) if 1 <= k <= n})
+        groups.append(
+            {
+                "group_id": spec.episode(indexes[0]).group_id,
+                "task_id": task_id,
+                "samples": len(indexes),
+                "indexes": indexes,
+                "valid_samples": n,
+                "rewards": rewards,
+                "mean": statistics.fmean(rewards) if rewards else None,
+                "std": statistics.pstdev(rewards) if rewards else None,
+                "pass_at_k": {str(k): pass_at_k(n, passed, k) for k in ks},
+                "failed": failed,
+                "status": "complete" if not failed else "incomplete",
+            }
+        )
+    return groups
 
 
 def error_report(

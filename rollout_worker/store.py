@@ -114,6 +114,19 @@ class Store:
         args = [row.index, row_json, log, self.ttl, *codec.episode_entry(row.index, row_json)]
         return bool(self._record_episode(keys=keys, args=args))
 
+    def record_trajectory(self, batch_id: str, index: int, trajectory: Mapping[str, Any]) -> bool:
+        """Store an episode's trajectory once (the first writer wins, like its row)."""
+        key = k.trajectories_key(batch_id)
+        pipe = self.redis.pipeline()
+        pipe.hsetnx(key, str(index), codec.dumps(trajectory))
+        pipe.expire(key, self.ttl)
+        created, _ = pipe.execute()
+        return bool(created)
+
+    def trajectory(self, batch_id: str, index: int) -> dict[str, Any] | None:
+        raw = self.redis.hget(k.trajectories_key(batch_id), str(index))
+        return None if raw is None else codec.loads(raw)
+
     def has_episode(self, batch_id: str, index: int) -> bool:
         return bool(self.redis.hexists(k.episodes_key(batch_id), str(index)))
 

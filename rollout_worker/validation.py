@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from rollout_wire.rows import EpisodeRow
+from rollout_wire.trajectory import MAX_EVENT_BYTES, STEP_EVENT
 from rollout_worker.observation import EpisodeObservation
 
 # Kubernetes timestamps have 1 s resolution and are truncated, so they may read up to one
@@ -26,6 +27,13 @@ def parse_events(log: str) -> tuple[list[dict[str, Any]], list[str]]:
     problems: list[str] = []
     for number, line in enumerate(log.splitlines(), start=1):
         if not line.strip():
+            continue
+        size = len(line.encode("utf-8", "replace"))
+        if size > MAX_EVENT_BYTES:
+            problems.append(
+                f"log line {number} is an oversized event ({size} bytes, the limit is "
+                f"{MAX_EVENT_BYTES})"
+            )
             continue
         try:
             value = orjson.loads(line)
@@ -90,18 +98,33 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
             )
     if r is not None:
         row.ready_at = _number(r, "at")
+    agent = r is not None and r.get("mode") == "agent"
+    if agent and r is not None:
+        row.task_id, row.sample, row.group_id = r.get("task_id"), r.get("sample"), r.get("group_id")
+    failure = next((e for e in events if e.get("event") == "error"), None)
+    if failure is not None:
+        errors.append(
+            f"the episode reported an error ({failure.get('kind')}): {failure.get('cause')}"
+        )
     if w is not None:
         row.reward_at = _number(w, "at")
         row.baseline_exit = w.get("baseline_exit")
         row.tests_exit = w.get("tests_exit")
         reported = w.get("reward")
-        if reported != 1:
-            errors.append(f"reward is {reported!r}, expected 1")
-        if row.tests_exit != 0:
-            errors.append(f"tests_exit is {row.tests_exit!r} after the action, expected 0")
+        if agent:
+            _check_agent_reward(row, w, errors)
+        else:
+            if reported != 1:
+                errors.append(f"reward is {reported!r}, expected 1")
+            if row.tests_exit != 0:
+                errors.append(f"tests_exit is {row.tests_exit!r} after the action, expected 0")
+            row.reward = 1 if reported == 1 else 0
         if row.baseline_exit == 0 or not isinstance(row.baseline_exit, int):
             errors.append(f"baseline_exit is {row.baseline_exit!r}: the baseline must fail")
-        row.reward = 1 if reported == 1 else 0
+    if agent and r is not None:
+        _check_steps(
+            obs.episode_id, r, w, [e for e in events if e.get("event") == STEP_EVENT], errors
+        )
     if (r is not None and row.ready_at is None) or (w is not None and row.reward_at is None):
         errors.append("an event has no numeric 'at' timestamp")
 
@@ -121,7 +144,95 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     if errors:
         row.status = "failed"
         row.reward = 0  # a failed episode never hands the trainer a reward
+        row.failure_kind = failure_kind(obs, r, failure)
+        row.failure_cause = (
+            str(failure.get("cause")) if failure is not None and failure.get("cause") else errors[0]
+        )
     return row
+
+
+# The backend's reasons that say the sandbox was ended from outside (deadlines, a stop, a lost
+# supervisor, an evicted or unschedulable Pod): never the policy's doing.
+INFRASTRUCTURE_REASONS = (
+    "DeadlineExceeded",
+    "Stopped",
+    "SupervisorLost",
+    "Evicted",
+    "BackoffLimitExceeded",
+    "Unschedulable",
+    "ContainerCannotRun",
+    "StartError",
+)
+
+
+def failure_kind(
+    obs: EpisodeObservation, ready: dict[str, Any] | None, error: dict[str, Any] | None
+) -> str:
+    """`infrastructure` when the row is no sample of the policy (the runner said so, the
+    sandbox never got ready, or it was ended from outside); else `episode`."""
+    if error is not None:
+        return "infrastructure" if error.get("kind") == "infrastructure" else "episode"
+    if ready is None or (obs.reason or "") in INFRASTRUCTURE_REASONS:
+        return "infrastructure"
+    return "episode"
+
+
+def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -> None:
+    """A real rollout's reward is any value of its rule: 0 is a sample, not a failure."""
+    reported = w.get("reward")
+    rule = w.get("reward_rule")
+    row.steps = w.get("steps") if isinstance(w.get("steps"), int) else None
+    row.stop_reason = w.get("stop_reason")
+    row.tests_passed, row.tests_total = w.get("tests_passed"), w.get("tests_total")
+    if isinstance(reported, bool) or not isinstance(reported, (int, float)):
+        errors.append(f"reward is {reported!r}, expected a number within 0..1")
+        return
+    if not 0 <= reported <= 1:
+        errors.append(f"reward {reported!r} is outside 0..1")
+        return
+    if rule == "all" and reported != (1 if row.tests_exit == 0 else 0):
+        errors.append(
+            f"reward {reported!r} disagrees with tests_exit {row.tests_exit!r} (rule all)"
+        )
+    elif rule not in ("all", "fraction"):
+        errors.append(f"reward_rule {rule!r} is not all or fraction")
+    row.reward = float(reported) if rule == "fraction" else int(reported)
+
+
+def _check_steps(
+    episode_id: str,
+    ready: dict[str, Any],
+    reward: dict[str, Any] | None,
+    steps: list[dict[str, Any]],
+    errors: list[str],
+) -> None:
+    """Each step names this episode and its task, numbered 1, 2, ... in time order between
+    ready and reward; the reward counts them."""
+    previous = _number(ready, "at")
+    for position, step in enumerate(steps, start=1):
+        if step.get("episode_id") != episode_id:
+            errors.append(
+                f"step event {step.get('step')!r} names episode {step.get('episode_id')!r}, "
+                f"but the sandbox is {episode_id!r}"
+            )
+        for key in ("task_id", "group_id"):
+            if step.get(key) != ready.get(key):
+                errors.append(
+                    f"step event {step.get('step')!r} names {key} {step.get(key)!r}, "
+                    f"the episode's is {ready.get(key)!r}"
+                )
+        if step.get("step") != position:
+            errors.append(f"step events out of order: step {step.get('step')!r} at {position}")
+        at = _number(step, "at")
+        if at is None or (previous is not None and at < previous):
+            errors.append(f"step event {step.get('step')!r} is out of time order (at {at!r})")
+        previous = at if at is not None else previous
+    if reward is not None:
+        end = _number(reward, "at")
+        if previous is not None and end is not None and end < previous:
+            errors.append("the reward event is earlier than the last step event")
+        if reward.get("steps") != len(steps):
+            errors.append(f"reward counts {reward.get('steps')!r} steps, the log has {len(steps)}")
 
 
 def _check_time_order(row: EpisodeRow, origin: float, errors: list[str]) -> None:
@@ -168,7 +279,13 @@ def lost_row(
 ) -> EpisodeRow:
     """A row for an episode that never produced a usable outcome before the deadline."""
     row = EpisodeRow(
-        index=index, pod=episode_id, status="lost", errors=[reason], collected_at=time.time()
+        index=index,
+        pod=episode_id,
+        status="lost",
+        errors=[reason],
+        collected_at=time.time(),
+        failure_kind="infrastructure",
+        failure_cause=reason,
     )
     if obs is not None:
         row.phase, row.node, row.created_at = obs.phase, obs.node, obs.created_at

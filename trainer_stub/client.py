@@ -21,6 +21,7 @@ from rollout_wire import constants as k
 from rollout_wire.codec import Entry
 from rollout_wire.errors import BatchTimeout
 from rollout_wire.request import BatchSpec, parse_spec
+from rollout_wire.trajectory import trajectory_from_log
 
 BLOCK_MS = 1000
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -152,6 +153,26 @@ class RolloutClient:
     def logs(self, batch_id: str) -> dict[int, str]:
         raw = codec.decode_text_hash(self.redis.hgetall(k.logs_key(batch_id)))
         return {int(index): text for index, text in raw.items()}
+
+    # -- trajectories (real rollouts) -------------------------------------------------------
+    def trajectory(self, batch_id: str, index: int) -> dict[str, Any] | None:
+        """Episode `index`'s trajectory (steps with actions, observations and the policy's
+        verbatim responses, then the outcome): the stored one, else read from its stored log
+        (the validated record it is made from). None before the episode is collected."""
+        raw = self.redis.hget(k.trajectories_key(batch_id), str(index))
+        if raw is not None:
+            value: dict[str, Any] = codec.loads(raw)
+            return value
+        log = self.redis.hget(k.logs_key(batch_id), str(index))
+        return None if log is None else trajectory_from_log(log.decode("utf-8", "replace"))
+
+    def trajectories(
+        self, batch_id: str, timeout: float | None = None
+    ) -> Iterator[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """(row, trajectory) per episode as each is collected, ending with the report. A row
+        that is not ok carries `failure_kind` (`infrastructure` rows are no samples)."""
+        for row in self.stream(batch_id, timeout):
+            yield row, self.trajectory(batch_id, int(row["index"]))
 
     def records(self, batch_id: str) -> dict[str, str]:
         return codec.decode_text_hash(self.redis.hgetall(k.artifacts_key(batch_id)))
