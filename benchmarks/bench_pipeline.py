@@ -189,8 +189,15 @@ def bare_pool(n: int, parallelism: int) -> tuple[float, float]:
                 "ROLLOUT_WORKSPACE": str(workspace),
                 "PATH": os.environ["PATH"],
             }
+            # A session of its own, as each sandbox has (bwrap --new-session): with the
+            # kernel's autogroup scheduling a session is a scheduling group, and under load from
+            # other sessions one shared group would run slower than one group per episode.
             return subprocess.run(
-                ["/usr/bin/python3", "-B", str(program)], env=env, capture_output=True, check=False
+                ["/usr/bin/python3", "-B", str(program)],
+                env=env,
+                capture_output=True,
+                check=False,
+                start_new_session=True,
             ).returncode
 
         before = os.times()
