@@ -61,3 +61,52 @@ def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any
             raise InvalidSpec([f"task set {ref!r} has no task(s) {missing}"])
         tasks = [by_id[name] for name in only]
     return tasks
+
+
+def parse_sampling(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """KEY=VALUE pairs (VALUE as JSON when it parses, else text) -> sampling parameters."""
+    sampling: dict[str, Any] = {}
+    problems = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            problems.append(f"sampling parameter {item!r} must look like KEY=VALUE")
+            continue
+        try:
+            sampling[key] = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            sampling[key] = text
+    if problems:
+        raise InvalidSpec(problems)
+    return sampling
+
+
+def rollout_fields(
+    *,
+    tasks: str | None,
+    only: list[str] | tuple[str, ...] = (),
+    samples: int | None,
+    policy_url: str | None,
+    model: str | None = None,
+    sampling: dict[str, Any] | None = None,
+    policy_timeout: float | None = None,
+) -> dict[str, Any]:
+    """The request fields of a real rollout from command-line style options (both CLIs):
+    tasks resolved to data here, at the edge; `parse_spec` checks the rest."""
+    fields: dict[str, Any] = {}
+    if tasks is not None:
+        fields["tasks"] = load_task_set(tasks, list(only) or None)
+    elif only:
+        raise InvalidSpec(["--task needs --tasks (the task set to pick from)"])
+    if samples is not None:
+        fields["samples_per_task"] = samples
+    if policy_url is not None:
+        policy: dict[str, Any] = {"url": policy_url, "sampling": dict(sampling or {})}
+        if model:
+            policy["model"] = model
+        if policy_timeout is not None:
+            policy["request_timeout_seconds"] = policy_timeout
+        fields["policy"] = policy
+    elif sampling or model:
+        raise InvalidSpec(["--model and --sampling need --policy-url"])
+    return fields

@@ -188,6 +188,21 @@ def cli() -> None:
     help="Seconds to wait for the report. [default: deadline + 300]",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--tasks",
+    "task_set",
+    default=None,
+    metavar="FILE|bundled",
+    help="Real rollouts: a task set (JSON file, or 'bundled'); count = tasks x --samples.",
+)
+@click.option("--task", "only_tasks", multiple=True, help="Only this task of --tasks (repeatable).")
+@click.option("--samples", type=int, default=None, help="Samples per task (group size).")
+@click.option("--policy-url", default=None, help="The policy's chat completions server root.")
+@click.option("--model", default=None, help="Model name sent to the policy.")
+@click.option(
+    "--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter (repeatable)."
+)
+@click.option("--policy-timeout", type=float, default=None, help="Seconds per policy request.")
 @redis_option
 def run(
     count: int,
@@ -210,9 +225,19 @@ def run(
     collectors: int,
     timeout: float | None,
     as_json: bool,
+    task_set: str | None,
+    only_tasks: tuple[str, ...],
+    samples: int | None,
+    policy_url: str | None,
+    model: str | None,
+    sampling: tuple[str, ...],
+    policy_timeout: float | None,
     redis_url: str | None,
 ) -> None:
-    """Run one batch of episodes through the pipeline and print its report."""
+    """Run one batch of episodes through the pipeline and print its report.
+
+    Without --tasks: COUNT episodes of the guide's demo task with its fixed --action. With
+    --tasks and --policy-url: every task x --samples, the policy choosing the actions."""
     from rollout_worker.quantities import resource_problems
     from rollout_worker.stack import LocalStack
     from trainer_stub.client import RolloutClient
@@ -236,6 +261,23 @@ def run(
     }
     if episode_timeout_seconds is not None:
         request["episode_timeout_seconds"] = episode_timeout_seconds
+    try:
+        from rollout_wire.tasksets import parse_sampling, rollout_fields
+
+        request |= rollout_fields(
+            tasks=task_set,
+            only=only_tasks,
+            samples=samples,
+            policy_url=policy_url,
+            model=model,
+            sampling=parse_sampling(sampling),
+            policy_timeout=policy_timeout,
+        )
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    source = click.get_current_context().get_parameter_source("count")
+    if task_set is not None and source == click.core.ParameterSource.DEFAULT:
+        del request["count"]  # the task set times the samples decides
     if collectors < 1:
         raise click.UsageError("--collectors must be at least 1")
     try:
@@ -643,6 +685,32 @@ def cleanup(output: Path) -> None:
     except RolloutError as exc:
         raise click.ClickException(str(exc)) from exc
     out(f"deleted run of batch {receipt.get('batch_id')}")
+
+
+@cli.command("policy-server")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--script",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="Extra scripted tasks (JSON {'tasks': {id: {'plans': [[turn, ...]]}}}).",
+)
+@click.option(
+    "--hang-seconds", type=float, default=30.0, show_default=True, help="A scripted 'hang'."
+)
+@click.option("--verbose", is_flag=True, help="Log every request.")
+def policy_server(
+    host: str, port: int, script: Path | None, hang_seconds: float, verbose: bool
+) -> None:
+    """Serve the scripted policy (OpenAI-compatible chat completions, no GPU) for the bundled
+    task set: right and wrong fixes, malformed, slow and timed-out replies."""
+    from rollout_worker.policy_server import PolicyServer, load_script
+
+    server = PolicyServer(host, port, load_script(script), hang_seconds, verbose)
+    err(f"scripted policy on {server.url} (episodes call {server.url}/rollout/<id>/v1)")
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
 
 
 @cli.command()
