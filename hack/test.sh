@@ -5,7 +5,11 @@
 # ruff, mypy, pytest and `rollout` all come from the venv (first on PATH for the tests too).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Wall time per phase, printed on stderr as `test.sh: PHASE Ns` (the cold path's budget).
+t=${SECONDS}
+phase() { echo "test.sh: $1 $((SECONDS - t))s" >&2; t=${SECONDS}; }
 ./hack/setup.sh --dev
+phase setup
 VENV="${ROLLOUT_VENV:-.venv}"
 [[ "${VENV}" == /* ]] || VENV="$(pwd)/${VENV}"
 export VIRTUAL_ENV="${VENV}" PATH="${VENV}/bin:${PATH}"
@@ -14,6 +18,7 @@ hash -r
 ruff check rollout_worker trainer_stub tests benchmarks
 ruff format --check rollout_worker trainer_stub
 mypy
+phase lint+types
 
 if [[ -z "${KUBECONFIG:-}" ]]; then
   # Builds kube-apiserver & co. the first time (minutes), then starts in seconds; stopped on
@@ -22,8 +27,13 @@ if [[ -z "${KUBECONFIG:-}" ]]; then
     trap './hack/localkube/cluster.sh down >/dev/null 2>&1 || true' EXIT
   fi
   ./hack/localkube/cluster.sh up
+  phase cluster
   # One real node (kubelet + containerd, images built locally) for Pods that really run.
   ./hack/localkube/cluster.sh node-up
+  phase real-node
   eval "$(./hack/localkube/cluster.sh env)"
 fi
-"${VENV}/bin/python" -m pytest "$@"
+rc=0
+"${VENV}/bin/python" -m pytest "$@" || rc=$?
+phase pytest
+exit "${rc}"
