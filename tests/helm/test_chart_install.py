@@ -44,6 +44,9 @@ pytestmark = [pytest.mark.helm, pytest.mark.slow]
 
 IMAGE_BUILD_TIMEOUT = 1800
 INSTALL_TIMEOUT = "6m"
+# Other suites may run Pods on the same 2-CPU node at the same time: wait for room rather than
+# fail the capacity check (which the workers still run, with their own permissions).
+BATCH = {"capacity_check": "warn"}
 
 
 def free_port() -> int:
@@ -219,7 +222,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         installed = True
         timings["helm_install_wait_s"] = time.monotonic() - t0
         first = rollout.submit(
-            count=4, parallelism=4, backend="kubernetes", **real_node.batch_fields()
+            count=4, parallelism=4, backend="kubernetes", **BATCH, **real_node.batch_fields()
         )
         report = rollout.wait(first.batch_id, timeout=300)
         timings["helm_install_to_first_report_s"] = time.monotonic() - t0
@@ -297,7 +300,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         # ---- more collectors during a second batch -------------------------------------------
         wait_deleted(rollout, first.batch_id)
         second = rollout.submit(
-            count=6, parallelism=3, backend="kubernetes", **real_node.batch_fields()
+            count=6, parallelism=3, backend="kubernetes", **BATCH, **real_node.batch_fields()
         )
         t = time.monotonic()
         helm_(
