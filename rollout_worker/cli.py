@@ -308,7 +308,7 @@ def run(
             submission, report = _submit_and_wait(
                 client, spec, output, timeout or deadline_seconds + 300, heartbeat
             )
-            if all_in_one:
+            if all_in_one and report.get("cleanup") == "scheduled":
                 _wait_for_cleanup(client, spec.batch_id, heartbeat)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
@@ -420,12 +420,12 @@ def _wait_for_cleanup(client: RolloutClient, batch_id: str, heartbeat: Any) -> N
     state = None
     while time.monotonic() < deadline:
         state = client.receipt(batch_id).get("cleanup")
-        if state in (None, "kept", "deleted", "failed"):
+        if state in ("deleted", "failed"):
             break
         if heartbeat is not None:
             heartbeat()
         time.sleep(0.2)
-    if state in ("scheduled", "deleting"):
+    if state not in ("deleted", "failed"):
         err(
             f"[yellow]run of batch {batch_id} still {state} after "
             f"{CLEANUP_WAIT_SECONDS:.0f}s; stopping anyway (`rollout sweep` finds it)[/yellow]"

@@ -367,6 +367,16 @@ def finalize(
 
 
 # -- cleanup ---------------------------------------------------------------------------------
+def cleanup_pending(store: BatchStore, batch_id: str) -> bool:
+    """The report asked for the run's deletion and it has not ended: a redelivered callback or
+    watchdog schedules the cleanup again (the first one may have died before sending it)."""
+    report = store.report(batch_id)
+    if report is None or report.get("cleanup") != CLEANUP_SCHEDULED:
+        return False
+    receipt = load_receipt(store, batch_id)
+    return receipt is not None and receipt.cleanup in (None, CLEANUP_SCHEDULED, CLEANUP_DELETING)
+
+
 def cleanup(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
     """Delete a reported batch's run (ownership-checked by the backend). Returns the cleanup
     state: CLEANUP_DELETING means "look again later" (the deletion runs in the backend)."""

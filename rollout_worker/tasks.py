@@ -147,12 +147,19 @@ def _finalize(self: Task, batch_id: str, finalized_by: str) -> dict[str, Any]:
     c = clients(self.app)
     done = core.finalize(c.store, c.backend, batch_id, finalized_by=finalized_by, limits=c.limits)
     if done is None:
+        if core.cleanup_pending(c.store, batch_id):
+            _schedule_cleanup(self.app, batch_id)
         return {"batch_id": batch_id, "status": "already-reported"}
     if done.cleanup == core.CLEANUP_SCHEDULED:
-        self.app.signature(k.TASK_CLEANUP, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async(
-            task_id=k.cleanup_task_id(batch_id)
-        )
+        _schedule_cleanup(self.app, batch_id)
     return {"batch_id": batch_id, "status": done.report["status"]}
+
+
+def _schedule_cleanup(app: Celery, batch_id: str) -> None:
+    # A copy sent twice deletes nothing twice: cleanup is idempotent.
+    app.signature(k.TASK_CLEANUP, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async(
+        task_id=k.cleanup_task_id(batch_id)
+    )
 
 
 def aggregate_batch(self: Task, results: list[Any], batch_id: str) -> dict[str, Any]:
@@ -162,6 +169,8 @@ def aggregate_batch(self: Task, results: list[Any], batch_id: str) -> dict[str, 
 def batch_watchdog(self: Task, batch_id: str) -> dict[str, Any]:
     c = clients(self.app)
     if c.store.has_report(batch_id):
+        if core.cleanup_pending(c.store, batch_id):
+            _schedule_cleanup(self.app, batch_id)
         return {"batch_id": batch_id, "status": "reported"}
     receipt = c.started(batch_id)
     if receipt is not None and receipt.run is not None:

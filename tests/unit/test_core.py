@@ -226,3 +226,13 @@ def test_the_sweeper_takes_over_stalled_cleanups_and_expired_kept_runs(store, ba
     finalize(kept, backend, by="watchdog")
     assert sweep(kept, backend, now=999.0 + 3000) == {}
     assert sweep(kept, backend, now=999.0 + 3601) == {"b1": "deleted"}
+
+
+def test_a_redelivered_callback_finds_the_cleanup_it_must_schedule_again(store, backend):
+    started(store, backend)
+    finalize(store, backend, by="watchdog")
+    # Killed after publishing, before recording or sending the cleanup: still pending.
+    store.receipts["b1"].pop("cleanup")
+    assert finalize(store, backend) is None and core.cleanup_pending(store, "b1")
+    core.cleanup(store, lambda name: backend, "b1")
+    assert not core.cleanup_pending(store, "b1")

@@ -1,0 +1,147 @@
+"""Nothing left behind after a batch on Kubernetes (issue 16), and batches that survive a frozen
+API server. Pods really run on the local cluster's real node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollout_wire import constants as k
+from rollout_worker.stack import LocalStack
+from tests.k8s import cluster as kc
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
+
+GONE_WITHIN_SECONDS = 120
+
+
+def our_namespaces(cluster, batch_id: str) -> list[str]:
+    found = cluster.core.list_namespace(label_selector=f"{k.LABEL_BATCH}={batch_id}")
+    return [ns.metadata.name for ns in found.items]
+
+
+def wait_gone(cluster, batch_id: str, timeout: float = GONE_WITHIN_SECONDS) -> float:
+    """Seconds until no namespace of the batch is left (fails after `timeout`)."""
+    start = time.monotonic()
+    while our_namespaces(cluster, batch_id):
+        assert time.monotonic() - start < timeout, f"batch {batch_id}: namespace still there"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def test_all_in_one_on_the_real_node_leaves_no_namespace(real_node, k8s_cluster):
+    selector = ",".join(f"{key}={v}" for key, v in real_node.node_selector.items())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_worker.cli",
+            "run",
+            "--backend",
+            "kubernetes",
+            "--all-in-one",
+            "--count",
+            "10",
+            "--image",
+            real_node.image,
+            "--runtime",
+            real_node.runtime_class,
+            "--image-pull-policy",
+            real_node.image_pull_policy,
+            "--node-selector",
+            selector,
+            "--toleration",
+            f"{kc.REAL_NODE_LABEL_KEY}:NoSchedule",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["successful_episodes"] == 10 and report["cleanup"] == "scheduled"
+    # The stack stopped only after its workers deleted the run: nothing is left at exit.
+    assert our_namespaces(k8s_cluster, report["batch_id"]) == []
+    print(f"all-in-one: report -> exit {time.time() - report['reported_at']:.1f}s")
+
+
+@pytest.fixture
+def kube_stack_one(k8s_cluster):
+    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
+    with LocalStack(collectors=1, extra_env=env) as stack:
+        stack.wait_ready()
+        yield stack
+
+
+def submit(client: RolloutClient, real_node, **request):
+    return client.submit(backend="kubernetes", **real_node.batch_fields(), **request)
+
+
+def test_a_control_worker_killed_during_cleanup_is_replaced_and_nothing_is_left(
+    real_node, k8s_cluster, kube_stack_one
+):
+    stack = kube_stack_one
+    client = RolloutClient(stack.redis_url)
+    batch = submit(client, real_node, count=2)
+    report = batch.wait(300)
+    assert report["successful_episodes"] == 2 and report["cleanup"] == "scheduled"
+    # The report is out and its cleanup task is queued or running: kill the only control
+    # worker (its main process, and with it its children) right now.
+    control = next(w for w in stack.workers if w.queue == k.QUEUE_CONTROL)
+    os.killpg(control.proc.pid, signal.SIGKILL)
+    control.proc.wait(10)
+    killed_at = time.monotonic()
+    cleanup_seen = client.receipt(batch.batch_id).get("cleanup")
+    stack.workers.remove(control)
+    stack.start_worker(k.QUEUE_CONTROL, "control2", pool="prefork", concurrency=2)
+    wait_gone(k8s_cluster, batch.batch_id)
+    deadline = time.monotonic() + 60
+    while client.receipt(batch.batch_id).get("cleanup") != "deleted":
+        assert time.monotonic() < deadline, client.receipt(batch.batch_id).get("cleanup")
+        time.sleep(0.2)
+    print(f"cleanup was {cleanup_seen!r} at the kill; gone {time.monotonic() - killed_at:.1f}s after")
+    client.close()
+
+
+def freeze_apiserver(seconds: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["bash", str(kc.CLUSTER_SH), "freeze-apiserver", str(seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_a_batch_survives_a_frozen_api_server_and_the_next_batch_runs(
+    real_node, k8s_cluster, kube_stack_one
+):
+    client = RolloutClient(kube_stack_one.redis_url)
+    batch = submit(client, real_node, count=4, parallelism=2, deadline_seconds=300)
+    deadline = time.monotonic() + 120
+    while not client.receipt(batch.batch_id).get("job_uid"):
+        assert time.monotonic() < deadline, "the Job was never created"
+        time.sleep(0.2)
+    freezer = freeze_apiserver(15)
+    out, _ = freezer.communicate(timeout=120)
+    assert freezer.returncode == 0, out
+    report = batch.wait(400)
+    assert (report["episodes"], report["successful_episodes"], report["reward_sum"]) == (4, 4, 4)
+    wait_gone(k8s_cluster, batch.batch_id)
+    # The control plane healed (controller-manager and scheduler restarted if they exited):
+    # a new batch gets its Pods and runs.
+    after = submit(client, real_node, count=2).wait(300)
+    assert after["successful_episodes"] == 2, after["errors"]
+    restarts = subprocess.run(
+        ["bash", str(kc.CLUSTER_SH), "restarts"], capture_output=True, text=True, check=False
+    ).stdout
+    print(restarts)
+    client.close()
