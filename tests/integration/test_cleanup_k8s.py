@@ -108,7 +108,8 @@ def test_a_control_worker_killed_during_cleanup_is_replaced_and_nothing_is_left(
     while client.receipt(batch.batch_id).get("cleanup") != "deleted":
         assert time.monotonic() < deadline, client.receipt(batch.batch_id).get("cleanup")
         time.sleep(0.2)
-    print(f"cleanup was {cleanup_seen!r} at the kill; gone {time.monotonic() - killed_at:.1f}s after")
+    gone_after = time.monotonic() - killed_at
+    print(f"cleanup was {cleanup_seen!r} at the kill; gone {gone_after:.1f}s after")
     client.close()
 
 
