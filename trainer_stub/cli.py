@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 import orjson
 from rich.console import Console
+from rich.table import Table
 
 from rollout_wire.errors import InvalidSpec, RolloutError
+from rollout_wire.tasksets import parse_sampling, rollout_fields
 from trainer_stub.client import RolloutClient
 from trainer_stub.display import follow, print_errors, summary_table
 
@@ -36,6 +39,18 @@ err = Console(stderr=True, soft_wrap=True)
 @click.option("--backend", default="local", show_default=True)
 @click.option("--timeout", type=float, default=600, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON lines.")
+@click.option(
+    "--tasks",
+    "task_set",
+    default=None,
+    metavar="FILE|bundled",
+    help="Real rollouts: the task set; rounds then run one after the other, like training.",
+)
+@click.option("--task", "only_tasks", multiple=True, help="Only this task of --tasks.")
+@click.option("--samples", type=int, default=4, show_default=True, help="Samples per task.")
+@click.option("--policy-url", default=None, help="The policy's chat completions server root.")
+@click.option("--model", default=None, help="Model name sent to the policy.")
+@click.option("--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter.")
 def main(
     redis_url: str,
     rounds: int,
@@ -44,10 +59,37 @@ def main(
     backend: str,
     timeout: float,
     as_json: bool,
+    task_set: str | None,
+    only_tasks: tuple[str, ...],
+    samples: int,
+    policy_url: str | None,
+    model: str | None,
+    sampling: tuple[str, ...],
 ) -> None:
-    """Submit ROUNDS batches concurrently, follow them live, print every report."""
+    """Submit ROUNDS batches concurrently, follow them live, print every report.
+
+    With --tasks and --policy-url: the shape of a training loop instead. Each round submits
+    every task x --samples, streams the trajectories as episodes finish, and prints each task's
+    group rewards (mean, std, pass@k) before the next round (where a trainer would update the
+    policy)."""
     if rounds < 1:
         raise click.UsageError("--rounds must be at least 1")
+    if task_set is not None:
+        training_loop(
+            redis_url,
+            rounds,
+            task_set,
+            only_tasks,
+            samples,
+            policy_url,
+            model,
+            sampling,
+            parallelism,
+            backend,
+            timeout,
+            as_json,
+        )
+        return
     client = RolloutClient(redis_url)
     try:
         submissions = [
@@ -74,6 +116,94 @@ def main(
             print_errors(err, report)
     client.close()
     sys.exit(0 if all(r.get("ok") for r in ordered) else 1)
+
+
+def training_loop(
+    redis_url: str,
+    rounds: int,
+    task_set: str,
+    only_tasks: tuple[str, ...],
+    samples: int,
+    policy_url: str | None,
+    model: str | None,
+    sampling: tuple[str, ...],
+    parallelism: int | None,
+    backend: str,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    client = RolloutClient(redis_url)
+    try:
+        fields = rollout_fields(
+            tasks=task_set,
+            only=only_tasks,
+            samples=samples,
+            policy_url=policy_url,
+            model=model,
+            sampling=parse_sampling(sampling),
+        )
+        prepared = [
+            client.prepare(
+                fields
+                | {"parallelism": parallelism, "backend": backend, "labels": {"round": str(n)}}
+            )
+            for n in range(rounds)
+        ]
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    all_ok = True
+    for n, spec in enumerate(prepared):
+        submission = client.send(spec)
+        err.print(f"round {n}: batch {spec.batch_id}, {spec.count} episodes", highlight=False)
+        try:
+            for row, trajectory in client.trajectories(spec.batch_id, timeout):
+                steps = len(trajectory["steps"]) if trajectory else 0
+                what = (
+                    f"reward {row['reward']:g}"
+                    if row["status"] == "ok"
+                    else f"{row['status']} ({row.get('failure_kind')}: {row.get('failure_cause')})"
+                )
+                err.print(
+                    f"  episode {row['index']:>3} {row.get('task_id')} #{row.get('sample')}: "
+                    f"{steps} steps, {what}",
+                    highlight=False,
+                )
+            report = submission.wait(30)
+        except RolloutError as exc:
+            raise click.ClickException(str(exc)) from exc
+        all_ok = all_ok and bool(report.get("ok"))
+        if as_json:
+            sys.stdout.write(
+                orjson.dumps({"round": n, "groups": report.get("groups", [])}).decode() + "\n"
+            )
+            continue
+        console.print(group_table(n, report))
+    client.close()
+    sys.exit(0 if all_ok else 1)
+
+
+def group_table(round_no: int, report: dict[str, Any]) -> Table:
+    batch = report.get("batch_id")
+    table = Table(title=f"round {round_no}: group rewards (group id = {batch}:<task>)")
+    for column in ("task", "rewards", "mean", "std", "pass@1", "pass@k", "failed"):
+        table.add_column(column)
+    for group in report.get("groups", []):
+        passes = group["pass_at_k"]
+        top = max(passes, key=int) if passes else None
+
+        def num(value: Any) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        table.add_row(
+            group["task_id"],
+            " ".join(f"{r:g}" for r in group["rewards"]),
+            num(group["mean"]),
+            num(group["std"]),
+            num(passes.get("1")),
+            f"{num(passes[top])} (k={top})" if top else "-",
+            ", ".join(f"#{f['sample']} {f['failure_kind']}" for f in group["failed"]) or "",
+        )
+    return table
 
 
 if __name__ == "__main__":
