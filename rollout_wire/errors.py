@@ -55,5 +55,9 @@ class BatchTimeout(RolloutError):
     """Waiting for a batch report ran past the caller's timeout."""
 
 
+class RedisUnavailable(RolloutError):
+    """Redis stayed unreachable for longer than the client is willing to wait."""
+
+
 class StackError(RolloutError):
     """The all-in-one stack (private redis-server and workers) failed to start or died."""

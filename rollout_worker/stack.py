@@ -48,6 +48,11 @@ class LocalStack:
     control_concurrency: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
     keep_dir: bool = False
+    # Redis as the README recommends for production (append-only file), and with a password
+    # and TLS (rediss://, a private CA made here): every client then uses that URL.
+    aof: bool = False
+    password: str | None = None
+    tls: bool = False
 
     def __post_init__(self) -> None:
         if self.collectors < 1:
@@ -59,7 +64,13 @@ class LocalStack:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            ca = self.dir / "tls" / "ca.crt"
+            return (
+                f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+            )
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def env(self) -> dict[str, str]:
@@ -93,27 +104,22 @@ class LocalStack:
         server = shutil.which("redis-server")
         if not server:
             raise StackError("redis-server is not installed (apt-get install redis-server)")
-        self.port = free_port()
-        log = open(self.dir / "redis.log", "wb")  # noqa: SIM115 - owned by the child
+        self.port = self.port or free_port()
+        args = [server, "--bind", "127.0.0.1", "--save", "", "--dir", str(self.dir)]
+        args += ["--daemonize", "no", "--appendonly", "yes" if self.aof else "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.tls:
+            tls = _make_tls(self.dir / "tls")
+            args += ["--port", "0", "--tls-port", str(self.port)]
+            args += ["--tls-cert-file", str(tls / "server.crt")]
+            args += ["--tls-key-file", str(tls / "server.key")]
+            args += ["--tls-ca-cert-file", str(tls / "ca.crt"), "--tls-auth-clients", "no"]
+        else:
+            args += ["--port", str(self.port)]
+        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.redis_proc = subprocess.Popen(
-            [
-                server,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.dir),
-                "--daemonize",
-                "no",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
         client = redis.Redis.from_url(self.redis_url)
         end = time.monotonic() + REDIS_START_SECONDS
@@ -129,6 +135,22 @@ class LocalStack:
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    def stop_redis(self) -> None:
+        """Stop redis-server the way an operator would (SIGTERM: it writes its AOF and exits)."""
+        if self.redis_proc is not None and self.redis_proc.poll() is None:
+            self.redis_proc.terminate()
+            try:
+                self.redis_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.redis_proc.kill()
+                self.redis_proc.wait()
+
+    def restart_redis(self, down_seconds: float = 0.0) -> None:
+        """Stop redis-server, wait, start it again on the same port and data directory."""
+        self.stop_redis()
+        time.sleep(down_seconds)
+        self._start_redis()
 
     def start_worker(self, queue: str, name: str, *, pool: str, concurrency: int) -> WorkerProc:
         log = self.dir / f"worker-{name}.log"
@@ -211,13 +233,7 @@ class LocalStack:
                     os.killpg(worker.proc.pid, signal.SIGTERM)  # warm shutdown, all at once
         for worker in self.workers:
             self.stop_worker(worker)
-        if self.redis_proc is not None and self.redis_proc.poll() is None:
-            self.redis_proc.terminate()
-            try:
-                self.redis_proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.redis_proc.kill()
-                self.redis_proc.wait()
+        self.stop_redis()
         if not self.keep_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -237,3 +253,60 @@ class LocalStack:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _make_tls(directory: Path) -> Path:
+    """A private CA and a server certificate for 127.0.0.1 (openssl), made once per stack."""
+    if (directory / "server.crt").exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rollout-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    )
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.crt",
+    )
+    return directory

@@ -19,12 +19,14 @@ from celery import Celery
 from rollout_wire import codec
 from rollout_wire import constants as k
 from rollout_wire.codec import Entry
-from rollout_wire.errors import BatchTimeout
+from rollout_wire.errors import BatchTimeout, RedisUnavailable
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.trajectory import trajectory_from_log
 
 BLOCK_MS = 1000
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# A restart of Redis is waited out; Redis away for longer than this ends the wait with an error.
+REDIS_OUTAGE_SECONDS = 60.0
 
 
 @dataclass
@@ -60,9 +62,10 @@ class Submission:
 
 
 class RolloutClient:
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, *, outage_seconds: float = REDIS_OUTAGE_SECONDS) -> None:
         self.redis_url = redis_url
-        self.redis = redis.Redis.from_url(redis_url)
+        self.outage_seconds = outage_seconds
+        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
         self.celery = Celery("rollout-trainer", broker=redis_url, set_as_current=False)
         self.celery.conf.update(
             task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True
@@ -103,6 +106,7 @@ class RolloutClient:
         cursors = {k.stream_key(b): "0-0" for b in batch_ids}
         names = {k.stream_key(b): b for b in batch_ids}
         deadline = None if timeout is None else time.monotonic() + timeout
+        down_since: float | None = None
         while cursors:
             block = BLOCK_MS
             if deadline is not None:
@@ -115,7 +119,21 @@ class RolloutClient:
                 block = max(1, min(BLOCK_MS, int(remaining * 1000)))
             if heartbeat is not None:
                 heartbeat()
-            for stream, items in self.redis.xread(cursors, block=block) or []:
+            try:
+                found = self.redis.xread(cursors, block=block) or []
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # A restarting Redis (with its AOF) comes back with every entry: wait it out.
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > self.outage_seconds:
+                    raise RedisUnavailable(
+                        f"Redis at {self.redis_url.split('@')[-1]} unreachable for "
+                        f"{self.outage_seconds:.0f}s while waiting for batch(es) "
+                        f"{sorted(names[s] for s in cursors)}: {exc}"
+                    ) from exc
+                time.sleep(0.5)
+                continue
+            down_since = None
+            for stream, items in found:
                 stream = stream.decode()
                 for entry_id, data in items:
                     cursors[stream] = entry_id
