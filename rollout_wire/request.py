@@ -7,8 +7,10 @@ decodes a spec that was validated before (a stored receipt), it re-applies no po
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -250,6 +252,21 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
 
     placement = _parse_placement(data, problems)
     policy = _parse_policy(data.get("policy"), problems)
+    if backend == "kubernetes" and policy is not None:
+        host = urllib.parse.urlsplit(str(policy["url"])).hostname or ""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            problems.append(
+                f"policy.url host {host!r} must be an IP address on kubernetes: the batch's "
+                "NetworkPolicy allows egress to that address only (it cannot match names)"
+            )
+        images = sorted({t["image"] for t in tasks if t.get("image") not in (None, image)})
+        if images:
+            problems.append(
+                f"tasks need images {images} other than the batch's {image!r}: one Job per "
+                "image is not supported yet; submit one batch per image"
+            )
     if tasks and policy is None:
         problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
     for task in tasks:

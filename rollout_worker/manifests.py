@@ -7,16 +7,25 @@ batch labels; cleanup refuses anything without them.
 
 from __future__ import annotations
 
+import ipaddress
+import urllib.parse
 from typing import Any
+
+import orjson
 
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
+from rollout_wire.tasksets import demo_task
 
 JOB_NAME = "rollout"
 CONFIGMAP_NAME = "episode"
 CONTAINER_NAME = "episode"
 PROGRAM_DIR = "/demo"
 PROGRAM_KEY = "episode.py"
+TASKS_KEY = "tasks.json"
+# The API server refuses an object above 1 MiB (etcd's request limit is 1.5 MiB, the ConfigMap
+# data limit 1 MiB); parse_spec keeps tasks below 900 KiB, this is the last check.
+CONFIGMAP_MAX_BYTES = 1024 * 1024
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 SANDBOX_UID = 1000
 
@@ -37,7 +46,24 @@ def namespace_manifest(spec: BatchSpec) -> dict[str, Any]:
     }
 
 
+def tasks_text(spec: BatchSpec) -> str | None:
+    """The batch's tasks as the runner reads them (None for the demo with its fixed action)."""
+    if spec.policy is None:
+        return None
+    return orjson.dumps(spec.tasks or [demo_task()]).decode()
+
+
 def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
+    data = {PROGRAM_KEY: program}
+    tasks = tasks_text(spec)
+    if tasks is not None:
+        data[TASKS_KEY] = tasks
+    size = sum(len(key) + len(value.encode()) for key, value in data.items())
+    if size > CONFIGMAP_MAX_BYTES:
+        raise ValueError(
+            f"the batch's ConfigMap would hold {size} bytes, above the API server's "
+            f"{CONFIGMAP_MAX_BYTES}: split the task set into several batches"
+        )
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -46,12 +72,32 @@ def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
             "namespace": namespace_name(spec.batch_id),
             "labels": owner_labels(spec),
         },
-        "data": {PROGRAM_KEY: program},
+        "data": data,
     }
 
 
+def policy_endpoint(url: str) -> tuple[str, int]:
+    """(address, port) of a policy URL; the address must be an IP literal (a NetworkPolicy
+    matches addresses, not names)."""
+    parsed = urllib.parse.urlsplit(url)
+    host = parsed.hostname or ""
+    ipaddress.ip_address(host)  # ValueError for a name
+    return host, parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
 def network_policy_manifest(spec: BatchSpec) -> dict[str, Any]:
-    """Sandboxes get no network: no ingress, no egress (enforced where the CNI supports it)."""
+    """Sandboxes get no network: no ingress, no egress, except (real rollouts) TCP to the
+    batch's policy endpoint. Enforced where the CNI supports NetworkPolicy."""
+    policy_spec: dict[str, Any] = {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    if spec.policy is not None:
+        host, port = policy_endpoint(spec.policy["url"])
+        prefix = 32 if ipaddress.ip_address(host).version == 4 else 128
+        policy_spec["egress"] = [
+            {
+                "to": [{"ipBlock": {"cidr": f"{host}/{prefix}"}}],
+                "ports": [{"protocol": "TCP", "port": port}],
+            }
+        ]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -60,8 +106,24 @@ def network_policy_manifest(spec: BatchSpec) -> dict[str, Any]:
             "namespace": namespace_name(spec.batch_id),
             "labels": owner_labels(spec),
         },
-        "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]},
+        "spec": policy_spec,
     }
+
+
+def agent_env(spec: BatchSpec) -> list[dict[str, str]]:
+    """The agent runner's environment (none for the demo): it works out its task and sample
+    from JOB_COMPLETION_INDEX, which the Job controller sets in an Indexed Job's Pods."""
+    if spec.policy is None:
+        return []
+    runner = {name: value for name, value in spec.policy.items() if name != "url"}
+    values = {
+        "ROLLOUT_POLICY": orjson.dumps(runner).decode(),
+        "ROLLOUT_POLICY_URL": spec.policy["url"],
+        "ROLLOUT_TASKS_FILE": f"{PROGRAM_DIR}/{TASKS_KEY}",
+        "ROLLOUT_SAMPLES_PER_TASK": str(spec.samples_per_task if spec.tasks else spec.count),
+        "ROLLOUT_BATCH_ID": spec.batch_id,
+    }
+    return [{"name": name, "value": value} for name, value in values.items()]
 
 
 def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[str, Any]:
@@ -93,6 +155,7 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
                     },
                     {"name": "ROLLOUT_ACTION", "value": spec.action},
                     {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
+                    *agent_env(spec),
                 ],
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
