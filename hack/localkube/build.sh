@@ -11,7 +11,8 @@
 # Kubernetes components come from k8s.io/kubernetes through the Go module proxy: a small wrapper
 # module (generated under the cache, never committed) requires k8s.io/kubernetes and replaces each
 # k8s.io/<staging> module, read from the pinned version's own go.mod, by its published v0.X.Y.
-# Environment: LOCALKUBE_BUILD_JOBS (go build -p, default 2), GO (go binary), K8S_VERSION,
+# Environment: LOCALKUBE_BUILD_JOBS (go build -p, default 2), LOCALKUBE_BUILD_NICE (default 10),
+# GO (go binary), GOMODCACHE/GOCACHE (Go's own caches, relocatable), K8S_VERSION,
 # ETCD_VERSION, KWOK_VERSION (see versions.env).
 set -euo pipefail
 # shellcheck source=lib.sh
@@ -43,7 +44,8 @@ need_go() {
 }
 export GOTOOLCHAIN=local CGO_ENABLED=0 GO111MODULE=on GOFLAGS="-buildvcs=false"
 JOBS="${LOCALKUBE_BUILD_JOBS:-2}"
-go_() { nice -n 10 "${GO_BIN}" "$@"; }
+# Builds yield to interactive work (LOCALKUBE_BUILD_NICE=0 on a dedicated CI machine).
+go_() { nice -n "${LOCALKUBE_BUILD_NICE:-10}" "${GO_BIN}" "$@"; }
 
 mkdir -p "${LOCALKUBE_BIN}" "${LOCALKUBE_SRC}"
 # One build at a time per cache (a concurrent `cluster.sh up` waits here).
