@@ -324,7 +324,13 @@ def main() -> None:
         f"  ratio local/bare (medians): wall {Stats(alone_t).median / Stats(bare_t).median:.2f}x,"
         f" CPU {local_cpu.median / Stats(bare_cpu).median:.2f}x"
     )
-    print(f"  sandboxes seen, per local run: {'; '.join(e.describe() for e in evidence)}")
+    print(
+        f"  every one of the {len(evidence)} local runs (pipeline and backend alone) was seen in "
+        f"bwrap: at least {min(len(e.bwrap_pids) for e in evidence)} bwrap processes and "
+        f"{min(len(e.isolated_pids) for e in evidence)} episode processes per run in their own "
+        "pid/user/net namespaces, uid 1000 inside (host uid "
+        f"{sorted(set().union(*(e.host_uids for e in evidence)))})"
+    )
 
 
 if __name__ == "__main__":
