@@ -461,7 +461,7 @@ def _print_report(report: dict[str, Any], submission: Submission, as_json: bool)
     "-c",
     type=int,
     default=None,
-    help="Worker slots. [default: 2 for control, 16 for collect]",
+    help="Worker slots. [default: 2 for control, 100 for collect: each waits cheaply]",
 )
 @click.option(
     "--pool",
@@ -497,7 +497,7 @@ def worker(
         raise click.UsageError(f"unknown queue(s) {unknown}; choose from {list(k.QUEUES)}")
     collect_only = names == [k.QUEUE_COLLECT]
     pool = pool or ("threads" if collect_only else "prefork")
-    concurrency = concurrency or (16 if collect_only else 2)
+    concurrency = concurrency or (100 if collect_only else 2)
     if concurrency < 1:
         raise click.UsageError("--concurrency must be at least 1")
     app = create_app(_settings(redis_url))

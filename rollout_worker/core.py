@@ -279,7 +279,7 @@ def collect(
     cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
     try:
         obs = backend.wait_episode(run, index, 0 if cancelled else block)
-        if cancelled and (not obs.terminal or obs.reason == "Stopped"):
+        if cancelled and obs.phase != "Succeeded":
             row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
         elif obs.terminal:
             text = backend.read_output(run, obs)

@@ -25,8 +25,9 @@ SETTINGS_DOC: dict[str, str] = {
     "the longest batch plus redelivery delay (default 172800)",
     "ROLLOUT_RECORD_TTL": "seconds receipts, episode rows, logs and reports stay in Redis "
     "(default 604800)",
-    "ROLLOUT_COLLECT_BLOCK_SECONDS": "longest a collector waits on one episode before "
-    "requeueing itself (default 2)",
+    "ROLLOUT_COLLECT_BLOCK_SECONDS": "longest a collect task waits for its episode (on the batch's "
+    "shared watch, or the local done signal) before it requeues itself; at most half of "
+    "ROLLOUT_VISIBILITY_TIMEOUT (default 15)",
     "ROLLOUT_COLLECT_GRACE_SECONDS": "after a run's deadline, how long collectors keep waiting "
     "before marking an episode lost (default 30)",
     "ROLLOUT_LOCAL_ROOT": "directory for local runs (default <tmp>/rollout-runs)",
@@ -56,7 +57,7 @@ class Settings:
     visibility_timeout: int = 40
     result_expires: int = 2 * 24 * 3600
     record_ttl: int = 7 * 24 * 3600
-    collect_block_seconds: float = 2.0
+    collect_block_seconds: float = 15.0
     collect_grace_seconds: float = 30.0
     local_root: Path = Path(tempfile.gettempdir()) / "rollout-runs"
     local_python: str = ""
@@ -78,11 +79,11 @@ class Settings:
             problems.append("ROLLOUT_MAX_BATCH_EPISODES must be >= 1")
         if (
             self.collect_block_seconds <= 0
-            or self.collect_block_seconds * 4 > self.visibility_timeout
+            or self.collect_block_seconds * 2 > self.visibility_timeout
         ):
             problems.append(
-                "ROLLOUT_COLLECT_BLOCK_SECONDS must be > 0 and well under "
-                "ROLLOUT_VISIBILITY_TIMEOUT (at most a quarter of it)"
+                "ROLLOUT_COLLECT_BLOCK_SECONDS must be > 0 and at most half of "
+                "ROLLOUT_VISIBILITY_TIMEOUT (a task must end well before it is redelivered)"
             )
         # A chord whose state expires before a lost task is redelivered never fires its
         # callback, and nothing logs it (seen in trials with Celery 5 on Redis), so expiry

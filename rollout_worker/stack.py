@@ -44,7 +44,7 @@ class WorkerProc:
 @dataclass
 class LocalStack:
     collectors: int = 2
-    collect_concurrency: int = 8
+    collect_concurrency: int = 64
     control_concurrency: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
     keep_dir: bool = False

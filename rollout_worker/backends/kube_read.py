@@ -12,7 +12,7 @@ import orjson
 
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.manifests import CONTAINER_NAME, JOB_NAME
+from rollout_worker.manifests import CONTAINER_NAME, INDEX_LABEL, JOB_NAME
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import format_memory, parse_quantity
 
@@ -217,6 +217,15 @@ def events_text(events: list[dict[str, Any]]) -> str:
             )
         )
     return "\n".join(lines) + "\n"
+
+
+def completion_index(pod: Mapping[str, Any]) -> int | None:
+    """The episode index of a batch Pod (its Job completion index label)."""
+    value = (pod.get("metadata", {}).get("labels") or {}).get(INDEX_LABEL)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def node_ready(node: Mapping[str, Any]) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +36,7 @@ from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.kube_read import (
     capacity_plan,
+    completion_index,
     events_text,
     job_verdict,
     node_ready,
@@ -41,9 +44,9 @@ from rollout_worker.backends.kube_read import (
     pretty_json,
     ts,
 )
+from rollout_worker.backends.kube_watch import PodWatch, PodWatches
 from rollout_worker.manifests import (
     CONTAINER_NAME,
-    INDEX_LABEL,
     JOB_NAME,
     configmap_manifest,
     job_manifest,
@@ -56,6 +59,7 @@ from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
 MAX_LOG_BYTES = 8 * 2**20
+JOB_CACHE_SECONDS = 1.0
 JOB_SETTLE_SECONDS = 15
 REQUEST_TIMEOUT = 30
 
@@ -95,7 +99,7 @@ def _api_client(settings: Settings) -> tuple[client.ApiClient, str]:
             context = "in-cluster"
     except (config.ConfigException, OSError, KeyError, TypeError) as exc:
         raise BackendUnavailable(f"no usable Kubernetes configuration: {exc}") from exc
-    cfg.connection_pool_maxsize = 32  # collectors run many threads per process
+    cfg.connection_pool_maxsize = 128  # collectors run many threads per process
     return client.ApiClient(cfg), context
 
 
@@ -109,6 +113,9 @@ class KubernetesBackend:
         self.batch = client.BatchV1Api(self.api)
         self.nodes_api = client.NodeV1Api(self.api)
         self.net = client.NetworkingV1Api(self.api)
+        self.watches = PodWatches()
+        self._jobs: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._jobs_lock = threading.Lock()
 
     # -- the edge: every call goes through here ----------------------------------------------
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -299,15 +306,25 @@ class KubernetesBackend:
             stream.stop()
         return objects
 
+    def _pod_watch(self, handle: RunHandle) -> PodWatch:
+        namespace = _namespace(handle)
+        selector = f"{k.LABEL_BATCH}={handle.batch_id}"
+
+        def make() -> PodWatch:
+            return PodWatch(
+                namespace,
+                lambda: self._call(
+                    "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector
+                ),
+                (self.core.list_namespaced_pod, (namespace,), {"label_selector": selector}),
+                completion_index,
+            )
+
+        return self.watches.get(namespace, make)
+
     def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
-        selector = f"{k.LABEL_BATCH}={handle.batch_id},{INDEX_LABEL}={index}"
-        pods = self._follow(
-            "pods",
-            self.core.list_namespaced_pod,
-            _namespace(handle),
-            lambda seen: observe_pods(handle, index, seen).terminal,
-            timeout,
-            label_selector=selector,
+        pods = self._pod_watch(handle).wait(
+            index, timeout, lambda seen: observe_pods(handle, index, seen).terminal
         )
         obs = observe_pods(handle, index, pods)
         if not obs.terminal and not pods:
@@ -318,9 +335,9 @@ class KubernetesBackend:
         self, handle: RunHandle, index: int, obs: EpisodeObservation
     ) -> EpisodeObservation:
         """No Pod for this index: if the Job has ended, the episode ended with it."""
-        job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, _namespace(handle))
-        _, verdict = job_verdict(job)
+        _, verdict = job_verdict(self._recent_job(_namespace(handle)))
         if verdict != "Running":
+            job = self._recent_job(_namespace(handle))
             reasons = [
                 c.get("reason")
                 for c in (job.get("status") or {}).get("conditions") or []
@@ -329,6 +346,16 @@ class KubernetesBackend:
             obs.phase = "Failed"
             obs.reason = f"Job {verdict}: {reasons[0] if reasons else '?'} (no Pod ran)"
         return obs
+
+    def _recent_job(self, namespace: str) -> dict[str, Any]:
+        """The batch's Job as read at most JOB_CACHE_SECONDS ago: the collectors of episodes
+        with no Pod yet share one read instead of one each."""
+        with self._jobs_lock:
+            read_at, job = self._jobs.get(namespace, (0.0, {}))
+            if time.monotonic() - read_at > JOB_CACHE_SECONDS:
+                job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, namespace)
+                self._jobs[namespace] = (time.monotonic(), job)
+            return job
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         try:

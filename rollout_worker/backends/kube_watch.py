@@ -1,0 +1,202 @@
+"""One watch per batch per worker process: every collector thread of the process waits on it.
+
+A `PodWatch` lists a batch's Pods once, then follows them with a watch (resumed from the last
+resourceVersion when the server ends it, relisted after 410 Gone or an error), and wakes the
+threads waiting for an episode when its Pods change. The API reads of collection are then one
+list and one watch per batch and process (plus one log read per episode), whatever the number of
+episodes and however long they run. A watch nobody waited on for a while stops itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import urllib3
+from kubernetes import watch
+from kubernetes.client.rest import ApiException
+
+from rollout_wire.errors import BackendError, TransientBackendError
+
+log = logging.getLogger(__name__)
+
+# Server-side timeout of one watch request; the watch then resumes from its resourceVersion.
+WATCH_SECONDS = 60
+# A watch with no waiter for this long stops (its batch is collected, or moved elsewhere).
+IDLE_SECONDS = 120.0
+# After an error, wait this long before listing again (doubling, at most RETRY_MAX_SECONDS).
+RETRY_SECONDS = 0.5
+RETRY_MAX_SECONDS = 8.0
+
+Pods = dict[str, dict[str, Any]]  # uid -> Pod (raw JSON)
+ListPods = Callable[[], dict[str, Any]]  # one list call: {"items": [...], "metadata": {...}}
+WatchPods = Callable[..., Any]  # the list function, for kubernetes.watch.Watch.stream
+
+
+class PodWatch:
+    """The Pods of one batch, grouped by completion index, kept current by one watch."""
+
+    def __init__(
+        self,
+        name: str,
+        list_pods: ListPods,
+        stream_args: tuple[WatchPods, tuple[Any, ...], Mapping[str, Any]],
+        index_of: Callable[[dict[str, Any]], int | None],
+    ) -> None:
+        self.name = name
+        self._list = list_pods
+        self._stream_fn, self._stream_args, self._stream_kwargs = stream_args
+        self._index_of = index_of
+        self._by_index: dict[int, Pods] = {}
+        self._cond = threading.Condition()
+        self._synced = False
+        self._error: BackendError | None = None
+        self._last_wait = time.monotonic()
+        self._stopped = False
+        self.lists = 0  # API calls made, for tests and benchmarks
+        self.watches = 0
+        self._thread = threading.Thread(target=self._run, name=f"podwatch-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def wait(self, index: int, timeout: float, done: Callable[[Pods], bool]) -> Pods:
+        """The Pods of episode `index` once `done(pods)` holds, or as they are after `timeout`.
+
+        Raises TransientBackendError when the watch cannot sync with the API server in time.
+        """
+        end = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._last_wait = time.monotonic()
+            while True:
+                if self._synced:
+                    pods = dict(self._by_index.get(index, {}))
+                    if done(pods):
+                        return pods
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    if not self._synced:
+                        raise TransientBackendError(
+                            f"watch of {self.name} not synced: {self._error or 'starting'}"
+                        )
+                    return pods
+                self._cond.wait(remaining)
+                self._last_wait = time.monotonic()
+
+    # -- the watch thread ----------------------------------------------------------------------
+    def _idle(self) -> bool:
+        return time.monotonic() - self._last_wait > IDLE_SECONDS
+
+    def _run(self) -> None:
+        delay = RETRY_SECONDS
+        while not self._stopped and not self._idle():
+            try:
+                version = self._relist()
+                delay = RETRY_SECONDS
+                while not self._stopped and not self._idle():
+                    version = self._follow(version)
+            except _Gone:
+                continue  # our resourceVersion expired: list again
+            except BackendError as exc:
+                with self._cond:
+                    self._error = exc
+                log.warning("watch of %s: %s; listing again in %.1fs", self.name, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_SECONDS)
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _relist(self) -> str:
+        listing = self._list()
+        self.lists += 1
+        by_index: dict[int, Pods] = {}
+        for pod in listing.get("items", []):
+            index = self._index_of(pod)
+            if index is not None:
+                by_index.setdefault(index, {})[pod["metadata"]["uid"]] = pod
+        with self._cond:
+            self._by_index = by_index
+            self._synced = True
+            self._error = None
+            self._cond.notify_all()
+        return str(listing["metadata"]["resourceVersion"])
+
+    def _follow(self, version: str) -> str:
+        """One watch request from `version`; returns the version to resume from."""
+        stream = watch.Watch()
+        self.watches += 1
+        try:
+            for event in stream.stream(
+                self._stream_fn,
+                *self._stream_args,
+                resource_version=version,
+                timeout_seconds=WATCH_SECONDS,
+                _request_timeout=WATCH_SECONDS + 15,
+                allow_watch_bookmarks=True,
+                **self._stream_kwargs,
+            ):
+                obj = event["raw_object"]
+                if event["type"] == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Gone
+                    raise TransientBackendError(f"watch of {self.name}: {obj.get('message')}")
+                version = obj.get("metadata", {}).get("resourceVersion") or version
+                if event["type"] == "BOOKMARK":
+                    continue
+                self._apply(event["type"], obj)
+                if self._stopped:
+                    break
+        except ApiException as exc:
+            if exc.status == 410:
+                raise _Gone from exc
+            raise TransientBackendError(f"watch of {self.name}: {exc.status} {exc.reason}") from exc
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise TransientBackendError(f"watch of {self.name}: {exc}") from exc
+        finally:
+            stream.stop()
+        return version
+
+    def _apply(self, kind: str, pod: dict[str, Any]) -> None:
+        index = self._index_of(pod)
+        if index is None:
+            return
+        uid = pod["metadata"]["uid"]
+        with self._cond:
+            pods = self._by_index.setdefault(index, {})
+            if kind == "DELETED":
+                pods.pop(uid, None)
+            else:
+                pods[uid] = pod
+            self._cond.notify_all()
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old (410 Gone): list again."""
+
+
+class PodWatches:
+    """The watches of one worker process, one per batch, made on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: dict[str, PodWatch] = {}
+
+    def get(self, name: str, make: Callable[[], PodWatch]) -> PodWatch:
+        with self._lock:
+            current = self._watches.get(name)
+            if current is None or not current.alive:
+                current = self._watches[name] = make()
+            for other in [n for n, w in self._watches.items() if not w.alive]:
+                del self._watches[other]
+            return current
