@@ -46,16 +46,27 @@ fi
 
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
-tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md rollout_wire \
+tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml rollout_wire \
   rollout_worker trainer_stub docker/Dockerfile.kube docker/wheels/README.md | tar -xf - -C "$ctx"
-cp -l "$wheels"/*.whl "$ctx/docker/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$ctx/docker/wheels/"
+# Copies, not hard links: the timestamps below must not touch the shared wheelhouse.
+cp "$wheels"/*.whl "$ctx/docker/wheels/"
 
-start=$SECONDS
-say "building $tag (venv built on $base, runs on $runtime)"
-DOCKER_BUILDKIT=0 docker build -q --force-rm -f "$ctx/docker/Dockerfile.kube" \
-  --build-arg "BASE_IMAGE=$base" --build-arg "RUNTIME_IMAGE=$runtime" -t "$tag" "$ctx" >/dev/null
-say "built $tag in $((SECONDS - start))s ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%d MB", $1/1e6}'))"
-docker image prune -f --filter label=org.opencontainers.image.title=rollout-worker-kube >/dev/null
+# Same inputs, same image: fixed timestamps (the classic builder's COPY cache sees them) and a
+# content key over the staged context and both bases; a warm call builds nothing.
+find "$ctx" -exec touch -h -d @0 {} +
+key=$( (tar -C "$ctx" --sort=name --owner=0 --group=0 --numeric-owner -cf - . ; \
+  echo "$base $(docker image inspect -f '{{.Id}}' "$runtime")") | sha256sum | cut -c1-16)
+if [[ "$(docker image inspect -f '{{index .Config.Labels "rollout.content-key"}}' "$tag" 2>/dev/null)" == "$key" ]]; then
+  say "$tag is up to date (content key $key)"
+else
+  start=$SECONDS
+  say "building $tag (venv built on $base, runs on $runtime)"
+  DOCKER_BUILDKIT=0 docker build -q --force-rm -f "$ctx/docker/Dockerfile.kube" \
+    --build-arg "BASE_IMAGE=$base" --build-arg "RUNTIME_IMAGE=$runtime" \
+    --label "rollout.content-key=$key" -t "$tag" "$ctx" >/dev/null
+  say "built $tag in $((SECONDS - start))s ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%d MB", $1/1e6}'))"
+  docker image prune -f --filter label=org.opencontainers.image.title=rollout-worker-kube >/dev/null
+fi
 docker tag "$base" "$redis_tag"
 
 if [[ -n "$import" ]]; then

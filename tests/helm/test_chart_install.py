@@ -230,7 +230,8 @@ def test_chart_installs_serves_scales_and_uninstalls(
 
         # ---- helm test, and rollout check in a worker Pod -----------------------------------
         t = time.monotonic()
-        helm_("test", release, "-n", ns, "--logs", "--timeout", "3m")
+        # Not --logs: the hook deletes a Pod that succeeded (hooks are not removed by uninstall).
+        helm_("test", release, "-n", ns, "--timeout", "3m")
         timings["helm_test_s"] = time.monotonic() - t
         check = kubectl_(
             "-n", ns, "exec", f"deploy/{full}-control", "--",
