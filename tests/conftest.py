@@ -51,7 +51,9 @@ SKIP_ENV = "ROLLOUT_TEST_SKIP"
 
 #: Markers of tests that need something outside the Python process. A skip raised inside such a
 #: test (or its fixtures) fails it instead: what they need is started or found, or they fail.
-INFRA_MARKERS = frozenset({"redis", "workers", "k8s", "k8s_real", "k8s_local", "kwok", "compose"})
+INFRA_MARKERS = frozenset(
+    {"redis", "workers", "k8s", "k8s_real", "k8s_local", "kwok", "compose", "helm"}
+)
 
 #: A test that uses one of these fixtures (directly or through another fixture) carries these
 #: markers, so ``-m`` and ROLLOUT_TEST_SKIP select it by what it really needs.
