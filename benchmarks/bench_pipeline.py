@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import subprocess
@@ -226,9 +227,11 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--parallelism", type=int, default=10)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--collectors", type=int, default=2)
-    parser.add_argument("--collect-concurrency", type=int, default=8)
-    parser.add_argument("--control-concurrency", type=int, default=2)
+    # The stack's own shape by default (LocalStack, as `rollout run --all-in-one` starts it).
+    shape = {f.name: f.default for f in dataclasses.fields(LocalStack)}
+    parser.add_argument("--collectors", type=int, default=shape["collectors"])
+    parser.add_argument("--collect-concurrency", type=int, default=shape["collect_concurrency"])
+    parser.add_argument("--control-concurrency", type=int, default=shape["control_concurrency"])
     args = parser.parse_args()
     assert args.runs >= 3, "a figure is a median of at least 3 runs"
     n, p, runs = args.episodes, args.parallelism, args.runs
