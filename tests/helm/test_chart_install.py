@@ -237,6 +237,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
             "-n", ns, "exec", f"deploy/{full}-control", "--",
             "rollout", "check", "--kubernetes", "--runtime", real_node.runtime_class,
         )  # fmt: skip
+        print(check.stdout)
         lines = check.stdout.splitlines()
         for p in permissions.PERMISSIONS:
             for verb in p.verbs:
@@ -325,7 +326,36 @@ def test_chart_installs_serves_scales_and_uninstalls(
             if "collect_episode" in cluster.core.read_namespaced_pod_log(p.metadata.name, ns)
         ]
         record_property("collectors_that_ran_tasks", len(busy))
+        print(f"collectors that ran collect tasks in batch 2: {len(busy)} of {len(pods)}")
         wait_deleted(rollout, second.batch_id)
+
+        # ---- fewer collectors during a third batch: warm shutdown loses nothing ---------------
+        third = rollout.submit(
+            count=6, parallelism=3, backend="kubernetes", **BATCH, **real_node.batch_fields()
+        )
+        kc.wait_for(lambda: rollout.receipt(third.batch_id).get("job_uid"), 60, "batch 3 to start")
+        t = time.monotonic()
+        helm_(
+            "upgrade", release, str(CHART), "-n", ns, "--reuse-values",
+            "--set", "collect.replicas=1", "--wait", "--timeout", INSTALL_TIMEOUT,
+        )  # fmt: skip
+        timings["helm_scale_down_s"] = time.monotonic() - t
+        report3 = rollout.wait(third.batch_id, timeout=300)
+        assert_real_report(report3, 6, real_node.name)
+        kc.wait_for(
+            lambda: (
+                len(
+                    cluster.core.list_namespaced_pod(
+                        ns, label_selector="app.kubernetes.io/component=collect"
+                    ).items
+                )
+                == 1
+            ),
+            120,
+            "the scaled-down collectors to exit",
+            interval=1,
+        )
+        wait_deleted(rollout, third.batch_id)
 
         # ---- uninstall: only the Redis PVC stays (README) ------------------------------------
         t = time.monotonic()
@@ -354,7 +384,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         rbac = client.RbacAuthorizationV1Api(cluster.api_client)
         assert not rbac.list_cluster_role(label_selector=selector).items
         assert not rbac.list_cluster_role_binding(label_selector=selector).items
-        ours = {namespace_name(first.batch_id), namespace_name(second.batch_id)}
+        ours = {namespace_name(b.batch_id) for b in (first, second, third)}
         live = {n.metadata.name for n in cluster.core.list_namespace().items}
         assert not ours & live
     finally:
