@@ -8,7 +8,10 @@ the expectations below say what those actions must produce when they really run.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +222,27 @@ def test_a_sandbox_reaches_its_policy_endpoint_and_nothing_else(backend, tmp_pat
     assert long["observation"].endswith(marker)
     # The server saw the three turns and the models call, and never a call for another episode.
     assert {c["episode_id"] for c in calls} == {f"rollout-{spec.batch_id}-0"}
+
+
+def test_without_bwrap_the_runner_still_gets_its_task_and_socket():
+    """Isolation "none" (no bubblewrap): host paths instead of mounts, same outcome. The
+    episode runs as uid 1000, so its run folder must be reachable (pytest's tmp_path is not)."""
+    root = tempfile.TemporaryDirectory(prefix="rollout-none-")
+    os.chmod(root.name, 0o755)
+    backend = LocalBackend(
+        Settings(
+            local_root=Path(root.name) / "runs",
+            redis_url="redis://127.0.0.1:9/0",
+            local_isolation="none",
+        )
+    )
+    tasks = [t for t in bundled_tasks() if t["id"] in ("fizzbuzz-order", "leap-year")]
+    with running() as server:
+        spec = parse_spec(
+            {"tasks": tasks, "samples_per_task": 2, "policy": POLICY | {"url": server.url}},
+            max_episodes=10,
+        )
+        rows, _, report = run_batch(backend, spec)
+    assert [r.reward for r in rows] == [1, 0, 0.75, 0.75], [r.errors for r in rows]
+    assert report["run_isolation"] == "none"
+    root.cleanup()
