@@ -295,11 +295,12 @@ class KwokEpisodes:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.api.close()
 
-    def use_mix(self, batch_id: str, mix: Mix) -> Mix:
-        """Serve the batch ``batch_id`` (submit it with this id) by ``mix``'s draws."""
+    def use_mix(self, batch_id: str, mix: Mix) -> str:
+        """Serve the batch ``batch_id`` (submit it with this id) by ``mix``'s draws; returns
+        the batch id."""
         with self._lock:
             self._mixes[f"rollout-{batch_id}"] = mix
-        return mix
+        return batch_id
 
     def served_in(self, namespace: str) -> dict[str, Served]:
         prefix = f"{namespace}/"
@@ -308,16 +309,30 @@ class KwokEpisodes:
 
     # -- watching ------------------------------------------------------------------------------
     def _watch(self) -> None:
+        # Only Running batch Pods matter; events stay plain JSON (no model deserialisation) and
+        # the watch resumes from the last resourceVersion instead of listing again: with
+        # thousands of Pods in the cluster, relisting and decoding them starved the harness.
         selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE}"
+        resource_version: str | None = None
         while not self._stop.is_set():
             stream = watch.Watch()
+            kwargs: dict[str, Any] = {
+                "label_selector": selector,
+                "field_selector": "status.phase=Running",
+                "timeout_seconds": 5,
+                "deserialize": False,
+            }
+            if resource_version:
+                kwargs["resource_version"] = resource_version
             try:
-                for event in stream.stream(
-                    self.core.list_pod_for_all_namespaces,
-                    label_selector=selector,
-                    timeout_seconds=5,
-                ):
-                    pod = event["raw_object"]
+                for event in stream.stream(self.core.list_pod_for_all_namespaces, **kwargs):
+                    pod = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        resource_version = None  # expired (410): start from a fresh list
+                        break
+                    resource_version = (pod.get("metadata") or {}).get(
+                        "resourceVersion", resource_version
+                    )
                     if event["type"] in ("ADDED", "MODIFIED") and self._ready_to_serve(pod):
                         key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
                         if key not in self._seen:
@@ -325,8 +340,14 @@ class KwokEpisodes:
                             self._pool.submit(self._serve_safely, pod)
                     if self._stop.is_set():
                         break
-            except (ApiException, OSError) as exc:
-                self.errors.append(f"watch: {exc}")
+            except ApiException as exc:
+                if exc.status != 410:
+                    self.errors.append(f"watch: {exc.status} {exc.reason}")
+                resource_version = None
+                time.sleep(0.5)
+            except (OSError, KeyError, ValueError) as exc:
+                self.errors.append(f"watch: {type(exc).__name__}: {exc}")
+                resource_version = None
                 time.sleep(0.5)
             except RuntimeError:  # the pool shut down under us
                 break
@@ -359,6 +380,11 @@ class KwokEpisodes:
         try:
             if self._claim(meta["namespace"], meta["name"]):
                 self._serve(pod)
+        except ApiException as exc:
+            # The run was deleted under us (a test's cleanup): nothing left to serve.
+            if exc.status == 404 or "NamespaceTerminating" in (exc.body or ""):
+                return
+            self.errors.append(f"{key}: {exc.status} {exc.reason}: {exc.body}")
         except Exception as exc:  # recorded; a test asserts harness.errors is empty
             self.errors.append(f"{key}: {type(exc).__name__}: {exc}")
 
