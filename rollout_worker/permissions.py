@@ -35,10 +35,11 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission(
         "",
         "namespaces",
-        ("create", "get", "delete"),
+        ("create", "get", "list", "delete"),
         CLUSTER,
         "start_run creates rollout-<batch> (get: adopt a redelivered one by label); "
-        "delete_run reads it (UID + labels) and deletes it",
+        "delete_run reads it (UID + labels) and deletes it; list_runs (the sweeper) lists "
+        "those labelled rollout.dev/owner=rollout",
     ),
     Permission(
         "",
@@ -52,8 +53,9 @@ PERMISSIONS: tuple[Permission, ...] = (
         "pods",
         ("list", "watch"),
         CLUSTER,
-        "preflight lists non-terminal Pods in all namespaces (capacity); wait_episode "
-        "lists and watches a batch's Pods; finish_run lists them for the records",
+        "preflight lists non-terminal Pods in all namespaces (capacity); the shared Pod "
+        "watch (kube_watch, wait_episode) lists and watches a batch's Pods; finish_run "
+        "lists them for the records",
     ),
     Permission(
         "node.k8s.io",
@@ -80,10 +82,10 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission(
         "batch",
         "jobs",
-        ("create", "get", "list", "watch"),
+        ("create", "get", "list", "watch", "patch"),
         BATCH_NAMESPACES,
         "start_run creates the Indexed Job; _settled_job lists/watches it; "
-        "_ended_without_pod and delete_run read it (UID check)",
+        "_recent_job, run_status and delete_run read it (UID check); cancel_run suspends it",
     ),
     Permission(
         "",
@@ -109,7 +111,6 @@ MUST_NOT: tuple[tuple[str, str, str], ...] = (
     ("", "pods", "create"),  # Pods come only from the Job controller
     ("", "pods", "delete"),
     ("", "pods/exec", "create"),
-    ("", "namespaces", "list"),
     ("", "namespaces", "update"),
     ("batch", "jobs", "delete"),
     ("rbac.authorization.k8s.io", "rolebindings", "create"),

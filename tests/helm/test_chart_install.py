@@ -195,7 +195,8 @@ def test_chart_installs_serves_scales_and_uninstalls(
                 "nodeSelector": real_node.node_selector,
                 "tolerations": real_node.tolerations,
                 "control": {"replicas": 1},
-                "collect": {"replicas": 1, "concurrency": 8},
+                # Two slots: a batch outgrows one collector, so new ones get work.
+                "collect": {"replicas": 1, "concurrency": 2},
                 "flower": {"enabled": True, "port": flower_port},
                 "redis": {
                     "image": {
@@ -265,7 +266,8 @@ def test_chart_installs_serves_scales_and_uninstalls(
         }
         assert status_of(core.create_namespaced_pod, victim, pod) == 403  # no Pods outside Jobs
         assert status_of(core.delete_collection_namespaced_pod, ns) == 403
-        assert status_of(core.list_namespace) == 403
+        token_request = {"spec": {"expirationSeconds": 600}}
+        assert status_of(core.create_namespaced_service_account_token, sa, ns, token_request) == 403
         # kubectl auth can-i as the ServiceAccount (impersonation), as an operator would ask.
         who = f"system:serviceaccount:{ns}:{sa}"
         for verb, what in (("get", "secrets"), ("create", "pods"), ("create", "pods/exec")):
@@ -302,7 +304,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         # ---- more collectors during a second batch -------------------------------------------
         wait_deleted(rollout, first.batch_id)
         second = rollout.submit(
-            count=6, parallelism=3, backend="kubernetes", **BATCH, **real_node.batch_fields()
+            count=12, parallelism=3, backend="kubernetes", **BATCH, **real_node.batch_fields()
         )
         t = time.monotonic()
         helm_(
@@ -312,7 +314,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         timings["helm_upgrade_s"] = time.monotonic() - t
         assert rollout.report(second.batch_id) is None, "the batch ended before the upgrade"
         report2 = rollout.wait(second.batch_id, timeout=300)
-        assert_real_report(report2, 6, real_node.name)
+        assert_real_report(report2, 12, real_node.name)
         collect = client.AppsV1Api(cluster.api_client).read_namespaced_deployment(
             f"{full}-collect", ns
         )
@@ -327,6 +329,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         ]
         record_property("collectors_that_ran_tasks", len(busy))
         print(f"collectors that ran collect tasks in batch 2: {len(busy)} of {len(pods)}")
+        assert len(busy) >= 2, "no new collector took a task"
         wait_deleted(rollout, second.batch_id)
 
         # ---- fewer collectors during a third batch: warm shutdown loses nothing ---------------

@@ -111,6 +111,21 @@ def test_workers_defaults(render):
     assert hook["spec"]["containers"][0]["command"][:3] == ["rollout", "check", "--kubernetes"]
 
 
+def test_one_sweeper_runs_the_beat(render):
+    objects = render("control.replicas=3")
+    sweeper = one(objects, "Deployment", "rel-rollout-sweeper")
+    assert sweeper["spec"]["replicas"] == 1
+    assert sweeper["spec"]["strategy"] == {"type": "Recreate"}
+    args = sweeper["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--beat" in args and "--queues=control" in args
+    control = one(objects, "Deployment", "rel-rollout-control")
+    assert control["spec"]["replicas"] == 3
+    assert "--beat" not in control["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [
+        o for o in render("sweeper.enabled=false") if o["metadata"]["name"].endswith("sweeper")
+    ]
+
+
 def test_collectors_scale_by_one_value(render):
     collect = one(render("collect.replicas=7"), "Deployment", "rel-rollout-collect")
     assert collect["spec"]["replicas"] == 7
