@@ -246,3 +246,15 @@ def test_without_bwrap_the_runner_still_gets_its_task_and_socket():
     assert [r.reward for r in rows] == [1, 0, 0.75, 0.75], [r.errors for r in rows]
     assert report["run_isolation"] == "none"
     root.cleanup()
+
+
+def test_the_guides_demo_is_a_built_in_task_a_policy_can_play(backend):
+    with running() as server:
+        spec = parse_spec({"count": 2, "policy": POLICY | {"url": server.url}}, max_episodes=10)
+        rows, logs, report = run_batch(backend, spec)
+    assert [(r.status, r.reward, r.task_id, r.sample) for r in rows] == [
+        ("ok", 1, "shipping-demo", 0),
+        ("ok", 1, "shipping-demo", 1),
+    ]
+    assert "shipping.py" in trajectory_from_log(logs[0])["steps"][0]["actions"][0]["observation"]
+    assert [g["task_id"] for g in report["groups"]] == ["shipping-demo"]
