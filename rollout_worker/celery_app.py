@@ -30,7 +30,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout},
         "result_expires": settings.result_expires,
         "broker_connection_retry_on_startup": True,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Tasks keep running through a broker reconnect (a Redis restart): they are idempotent,
+        # and cancelling them crashes a threads-pool worker ("does not implement kill_job").
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_default_queue": k.QUEUE_CONTROL,
         "task_routes": {
             k.TASK_SUBMIT: {"queue": k.QUEUE_CONTROL},

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 # After its report, --all-in-one waits this long for its run to be deleted.
 CLEANUP_WAIT_SECONDS = 120.0
+# After the report, --output waits this long for the run's records (they follow the report).
+RECORDS_WAIT_SECONDS = 60.0
 
 
 @functools.cache
@@ -366,6 +368,7 @@ def _submit_and_wait(
     err(f"batch {batch_id}: {spec.count} episodes submitted")
     report = follow(client, [submission], _console(True), timeout, beat)[batch_id]
     if output is not None:
+        _wait_for_records(client, batch_id, report)
         write_records(
             output,
             report,
@@ -412,6 +415,20 @@ def _hint_if_unclaimed(client: RolloutClient, batch_id: str, inner: Any) -> Any:
             hinted = True
 
     return beat
+
+
+def _wait_for_records(client: RolloutClient, batch_id: str, report: dict[str, Any]) -> None:
+    """The report comes first; the run's records (job.json, ...) follow within seconds."""
+    if report.get("records") != "pending":
+        return
+    deadline = time.monotonic() + RECORDS_WAIT_SECONDS
+    while client.receipt(batch_id).get("records") == "pending" or not client.receipt(batch_id).get(
+        "records"
+    ):
+        if time.monotonic() > deadline:
+            err(f"[yellow]records of batch {batch_id} not complete; writing what exists[/yellow]")
+            return
+        time.sleep(0.2)
 
 
 def _wait_for_cleanup(client: RolloutClient, batch_id: str, heartbeat: Any) -> None:

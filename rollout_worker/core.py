@@ -32,6 +32,11 @@ WATCHDOG_EXTRA_SECONDS = 30.0
 # a worker slot).
 CLEANUP_RECHECK_SECONDS = 2.0
 
+# Records states, in the report (pending: it is published before them) and the receipt.
+RECORDS_PENDING = "pending"
+RECORDS_COMPLETE = "complete"
+RECORDS_FAILED = "failed"
+
 # Cleanup states, stored in the receipt's `cleanup` field and shown by the report.
 CLEANUP_KEPT = "kept"
 CLEANUP_SCHEDULED = "scheduled"
@@ -91,6 +96,7 @@ class Receipt:
     run: RunHandle | None = None
     warnings: list[str] = field(default_factory=list)
     cleanup: str | None = None
+    records: str | None = None
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> Receipt:
@@ -101,6 +107,7 @@ class Receipt:
             run=RunHandle.from_dict(run) if isinstance(run, Mapping) else None,
             warnings=list(fields.get("warnings") or []),
             cleanup=fields.get("cleanup"),
+            records=fields.get("records"),
         )
 
 
@@ -322,48 +329,76 @@ def finalize(
     limits: Limits,
     now: Callable[[], float] = time.time,
 ) -> Finalized | None:
-    """Build and publish the report once; None when it was published before (or cannot be).
+    """Publish the report once, as soon as the episodes are in; then save the run's records
+    (which may wait for the backend to settle). Returns None when the report was published
+    before (a redelivered callback then only completes the records, if they are missing).
 
     The watchdog (finalized_by="watchdog") first collects what the backend still has and
     records every other episode as lost.
     """
-    if store.has_report(batch_id):
-        return None
     receipt = load_receipt(store, batch_id)
     if receipt is None or receipt.run is None:
         log.error("cannot finalize %s: no receipt with a run", batch_id)
         return None
     spec, run = receipt.spec, receipt.run
     backend = backend_for(run.backend)
-    if finalized_by == "watchdog":
-        for index in range(spec.count):
-            if not store.has_episode(batch_id, index):
-                collect(store, backend, receipt, index, block=0, final=True, limits=limits)
-    finished: FinishedRun | None = None
+    done: Finalized | None = None
+    if not store.has_report(batch_id):
+        if finalized_by == "watchdog":
+            for index in range(spec.count):
+                if not store.has_episode(batch_id, index):
+                    collect(store, backend, receipt, index, block=0, final=True, limits=limits)
+        done = _publish(store, backend, receipt, finalized_by, now())
+    if receipt.records != RECORDS_COMPLETE:
+        _save_records(store, backend, receipt)
+    return done
+
+
+def _publish(
+    store: BatchStore, backend: Backend, receipt: Receipt, finalized_by: str, now: float
+) -> Finalized | None:
+    spec, run = receipt.spec, receipt.run
+    assert run is not None
+    status: FinishedRun | None = None
     batch_errors: list[str] = []
     try:
-        finished = backend.finish_run(spec, run)
-        store.save_records(batch_id, finished.records)
+        status = backend.run_status(spec, run)
     except BackendError as exc:
-        batch_errors.append(f"could not read the run's records: {exc}")
+        batch_errors.append(f"could not read how the run ended: {exc}")
     cleanup = CLEANUP_KEPT if spec.keep_run else CLEANUP_SCHEDULED
-    cancelled = store.has_flag(batch_id, FLAG_CANCEL)
     report = build_report(
         spec,
-        store.episode_rows(batch_id),
+        store.episode_rows(spec.batch_id),
         run,
-        finished,
+        status,
         finalized_by=finalized_by,
-        reported_at=now(),
+        reported_at=now,
         warnings=receipt.warnings,
         batch_errors=batch_errors,
-    ) | {"cleanup": cleanup}
-    if cancelled:
+    ) | {"cleanup": cleanup, "records": RECORDS_PENDING}
+    if store.has_flag(spec.batch_id, FLAG_CANCEL):
         report |= {"ok": False, "status": "cancelled"}
-    if not store.publish_report(batch_id, report):
+    if not store.publish_report(spec.batch_id, report):
         return None
-    store.update_receipt(batch_id, {"cleanup": cleanup})
+    store.update_receipt(spec.batch_id, {"cleanup": cleanup})
     return Finalized(report, cleanup)
+
+
+def _save_records(store: BatchStore, backend: Backend, receipt: Receipt) -> None:
+    """The run's records (job.json, pods.json, events, logs of the supervisor...), after the
+    report: the receipt's `records` says when they are complete."""
+    assert receipt.run is not None
+    try:
+        finished = backend.finish_run(receipt.spec, receipt.run)
+    except BackendError as exc:
+        store.update_receipt(
+            receipt.batch_id, {"records": RECORDS_FAILED, "records_error": str(exc)}
+        )
+        return
+    store.save_records(receipt.batch_id, finished.records)
+    store.update_receipt(
+        receipt.batch_id, {"records": RECORDS_COMPLETE, "run_verdict": finished.verdict}
+    )
 
 
 # -- cleanup ---------------------------------------------------------------------------------
@@ -409,9 +444,10 @@ def cancel(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
         return "unknown"
     if store.has_report(batch_id):
         return "already-reported"
-    store.set_flag(batch_id, FLAG_CANCEL)
+    # Stop first, then tell the collectors: the report never precedes the stop.
     if receipt.run is not None:
         backend_for(receipt.run.backend).cancel_run(receipt.run)
+    store.set_flag(batch_id, FLAG_CANCEL)
     return "cancelling"
 
 

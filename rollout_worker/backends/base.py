@@ -74,8 +74,12 @@ class Backend(Protocol):
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         """The episode's log (its stdout)."""
 
+    def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        """How the run stands now, at once (no records, no waiting): for the report."""
+
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
-        """Once every episode is collected: the run's records and how it ended."""
+        """Once every episode is collected: the run's records and how it ended (may wait a
+        bounded time for the backend to settle)."""
 
     def cancel_run(self, handle: RunHandle) -> None:
         """Stop the run's sandboxes now (its records stay until `delete_run`)."""

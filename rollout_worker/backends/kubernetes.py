@@ -391,6 +391,11 @@ class KubernetesBackend:
             return next(iter(jobs.values()))
         return self._call("read job", self.batch.read_namespaced_job, name, namespace)
 
+    def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, _namespace(handle))
+        completed_at, verdict = job_verdict(job)
+        return FinishedRun(completed_at=completed_at, verdict=verdict)
+
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         namespace = _namespace(handle)
         job = self._settled_job(handle)

@@ -224,6 +224,9 @@ class LocalBackend:
             raise BackendError(f"episode {obs.index} log exceeds {MAX_LOG_BYTES} bytes")
         return data.decode("utf-8", errors="replace")
 
+    def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        return self.finish_run(spec, handle)  # the run folder is read at once anyway
+
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         run_dir = self._dir(handle)
         finished = run_dir.read_json(run_dir.finished_file)
@@ -248,8 +251,9 @@ class LocalBackend:
         )
 
     def cancel_run(self, handle: RunHandle) -> None:
-        # The supervisor kills the running sandboxes and marks the rest Stopped.
-        self._signal_supervisor(self._dir(handle))
+        # The supervisor kills the running sandboxes, marks the rest Stopped and exits: wait
+        # for that (a few seconds at most), so nothing of the batch runs after this returns.
+        self._stop_supervisor(self._dir(handle))
 
     def list_runs(self) -> list[str]:
         if not self.root.is_dir():

@@ -157,6 +157,9 @@ class StubBackend:
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         return self.ended[obs.index][1]
 
+    def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        return FinishedRun({}, self.origin + 3, self.verdict)
+
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         return FinishedRun({"run.json": "{}"}, self.origin + 3, self.verdict)
 

@@ -131,7 +131,10 @@ def test_the_report_is_published_once_and_schedules_the_cleanup(store, backend):
     assert done is not None and done.cleanup == core.CLEANUP_SCHEDULED
     report = store.reports["b1"]
     assert report["ok"] and report["reward_sum"] == 3 and report["cleanup"] == "scheduled"
-    assert report["job_complete_seconds"] == 3.0 and store.records["b1"] == {"run.json": "{}"}
+    assert report["job_complete_seconds"] == 3.0 and report["records"] == "pending"
+    # Published first; the records follow in the same call, and the receipt says so.
+    assert store.records["b1"] == {"run.json": "{}"}
+    assert store.receipts["b1"]["records"] == "complete"
     assert finalize(store, backend) is None  # a second callback publishes nothing
 
 
