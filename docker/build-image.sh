@@ -27,7 +27,7 @@ ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 # A staged context: exactly what the Dockerfile copies, plus the wheelhouse when offline, so
 # wheels never land in the work tree.
-tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md rollout_worker \
+tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md rollout_wire rollout_worker \
   trainer_stub docker/Dockerfile docker/wheels/README.md | tar -xf - -C "$ctx"
 if [[ -n "$local_base" ]]; then
   base=$(./docker/build-base.sh)
