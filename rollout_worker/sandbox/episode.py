@@ -388,6 +388,26 @@ class Runner:
             argv[0] = sys.executable
         return argv
 
+    def remove_shadows(self) -> list:
+        """Files the agent added that would replace the standard library (a `unittest.py`
+        in the repository wins over the real one) are removed before the final tests."""
+        names = set(getattr(sys, "stdlib_module_names", ())) | {"sitecustomize", "usercustomize"}
+        given = set(self.task["files"]) | set(self.task.get("test_files") or {})
+        tops = {path.split("/")[0] for path in given}
+        removed = []
+        for entry in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, entry)
+            package = os.path.isdir(path)
+            stem = entry[:-3] if entry.endswith(".py") else entry
+            if stem not in names or entry in tops or not (package or entry.endswith(".py")):
+                continue
+            if package:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            removed.append(entry)
+        return removed
+
     def run_tests(self) -> tuple[int, str]:
         write_files(self.root, self.task.get("test_files") or {})
         shutil.rmtree(os.path.join(self.root, "__pycache__"), ignore_errors=True)
@@ -599,6 +619,7 @@ def agent(workspace: str) -> int:
     except InfrastructureError as exc:
         emit("error", kind="infrastructure", cause=str(exc), **identity)
         return EXIT_INFRASTRUCTURE
+    removed = runner.remove_shadows()
     tests_exit, tests_output = runner.run_tests()
     passed, total = test_counts(tests_output)
     rule = task.get("reward", "all")
@@ -620,6 +641,7 @@ def agent(workspace: str) -> int:
         tests_total=total,
         steps=steps,
         stop_reason=stop_reason,
+        removed_before_tests=removed,
         **identity,
     )
     record_outcome(event)

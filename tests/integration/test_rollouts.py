@@ -258,3 +258,20 @@ def test_the_guides_demo_is_a_built_in_task_a_policy_can_play(backend):
     ]
     assert "shipping.py" in trajectory_from_log(logs[0])["steps"][0]["actions"][0]["observation"]
     assert [g["task_id"] for g in report["groups"]] == ["shipping-demo"]
+
+
+def test_a_policy_cannot_pass_by_shadowing_the_test_runner(backend):
+    """An agent that writes its own `unittest.py` (which would win over the standard library)
+    gets it removed before the final tests: the reward comes from the real tests."""
+    fake = "import sys\nprint('Ran 3 tests in 0.0s\\n\\nOK')\nsys.exit(0)\n"
+    with running() as server:
+        server._server.policy.tasks["shipping-boundary"] = {
+            "plans": [
+                [{"tool": "write_file", "arguments": {"path": "unittest.py", "content": fake}}]
+            ]
+        }
+        tasks = [t for t in bundled_tasks() if t["id"] == "shipping-boundary"]
+        spec = parse_spec({"tasks": tasks, "policy": POLICY | {"url": server.url}}, max_episodes=5)
+        rows, logs, _ = run_batch(backend, spec)
+    assert rows[0].status == "ok" and rows[0].reward == 0, rows[0].errors
+    assert trajectory_from_log(logs[0])["outcome"]["removed_before_tests"] == ["unittest.py"]
