@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import redis
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -301,14 +302,44 @@ def test_chart_installs_serves_scales_and_uninstalls(
             backend.start_run(spec, lambda update: None)
         assert not cluster.batch.list_namespaced_job(squatted).items
 
-        # ---- more collectors during a second batch -------------------------------------------
+        # ---- Redis restarts from its volume (AOF): the first batch's records are still there ---
         wait_deleted(rollout, first.batch_id)
+        time.sleep(1.5)  # appendfsync everysec
+        old_uid = cluster.core.read_namespaced_pod(f"{full}-redis-0", ns).metadata.uid
+        cluster.core.delete_namespaced_pod(f"{full}-redis-0", ns, grace_period_seconds=0)
+        t = time.monotonic()
+
+        def redis_back():
+            pod = cluster.core.read_namespaced_pod(f"{full}-redis-0", ns)
+            ready = any(
+                c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
+            )
+            return pod.metadata.uid != old_uid and ready
+
+        kc.wait_for(redis_back, 120, "Redis to come back", interval=0.5)
+        timings["redis_restart_s"] = time.monotonic() - t
+
+        def first_report():
+            try:
+                return rollout.report(first.batch_id)
+            except redis.RedisError:
+                return None
+
+        assert (
+            kc.wait_for(first_report, 30, "the first report after a Redis restart")[
+                "successful_episodes"
+            ]
+            == 4
+        )
+        assert rollout.receipt(first.batch_id).get("cleanup") == "deleted"
+
+        # ---- more collectors during a second batch -------------------------------------------
         second = rollout.submit(
             count=12, parallelism=3, backend="kubernetes", **BATCH, **real_node.batch_fields()
         )
         t = time.monotonic()
         helm_(
-            "upgrade", release, str(CHART), "-n", ns, "--reuse-values",
+            "upgrade", release, str(CHART), "-n", ns, "--reset-then-reuse-values",
             "--set", "collect.replicas=3", "--wait", "--timeout", INSTALL_TIMEOUT,
         )  # fmt: skip
         timings["helm_upgrade_s"] = time.monotonic() - t
@@ -339,7 +370,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         kc.wait_for(lambda: rollout.receipt(third.batch_id).get("job_uid"), 60, "batch 3 to start")
         t = time.monotonic()
         helm_(
-            "upgrade", release, str(CHART), "-n", ns, "--reuse-values",
+            "upgrade", release, str(CHART), "-n", ns, "--reset-then-reuse-values",
             "--set", "collect.replicas=1", "--wait", "--timeout", INSTALL_TIMEOUT,
         )  # fmt: skip
         timings["helm_scale_down_s"] = time.monotonic() - t
