@@ -165,7 +165,11 @@ class LocalBackend:
     def _ensure_supervisor(self, run_dir: RunDir) -> None:
         if run_dir.finished_file.exists():
             return
-        with open(run_dir.lock_file, "a+") as lock:
+        try:
+            lock = open(run_dir.lock_file, "a+")  # noqa: SIM115 - closed below
+        except FileNotFoundError as exc:
+            raise BackendError(f"run folder {run_dir.path} is gone") from exc
+        with lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -199,6 +203,9 @@ class LocalBackend:
             status = run_dir.read_json(run_dir.status(index))
             if status is not None:
                 return EpisodeObservation.from_dict(status)
+            if not run_dir.run_file.exists():
+                # Deleted (after its report, or cancelled): a late copy of a collect task.
+                raise BackendError(f"run folder {run_dir.path} is gone")
             remaining = end - time.monotonic()
             if remaining <= 0:
                 break

@@ -35,7 +35,12 @@ class DoneSignal:
     def wait(self, batch_id: str, index: int, timeout: float) -> None:
         """Return when episode `index` is signalled done or `timeout` passed (or, without
         Redis, after a short poll interval: the caller looks at the run folder either way)."""
+        key = k.done_key(batch_id, index)
         try:
-            self.redis.blpop([k.done_key(batch_id, index)], timeout=max(0.01, timeout))
+            if self.redis.blpop([key], timeout=max(0.01, timeout)) is not None:
+                # Put the token back: another copy of the same collect task may be waiting too
+                # (redelivery), and it must wake as well. Waiters read the status file first,
+                # so a token left behind costs nothing.
+                self.notify(batch_id, index)
         except redis.RedisError:
             time.sleep(min(POLL_SECONDS, timeout))
