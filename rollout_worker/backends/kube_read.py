@@ -122,6 +122,10 @@ def capacity_plan(
     return fits_total, text
 
 
+# Container waiting reasons that no retry fixes: the episode fails now, not at its deadline.
+NEVER_STARTS = frozenset({"ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
+
+
 def observe_pods(
     handle: RunHandle, index: int, pods: Mapping[str, dict[str, Any]]
 ) -> EpisodeObservation:
@@ -149,8 +153,19 @@ def observe_pods(
     started = ts(terminated.get("startedAt") or running.get("startedAt"))
     finished = ts(terminated.get("finishedAt"))
     phase = status.get("phase", "Pending")
-    if meta.get("deletionTimestamp") and phase not in ("Succeeded", "Failed"):
-        phase = "Running"  # terminating: wait for its final state
+    # A Pod-level reason (DeadlineExceeded, Evicted) says more than the container's ("Error"
+    # after the kill that enforced it).
+    reason = status.get("reason") or terminated.get("reason")
+    waiting = state.get("waiting") or {}
+    if phase == "Pending" and waiting.get("reason") in NEVER_STARTS:
+        # The container can never start: the episode has ended, whatever the Pod waits for.
+        phase = "Failed"
+        reason = f"{waiting['reason']}: {waiting.get('message') or ''}".strip(": ")
+    if meta.get("deletionTimestamp"):
+        if phase not in ("Succeeded", "Failed"):
+            phase = "Running"  # terminating: wait for its final state
+        else:
+            reason = f"{reason or phase}; the Pod was deleted before it ended"
     return EpisodeObservation(
         index=index,
         episode_id=meta["name"],
@@ -162,7 +177,7 @@ def observe_pods(
         image_id=container.get("imageID") or None,
         exit_code=terminated.get("exitCode"),
         restart_count=int(container.get("restartCount", 0)) + len(ordered) - 1,
-        reason=terminated.get("reason") or status.get("reason"),
+        reason=reason,
         termination_message=terminated.get("message") or None,
         timing={
             "scheduled_at": scheduled,

@@ -167,3 +167,30 @@ def test_pod_status_becomes_an_observation_with_phase_timings():
     )
     assert replaced.episode_id == "rollout-3-y" and replaced.restart_count == 1
     assert observe_pods(handle, 4, {}).phase == "Pending"
+
+
+def test_the_cause_of_a_failed_episode_is_the_one_kubernetes_gives():
+    handle = RunHandle(
+        backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
+    )
+    created = "2026-11-30T10:00:00Z"
+    # Past activeDeadlineSeconds: the kubelet kills it (container "Error", 137) and says why
+    # at the Pod level.
+    late = pod("rollout-1-a", created, phase="Failed", exit_code=137)
+    late["status"]["reason"] = "DeadlineExceeded"
+    late["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "Error"
+    assert observe_pods(handle, 1, {"a": late}).reason == "DeadlineExceeded"
+    # An image that is not there with pull policy Never: failed now, not at the deadline.
+    stuck = pod("rollout-2-a", created, phase="Pending")
+    stuck["status"]["containerStatuses"][0]["state"] = {
+        "waiting": {"reason": "ErrImageNeverPull", "message": "image not present"}
+    }
+    obs = observe_pods(handle, 2, {"a": stuck})
+    assert obs.terminal and obs.phase == "Failed"
+    assert obs.reason == "ErrImageNeverPull: image not present"
+    # Deleted while it ran.
+    gone = pod("rollout-3-a", created, phase="Failed", exit_code=137)
+    gone["metadata"]["deletionTimestamp"] = "2026-11-30T10:00:05Z"
+    assert "the Pod was deleted" in observe_pods(handle, 3, {"a": gone}).reason
+    gone["status"]["phase"] = "Running"
+    assert not observe_pods(handle, 3, {"a": gone}).terminal  # wait for its final state
