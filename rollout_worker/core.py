@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from rollout_wire.errors import BackendError, InvalidSpec, TransientBackendError
 from rollout_wire.request import BatchSpec, is_batch_id, parse_spec
 from rollout_wire.rows import EpisodeRow
+from rollout_wire.trajectory import trajectory_from_log
 from rollout_worker.backends.base import Backend, FinishedRun, RunHandle
 from rollout_worker.quantities import resource_problems
 from rollout_worker.report import build_report, error_report
@@ -58,6 +59,9 @@ class BatchStore(Protocol):
     def update_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> None: ...
     def load_receipt(self, batch_id: str) -> dict[str, Any] | None: ...
     def record_episode(self, batch_id: str, row: EpisodeRow, log: str) -> bool: ...
+    def record_trajectory(
+        self, batch_id: str, index: int, trajectory: Mapping[str, Any]
+    ) -> bool: ...
     def has_episode(self, batch_id: str, index: int) -> bool: ...
     def episode_rows(self, batch_id: str) -> list[EpisodeRow]: ...
     def publish_state(self, batch_id: str, index: int, state: str) -> bool: ...
@@ -291,6 +295,9 @@ def collect(
         elif obs.terminal:
             text = backend.read_output(run, obs)
             row = validate_episode(obs, text, run.origin)
+            if spec.policy is not None:
+                # Stored before the row, so a trainer woken by the row finds it.
+                store.record_trajectory(spec.batch_id, index, trajectory_from_log(text))
         elif in_time():
             if obs.phase == "Running":
                 store.publish_state(spec.batch_id, index, "running")

@@ -26,7 +26,7 @@ class BatchProgress:
     def __init__(self, batches: dict[str, int]) -> None:
         self.totals = dict(batches)
         self.where: dict[str, dict[int, str]] = {b: {} for b in batches}
-        self.rewards = dict.fromkeys(batches, 0)
+        self.rewards: dict[str, float] = dict.fromkeys(batches, 0.0)
         self.status = dict.fromkeys(batches, "running")
 
     def update(self, batch_id: str, entry: Entry) -> None:
@@ -37,7 +37,7 @@ class BatchProgress:
                 where[entry.index] = entry.status
         elif entry.type == k.ENTRY_EPISODE and entry.row is not None and entry.index is not None:
             where[entry.index] = entry.row.get("status", "failed")
-            self.rewards[batch_id] += int(entry.row.get("reward") or 0)
+            self.rewards[batch_id] += float(entry.row.get("reward") or 0)
         elif entry.type == k.ENTRY_REPORT:
             self.status[batch_id] = entry.status or "reported"
 
@@ -54,7 +54,7 @@ class BatchProgress:
         """One plain line, for logs and captured terminals."""
         counts = self.counts(batch_id)
         parts = " ".join(f"{name}={counts[name]}" for name in COLUMNS)
-        return f"batch {batch_id}: {parts} reward_sum={self.rewards[batch_id]}"
+        return f"batch {batch_id}: {parts} reward_sum={self.rewards[batch_id]:g}"
 
     def table(self) -> Table:
         table = Table(title="rollout progress", expand=False)
@@ -66,7 +66,7 @@ class BatchProgress:
             table.add_row(
                 batch_id,
                 *(str(counts[c]) for c in COLUMNS),
-                str(self.rewards[batch_id]),
+                f"{self.rewards[batch_id]:g}",
                 self.status[batch_id],
             )
         return table

@@ -199,10 +199,14 @@ class KubernetesBackend:
             namespace,
         )
         record({"uid": ns["metadata"]["uid"]})
+        try:
+            configmap = configmap_manifest(spec, episode_program_text())
+        except ValueError as exc:  # the tasks do not fit in a ConfigMap
+            raise BackendError(str(exc)) from exc
         self._create_or_adopt(
             spec,
             "configmap",
-            configmap_manifest(spec, episode_program_text()),
+            configmap,
             self.core.create_namespaced_config_map,
             self.core.read_namespaced_config_map,
             "episode",

@@ -27,6 +27,7 @@ class MemoryStore:
         self.reports: dict[str, dict[str, Any]] = {}
         self.flags: set[tuple[str, str]] = set()
         self.registry: dict[str, dict[str, Any]] = {}
+        self.trajectories: dict[str, dict[int, dict[str, Any]]] = {}
         self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
 
     def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:
@@ -48,6 +49,13 @@ class MemoryStore:
         rows[row.index] = row
         self.logs.setdefault(batch_id, {})[row.index] = log
         self.stream.append((batch_id, "episode", row.index))
+        return True
+
+    def record_trajectory(self, batch_id: str, index: int, trajectory: Mapping[str, Any]) -> bool:
+        steps = self.trajectories.setdefault(batch_id, {})
+        if index in steps:
+            return False
+        steps[index] = dict(trajectory)
         return True
 
     def has_episode(self, batch_id: str, index: int) -> bool:
