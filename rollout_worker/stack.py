@@ -58,6 +58,7 @@ class LocalStack:
         if self.collectors < 1:
             raise StackError("an all-in-one stack needs at least one collect worker")
         self.dir = Path(tempfile.mkdtemp(prefix="rollout-stack-"))
+        self.dir.chmod(0o755)  # local runs live below: sandboxes run as another host user
         self.port = 0
         self.redis_proc: subprocess.Popen[bytes] | None = None
         self.workers: list[WorkerProc] = []

@@ -31,9 +31,12 @@ Kubernetes (logic in tests/k8s/cluster.py):
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
@@ -335,3 +338,14 @@ def real_stack(k8s_cluster):
     with LocalStack(collectors=2, extra_env=env) as stack:
         stack.wait_ready()
         yield stack
+
+
+@pytest.fixture
+def open_tmp_path():
+    """A fresh directory that other users may traverse (mode 0755): local sandboxes run as host
+    uid 1000 and must reach their run folder, which pytest's own tmp_path (below a 0700
+    directory) does not allow."""
+    path = Path(tempfile.mkdtemp(prefix="rollout-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -42,11 +43,16 @@ def probe_bwrap() -> str | None:
     if not shutil.which("bwrap"):
         return "bwrap is not installed (apt-get install bubblewrap)"
     try:
+        # As the sandboxes run it: as uid 1000 on the host when we are root.
+        root = os.geteuid() == 0
         done = subprocess.run(
             ["bwrap", "--unshare-all", "--ro-bind", "/", "/", "--uid", "1000", "true"],
             capture_output=True,
             timeout=10,
             text=True,
+            user=1000 if root else None,
+            group=1000 if root else None,
+            extra_groups=[] if root else None,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap failed to run: {exc}"
@@ -73,6 +79,14 @@ def describe_python(python: str) -> tuple[str, str]:
     real = os.path.realpath(python)
     digest = hashlib.sha256(Path(real).read_bytes()).hexdigest()[:16]
     return prefix, f"local://{real}@python{version}:sha256-{digest}"
+
+
+def _closed_to_others(path: Path) -> Path | None:
+    """The first existing ancestor of `path` that other users cannot traverse, if any."""
+    for part in [path, *path.parents]:
+        if part.exists() and not part.stat().st_mode & stat.S_IXOTH:
+            return part
+    return None
 
 
 class LocalBackend:
@@ -105,6 +119,14 @@ class LocalBackend:
             )
         if self._isolation() == "none":
             warnings.append(f"local sandboxes are NOT isolated: {probe_bwrap() or 'disabled'}")
+        if os.geteuid() == 0:
+            closed = _closed_to_others(self.root)
+            if closed is not None:
+                raise BackendUnavailable(
+                    f"{closed} is closed to other users (mode {closed.stat().st_mode & 0o777:o}), "
+                    f"so sandboxes (uid 1000 on this host) cannot reach runs under {self.root}; "
+                    "choose another ROLLOUT_LOCAL_ROOT or open the directory (chmod o+x)"
+                )
         return warnings
 
     def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
@@ -113,6 +135,8 @@ class LocalBackend:
         prefix, image_id = describe_python(python)
         memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
         run_dir.path.mkdir(parents=True, exist_ok=True)
+        for path in (self.root, run_dir.path):
+            path.chmod(0o755)  # readable by the sandboxes' host user; written only by us
         run = {
             "owner": OWNER,
             "batch_id": spec.batch_id,

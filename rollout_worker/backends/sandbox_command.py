@@ -28,7 +28,8 @@ class SandboxPlan:
     argv: list[str]
     env: dict[str, str]
     cwd: str
-    # Set when the sandbox itself cannot switch user (isolation "none" run by root).
+    # The host user that starts the sandbox when the supervisor runs as root: bwrap's user
+    # namespace then maps the sandbox's uid 1000 to host uid 1000, never to host root.
     run_as: tuple[int, int] | None
 
 
@@ -111,4 +112,5 @@ def plan_sandbox(
     for key, value in env.items():
         argv += ["--setenv", key, value]
     argv += ["--", python, "-B", PROGRAM_MOUNT]
-    return SandboxPlan(argv, {}, str(workspace), None)
+    run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
+    return SandboxPlan(argv, {}, str(workspace), run_as)

@@ -17,8 +17,8 @@ from rollout_worker.validation import validate_episode
 
 
 @pytest.fixture
-def backend(tmp_path):
-    return LocalBackend(Settings(local_root=tmp_path / "runs"))
+def backend(open_tmp_path):
+    return LocalBackend(Settings(local_root=open_tmp_path / "runs"))
 
 
 def run_all(backend, handle, count, timeout=60):

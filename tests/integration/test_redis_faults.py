@@ -34,7 +34,7 @@ def test_workers_trainer_and_cli_use_a_password_and_tls():
         assert "queue collect: 1 worker(s)" in check.stdout
         # Without the password the server refuses: the password is really in force.
         plain = stack.redis_url.replace(":s3cret-pw@", "")
-        with pytest.raises(Exception, match="(?i)auth"):
+        with pytest.raises(Exception, match=r"(?i)auth"):
             RolloutClient(plain).redis.ping()
         client.close()
 
@@ -44,10 +44,8 @@ def test_a_redis_restart_mid_batch_loses_nothing_with_an_append_only_file():
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
         batch = client.submit(count=40, parallelism=4)
-        rows = 0
-        for _row in batch.stream(timeout=60):
-            rows += 1
-            if rows == 8:
+        for seen, _row in enumerate(batch.stream(timeout=60), start=1):
+            if seen == 8:
                 break
         stack.restart_redis(down_seconds=2.0)
         report = batch.wait(300)

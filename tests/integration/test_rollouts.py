@@ -48,9 +48,11 @@ POLICY = {
 
 
 @pytest.fixture
-def backend(tmp_path):
+def backend(open_tmp_path):
     # No Redis here: the supervisor's progress reports are best effort.
-    return LocalBackend(Settings(local_root=tmp_path / "runs", redis_url="redis://127.0.0.1:9/0"))
+    return LocalBackend(
+        Settings(local_root=open_tmp_path / "runs", redis_url="redis://127.0.0.1:9/0")
+    )
 
 
 def run_batch(backend, spec, timeout=120):
