@@ -38,7 +38,8 @@ PROBE = textwrap.dedent(
 )
 
 
-def test_bwrap_sandbox_is_unprivileged_offline_and_read_only(tmp_path):
+def test_bwrap_sandbox_is_unprivileged_offline_and_read_only(open_tmp_path):
+    tmp_path = open_tmp_path
     problem = probe_bwrap()
     assert problem is None, f"bubblewrap must work on CI machines: {problem}"
     program = tmp_path / "probe.py"
@@ -57,12 +58,25 @@ def test_bwrap_sandbox_is_unprivileged_offline_and_read_only(tmp_path):
         action="fix",
         running_as_root=os.geteuid() == 0,
     )
+    if plan.run_as:
+        os.chown(workspace, *plan.run_as)
     done = subprocess.run(
-        plan.argv, env=plan.env or None, cwd=plan.cwd, capture_output=True, text=True, timeout=30
+        plan.argv,
+        env=plan.env or None,
+        cwd=plan.cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        user=plan.run_as[0] if plan.run_as else None,
+        group=plan.run_as[1] if plan.run_as else None,
+        extra_groups=[] if plan.run_as else None,
     )
     assert done.returncode == 0, done.stderr
     facts = json.loads(done.stdout)
     assert (facts["uid"], facts["gid"]) == (1000, 1000)
+    # uid 1000 inside is uid 1000 on the host, never host root (even when we are root): what
+    # the sandbox writes is owned by 1000 out here.
+    assert (workspace / "probe-output").stat().st_uid == 1000
     assert int(facts["cap_eff"], 16) == 0
     assert facts["network"] != "reachable" and facts["interfaces"] == ["lo"]
     assert facts["usr_writable"] is False
