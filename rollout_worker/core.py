@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 # collectors' own give-up time before it finalises the batch itself.
 WATCHDOG_STEP_SECONDS = 60.0
 WATCHDOG_EXTRA_SECONDS = 30.0
+# What Redis keeps of one episode's log (validation reads all of it, up to the backend's cap).
+STORED_LOG_BYTES = 2**20
 # A deleting run is looked at again after this long (the deletion runs in Kubernetes, not in
 # a worker slot).
 CLEANUP_RECHECK_SECONDS = 2.0
@@ -316,8 +318,17 @@ def collect(
         row = lost_row(index, episode_id, "the backend kept failing until the deadline", None)
     except BackendError as exc:
         row = lost_row(index, episode_id, str(exc), None)
-    store.record_episode(spec.batch_id, row, text)
+    store.record_episode(spec.batch_id, row, _stored_log(text))
     return row
+
+
+def _stored_log(text: str) -> str:
+    """At most STORED_LOG_BYTES of an episode's log go to Redis, with a visible cut mark."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= STORED_LOG_BYTES:
+        return text
+    kept = data[:STORED_LOG_BYTES].decode("utf-8", "ignore")
+    return kept + f"\n[rollout: log stored cut at {STORED_LOG_BYTES} of {len(data)} bytes]\n"
 
 
 # -- report ----------------------------------------------------------------------------------

@@ -19,6 +19,13 @@ from rollout_worker.observation import EpisodeObservation
 # Kubernetes timestamps have 1 s resolution and are truncated, so they may read up to one
 # second early; never late. Comparisons against them need no slack in that direction.
 TIMESTAMP_SLACK = 0.0
+# Kubernetes truncates a container's finishedAt to the second: an event may read up to that
+# much after it.
+ENDED_SLACK = 1.0
+
+
+# Lines a row lists by name before it only counts the rest.
+MAX_LINE_PROBLEMS = 10
 
 
 def parse_events(log: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -44,6 +51,10 @@ def parse_events(log: str) -> tuple[list[dict[str, Any]], list[str]]:
             problems.append(f"log line {number} is not an event object: {line[:80]!r}")
             continue
         events.append(value)
+    if len(problems) > MAX_LINE_PROBLEMS:
+        # A flood of junk is one problem, not a million: the row stays small.
+        more = len(problems) - MAX_LINE_PROBLEMS
+        problems = [*problems[:MAX_LINE_PROBLEMS], f"... and {more} more lines that are not events"]
     return events, problems
 
 
@@ -249,6 +260,14 @@ def _check_time_order(row: EpisodeRow, origin: float, errors: list[str]) -> None
                 f"time order violated: {name_a} ({a:.3f}) is after {name_b} ({b:.3f}); "
                 "check clock synchronisation"
             )
+    # Events the sandbox stamps cannot come after it ended (as the backend saw it, to the
+    # second on Kubernetes): a later stamp is a skewed clock or a forged timestamp.
+    last = max((at for _, at in known[1:]), default=None)
+    if row.finished_at is not None and last is not None and last > row.finished_at + ENDED_SLACK:
+        errors.append(
+            f"time order violated: an event is stamped {last:.3f}, after the sandbox ended "
+            f"({row.finished_at:.3f}); check clock synchronisation"
+        )
 
 
 def _cross_check_termination(

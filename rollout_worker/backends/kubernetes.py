@@ -363,7 +363,7 @@ class KubernetesBackend:
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         try:
-            return self._text(
+            text = self._text(
                 f"log of {obs.episode_id}",
                 self.core.read_namespaced_pod_log,
                 obs.episode_id,
@@ -375,6 +375,10 @@ class KubernetesBackend:
             if isinstance(exc, TransientBackendError):
                 raise
             return ""  # validation reports the missing events (and any termination message)
+        if len(text.encode("utf-8", "replace")) >= MAX_LOG_BYTES:
+            # The API server stopped at our limit: say so in the log, never pass it off whole.
+            text += f"\n[rollout: log read cut at {MAX_LOG_BYTES} bytes]\n"
+        return text
 
     def _settled_job(self, handle: RunHandle) -> dict[str, Any]:
         """The Job once its controller has marked it Complete or Failed (it does so shortly

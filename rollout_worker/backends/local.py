@@ -27,14 +27,18 @@ import orjson
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
-from rollout_worker.backends.local_files import OWNER, RunDir, create_json_exclusive
+from rollout_worker.backends.local_files import (
+    LOG_CUT_MARK,
+    MAX_LOG_BYTES,
+    OWNER,
+    RunDir,
+    create_json_exclusive,
+)
 from rollout_worker.backends.local_signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
-
-MAX_LOG_BYTES = 8 * 2**20
 
 
 @functools.lru_cache(maxsize=4)
@@ -248,11 +252,10 @@ class LocalBackend:
         path = self._dir(handle).log(obs.index)
         try:
             with open(path, "rb") as log:
-                data = log.read(MAX_LOG_BYTES + 1)
+                data = log.read(MAX_LOG_BYTES + len(LOG_CUT_MARK) + 16)
         except FileNotFoundError:
             return ""
-        if len(data) > MAX_LOG_BYTES:
-            raise BackendError(f"episode {obs.index} log exceeds {MAX_LOG_BYTES} bytes")
+        # The supervisor cuts a log at MAX_LOG_BYTES (and says so in it); read no more.
         return data.decode("utf-8", errors="replace")
 
     def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:

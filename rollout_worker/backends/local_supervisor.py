@@ -29,13 +29,19 @@ import redis
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
-from rollout_worker.backends.local_files import RunDir, write_json_atomic
+from rollout_worker.backends.local_files import (
+    LOG_CUT_MARK,
+    MAX_LOG_BYTES,
+    RunDir,
+    write_json_atomic,
+)
 from rollout_worker.backends.local_policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local_signal import DoneSignal
 from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
 from rollout_worker.store import Store
 
 FILE_SIZE_LIMIT = 64 * 2**20
+PENDING_LIMIT = 64 * 2**10
 OPEN_FILES_LIMIT = 256
 
 
@@ -51,6 +57,7 @@ class Running:
     killed_for: str | None = None
     pending: bytes = b""
     done: bool = False
+    written: int = 0  # bytes of its log so far (capped at MAX_LOG_BYTES)
 
 
 class Reporter:
@@ -239,10 +246,20 @@ class Supervisor:
             return True
         if not data:
             return False
-        item.log.write(data)
+        room = MAX_LOG_BYTES - item.written
+        if room <= 0:
+            return True  # cut already: drain and drop until the stopped sandbox closes
+        if len(data) >= room:  # the limit is reached: cut here, whatever would follow
+            item.log.write(data[:room] + LOG_CUT_MARK % MAX_LOG_BYTES)
+            item.written = MAX_LOG_BYTES
+            self.kill(item, "LogLimitExceeded")
+        else:
+            item.log.write(data)
+            item.written += len(data)
         item.log.flush()
-        lines = (item.pending + data).split(b"\n")
-        item.pending = lines.pop()
+        # Only whole short lines can be events: a line longer than this is never one.
+        lines = (item.pending[-PENDING_LIMIT:] + data).split(b"\n")
+        item.pending = lines.pop()[-PENDING_LIMIT:]
         for line in lines:
             if b'"event": "ready"' in line:
                 self.progress(item.index, "ready")
