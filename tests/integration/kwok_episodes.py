@@ -186,6 +186,12 @@ def run_episode(
         episode_id=episode_id,
         action=env.get("ROLLOUT_ACTION", "fix"),
         running_as_root=os.geteuid() == 0,
+        # The rest of the Pod's literal environment; the sandbox sets its own paths.
+        extra_env={
+            key: value
+            for key, value in env.items()
+            if key not in ("EPISODE_ID", "ROLLOUT_ACTION", "ROLLOUT_WORKSPACE", "HOME", "PATH")
+        },
     )
     argv = list(plan.argv)
     cut = argv.index("--")
