@@ -177,6 +177,7 @@ def run_episode(
     workspace.mkdir(parents=True)
     termination = scratch / "termination-log"
     termination.write_text("")
+    scratch.chmod(0o711)
     plan = plan_sandbox(
         isolation="bwrap",
         python=python,
@@ -193,6 +194,9 @@ def run_episode(
             if key not in ("EPISODE_ID", "ROLLOUT_ACTION", "ROLLOUT_WORKSPACE", "HOME", "PATH")
         },
     )
+    if plan.run_as:  # root: the sandbox starts as host uid 1000, as the local backend's does
+        for path in (workspace, termination):
+            os.chown(path, *plan.run_as)
     argv = list(plan.argv)
     cut = argv.index("--")
     argv[cut:cut] = ["--bind", str(termination), "/dev/termination-log"]
@@ -202,6 +206,9 @@ def run_episode(
         argv,
         cwd=plan.cwd,
         env=plan.env or None,
+        user=plan.run_as[0] if plan.run_as else None,
+        group=plan.run_as[1] if plan.run_as else None,
+        extra_groups=[] if plan.run_as else None,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -279,14 +286,17 @@ class KwokEpisodes:
         self._thread = threading.Thread(target=self._watch, name="kwok-episodes", daemon=True)
         self._pool = ThreadPoolExecutor(api_workers, thread_name_prefix="kwok-episode")
         self.templates: dict[str, RealRun] = {}
+        # Programs and workspaces of real runs: outside pytest's root-only (0700) tmp dirs.
+        self.sandboxes = Path(tempfile.mkdtemp(prefix="rollout-kwok-sandboxes-"))
 
     # -- lifecycle -----------------------------------------------------------------------------
     def __enter__(self) -> KwokEpisodes:
-        program = self.directory / "template" / PROGRAM_KEY
+        self.sandboxes.chmod(0o711)  # uid 1000 must reach programs and workspaces in it
+        program = self.sandboxes / "template" / PROGRAM_KEY
         program.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(EPISODE_PROGRAM, program)
         for action in ("fix", "none"):
-            with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+            with tempfile.TemporaryDirectory(dir=self.sandboxes) as scratch:
                 run = run_episode(program, "template", {"ROLLOUT_ACTION": action}, Path(scratch))
             rewards = [e for e in run.events() if e.get("event") == "reward"]
             if len(rewards) != 1:
@@ -300,6 +310,7 @@ class KwokEpisodes:
         self._thread.join(15)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.api.close()
+        shutil.rmtree(self.sandboxes, ignore_errors=True)
 
     def use_mix(self, batch_id: str, mix: Mix) -> str:
         """Serve the batch ``batch_id`` (submit it with this id) by ``mix``'s draws; returns
@@ -450,7 +461,7 @@ class KwokEpisodes:
             ):
                 env[var["name"]] = name
         program = self._program(namespace, pod)
-        with self._runs, tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+        with self._runs, tempfile.TemporaryDirectory(dir=self.sandboxes) as scratch:
             run = run_episode(program, env.get("EPISODE_ID", name), env, Path(scratch))
         write_cri_entries(log_path, run.entries)
         self._serve_log(namespace, name, log_path)
@@ -467,7 +478,7 @@ class KwokEpisodes:
             return cached
         volume = next(v for v in pod["spec"].get("volumes") or [] if "configMap" in v)
         cm = self.core.read_namespaced_config_map(volume["configMap"]["name"], namespace)
-        path = self.directory / namespace / "program" / PROGRAM_KEY
+        path = self.sandboxes / namespace / PROGRAM_KEY
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(cm.data[PROGRAM_KEY])
         path.chmod(0o644)
