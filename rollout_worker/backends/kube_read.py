@@ -122,6 +122,9 @@ def capacity_plan(
     return fits_total, text
 
 
+# Set by the shared Pod watch on the last state of a Pod the API server deleted.
+DELETED_MARK = "rolloutDeleted"
+
 # Container waiting reasons that no retry fixes: the episode fails now, not at its deadline.
 NEVER_STARTS = frozenset({"ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
 
@@ -161,7 +164,11 @@ def observe_pods(
         # The container can never start: the episode has ended, whatever the Pod waits for.
         phase = "Failed"
         reason = f"{waiting['reason']}: {waiting.get('message') or ''}".strip(": ")
-    if meta.get("deletionTimestamp"):
+    if pod.get(DELETED_MARK) and phase not in ("Succeeded", "Failed"):
+        # Gone from the API before it reached a final phase: that is how the episode ended.
+        phase = "Failed"
+        reason = f"{reason or 'Deleted'}; the Pod was deleted before it ended"
+    elif meta.get("deletionTimestamp"):
         if phase not in ("Succeeded", "Failed"):
             phase = "Running"  # terminating: wait for its final state
         else:

@@ -20,6 +20,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import BackendError, TransientBackendError
+from rollout_worker.backends.kube_read import DELETED_MARK
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +173,12 @@ class PodWatch:
         if index is None:
             return
         uid = pod["metadata"]["uid"]
+        if kind == "DELETED":
+            # Keep its last state: a Pod deleted mid-run is how that episode ended, and a
+            # collector that was not waiting at that moment must still see it.
+            pod = {**pod, DELETED_MARK: True}
         with self._cond:
-            pods = self._by_index.setdefault(index, {})
-            if kind == "DELETED":
-                pods.pop(uid, None)
-            else:
-                pods[uid] = pod
+            self._by_index.setdefault(index, {})[uid] = pod
             self._cond.notify_all()
 
 

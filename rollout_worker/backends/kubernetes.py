@@ -348,7 +348,10 @@ class KubernetesBackend:
                 if c.get("type") == verdict
             ]
             obs.phase = "Failed"
-            obs.reason = f"Job {verdict}: {reasons[0] if reasons else '?'} (no Pod ran)"
+            obs.reason = (
+                f"Job {verdict}: {reasons[0] if reasons else '?'}; no Pod of this episode is "
+                "left to read"
+            )
         return obs
 
     def _recent_job(self, namespace: str) -> dict[str, Any]:

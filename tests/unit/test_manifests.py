@@ -1,6 +1,6 @@
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.backends.kube_read import capacity_plan, observe_pods
+from rollout_worker.backends.kube_read import DELETED_MARK, capacity_plan, observe_pods
 from rollout_worker.manifests import job_manifest, namespace_manifest
 
 
@@ -194,3 +194,13 @@ def test_the_cause_of_a_failed_episode_is_the_one_kubernetes_gives():
     assert "the Pod was deleted" in observe_pods(handle, 3, {"a": gone}).reason
     gone["status"]["phase"] = "Running"
     assert not observe_pods(handle, 3, {"a": gone}).terminal  # wait for its final state
+
+
+def test_a_pod_the_watch_saw_deleted_before_it_ended_is_a_failed_episode():
+    handle = RunHandle(
+        backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
+    )
+    running = pod("rollout-4-a", "2026-11-30T10:00:00Z", phase="Running")
+    running["status"]["containerStatuses"][0]["state"] = {"running": {}}
+    obs = observe_pods(handle, 4, {"a": {**running, DELETED_MARK: True}})
+    assert obs.terminal and obs.phase == "Failed" and "deleted" in obs.reason
