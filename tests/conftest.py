@@ -308,7 +308,16 @@ def kwok_nodes(k8s_cluster):
             )
         fail_missing("kwok", f"the cluster at {k8s_cluster.kubeconfig} runs no KWOK controller")
     count = int(os.environ.get("ROLLOUT_KWOK_NODES", "4"))
-    return kc.ensure_kwok_nodes(k8s_cluster, count)
+    nodes = kc.ensure_kwok_nodes(k8s_cluster, count)
+    # A KWOK API that is served is not enough: its controller must run this clone's stages, or
+    # every KWOK test would wait for its deadline. Fail fast, saying why.
+    from tests.integration.kwok_episodes import StagesMismatch, verify_stages
+
+    try:
+        verify_stages(k8s_cluster)
+    except StagesMismatch as exc:
+        fail_missing("kwok", str(exc))
+    return nodes
 
 
 @pytest.fixture
