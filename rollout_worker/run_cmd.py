@@ -1,0 +1,406 @@
+"""`rollout run`: one batch through the pipeline, its live progress, its records and report.
+
+Loaded only when the command runs (it pulls in rich and the trainer's client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+import orjson
+
+from rollout_wire import constants as k
+from rollout_wire.errors import InvalidSpec, RolloutError
+from rollout_wire.request import (
+    ACTIONS,
+    BACKENDS,
+    DEFAULT_DEADLINE_SECONDS,
+    DEFAULT_IMAGE,
+    DEFAULT_RUNTIME,
+)
+from rollout_worker.cli import _console, _settings, err, out, redis_option
+
+if TYPE_CHECKING:
+    from rollout_wire.request import BatchSpec
+    from trainer_stub.client import RolloutClient, Submission
+
+# After its report, --all-in-one waits this long for its run to be deleted.
+CLEANUP_WAIT_SECONDS = 120.0
+# After the report, --output waits this long for the run's records (they follow the report).
+RECORDS_WAIT_SECONDS = 60.0
+
+
+@click.command()
+@click.option("--count", type=int, default=10, show_default=True, help="Episodes in the batch.")
+@click.option(
+    "--parallelism", type=int, default=None, help="Episodes running at once. [default: count]"
+)
+@click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True)
+@click.option(
+    "--image", default=DEFAULT_IMAGE, show_default=True, help="Sandbox image (kubernetes backend)."
+)
+@click.option(
+    "--runtime",
+    default=DEFAULT_RUNTIME,
+    show_default=True,
+    help="RuntimeClass (kubernetes backend).",
+)
+@click.option(
+    "--deadline",
+    "deadline_seconds",
+    type=int,
+    default=DEFAULT_DEADLINE_SECONDS,
+    show_default=True,
+    help="Seconds the whole run may take.",
+)
+@click.option(
+    "--episode-timeout",
+    "episode_timeout_seconds",
+    type=int,
+    default=None,
+    help="Seconds one episode may take. [default: min(120, deadline)]",
+)
+@click.option("--cpu-limit", default="500m", show_default=True)
+@click.option("--memory-limit", default="128Mi", show_default=True)
+@click.option(
+    "--action",
+    type=click.Choice(ACTIONS),
+    default="fix",
+    show_default=True,
+    help="The episode's action: fix (the demo agent), none (a failing episode), "
+    "hang (never finishes).",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory for the records (results.json, logs, receipt.json); must not exist.",
+)
+@click.option(
+    "--keep/--no-keep",
+    default=None,
+    help="Keep the run after the report, for `rollout cleanup --output`. "
+    "[default: keep on kubernetes when --output is given, else delete]",
+)
+@click.option(
+    "--capacity-check",
+    type=click.Choice(["error", "warn", "off"]),
+    default="error",
+    show_default=True,
+    help="What to do when the cluster lacks room (kubernetes).",
+)
+@click.option(
+    "--node-selector",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Node label the sandboxes require (kubernetes; repeatable).",
+)
+@click.option(
+    "--toleration",
+    multiple=True,
+    metavar="KEY[=VALUE]:EFFECT",
+    help="Taint the sandboxes tolerate (kubernetes; repeatable).",
+)
+@click.option(
+    "--image-pull-policy",
+    type=click.Choice(["IfNotPresent", "Never", "Always"]),
+    default="IfNotPresent",
+    show_default=True,
+)
+@click.option(
+    "--all-in-one",
+    is_flag=True,
+    help="Start a private redis-server and workers for this run, stop them after.",
+)
+@click.option(
+    "--collectors",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Collect workers started by --all-in-one.",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Seconds to wait for the report. [default: deadline + 300]",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--tasks",
+    "task_set",
+    default=None,
+    metavar="FILE|bundled",
+    help="Real rollouts: a task set (JSON file, or 'bundled'); count = tasks x --samples.",
+)
+@click.option("--task", "only_tasks", multiple=True, help="Only this task of --tasks (repeatable).")
+@click.option("--samples", type=int, default=None, help="Samples per task (group size).")
+@click.option("--policy-url", default=None, help="The policy's chat completions server root.")
+@click.option("--model", default=None, help="Model name sent to the policy.")
+@click.option(
+    "--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter (repeatable)."
+)
+@click.option("--policy-timeout", type=float, default=None, help="Seconds per policy request.")
+@redis_option
+def run(
+    count: int,
+    parallelism: int | None,
+    backend: str,
+    image: str,
+    runtime: str,
+    deadline_seconds: int,
+    episode_timeout_seconds: int | None,
+    cpu_limit: str,
+    memory_limit: str,
+    action: str,
+    output: Path | None,
+    keep: bool | None,
+    capacity_check: str,
+    node_selector: tuple[str, ...],
+    toleration: tuple[str, ...],
+    image_pull_policy: str,
+    all_in_one: bool,
+    collectors: int,
+    timeout: float | None,
+    as_json: bool,
+    task_set: str | None,
+    only_tasks: tuple[str, ...],
+    samples: int | None,
+    policy_url: str | None,
+    model: str | None,
+    sampling: tuple[str, ...],
+    policy_timeout: float | None,
+    redis_url: str | None,
+) -> None:
+    """Run one batch of episodes through the pipeline and print its report.
+
+    Without --tasks: COUNT episodes of the guide's demo task with its fixed --action. With
+    --tasks and --policy-url: every task x --samples, the policy choosing the actions."""
+    from rollout_worker.quantities import resource_problems
+    from rollout_worker.stack import LocalStack
+    from trainer_stub.client import RolloutClient
+    from trainer_stub.records import check_output_dir
+
+    settings = _settings(redis_url)
+    request: dict[str, Any] = {
+        "count": count,
+        "parallelism": parallelism,
+        "backend": backend,
+        "image": image,
+        "runtime": runtime,
+        "deadline_seconds": deadline_seconds,
+        "action": action,
+        "resources": {"cpu_limit": cpu_limit, "memory_limit": memory_limit},
+        "keep_run": keep if keep is not None else (backend == "kubernetes" and bool(output)),
+        "capacity_check": capacity_check,
+        "image_pull_policy": image_pull_policy,
+        "node_selector": dict(_pair(item, "--node-selector") for item in node_selector),
+        "tolerations": [_toleration(item) for item in toleration],
+    }
+    if episode_timeout_seconds is not None:
+        request["episode_timeout_seconds"] = episode_timeout_seconds
+    try:
+        from rollout_wire.tasksets import parse_sampling, rollout_fields
+
+        request |= rollout_fields(
+            tasks=task_set,
+            only=only_tasks,
+            samples=samples,
+            policy_url=policy_url,
+            model=model,
+            sampling=parse_sampling(sampling),
+            policy_timeout=policy_timeout,
+        )
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    source = click.get_current_context().get_parameter_source("count")
+    if task_set is not None and source == click.core.ParameterSource.DEFAULT:
+        del request["count"]  # the task set times the samples decides
+    if collectors < 1:
+        raise click.UsageError("--collectors must be at least 1")
+    try:
+        # The one parse of this request in this process; the workers parse it at their edge.
+        spec = RolloutClient.prepare(request, settings.max_batch_episodes)
+        problems = resource_problems(spec.resources)
+        if problems:
+            raise InvalidSpec(problems)
+        if output is not None:
+            check_output_dir(output)
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    except RolloutError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    with contextlib.ExitStack() as stack:
+        heartbeat = None
+        if all_in_one:
+            local = stack.enter_context(LocalStack(collectors=collectors))
+            settings = settings.with_redis(local.redis_url)
+            heartbeat = local.check_alive
+            err(
+                f"all-in-one: redis {local.redis_url}, 1 control + {collectors} collect "
+                f"workers (logs in {local.dir})"
+            )
+        client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
+        try:
+            submission, report = _submit_and_wait(
+                client, spec, output, timeout or deadline_seconds + 300, heartbeat
+            )
+            if all_in_one and report.get("cleanup") == "scheduled":
+                _wait_for_cleanup(client, spec.batch_id, heartbeat)
+        except RolloutError as exc:
+            raise click.ClickException(str(exc)) from exc
+    _print_report(report, submission, as_json)
+    sys.exit(0 if report.get("ok") else 1)
+
+
+def _pair(text: str, option: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise click.UsageError(f"{option} {text!r} must look like KEY=VALUE")
+    return key, value
+
+
+def _toleration(text: str) -> dict[str, str]:
+    """'key=value:NoSchedule' -> Equal, 'key:NoSchedule' -> Exists."""
+    target, sep, effect = text.rpartition(":")
+    if not sep or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute") or not target:
+        raise click.UsageError(
+            f"--toleration {text!r} must look like KEY[=VALUE]:EFFECT with "
+            "EFFECT NoSchedule, PreferNoSchedule or NoExecute"
+        )
+    key, eq, value = target.partition("=")
+    if eq:
+        return {"key": key, "operator": "Equal", "value": value, "effect": effect}
+    return {"key": key, "operator": "Exists", "effect": effect}
+
+
+def _submit_and_wait(
+    client: RolloutClient,
+    spec: BatchSpec,
+    output: Path | None,
+    timeout: float,
+    heartbeat: Any,
+) -> tuple[Submission, dict[str, Any]]:
+    from trainer_stub.display import follow
+    from trainer_stub.records import start_records, write_receipt, write_records
+
+    batch_id = spec.batch_id
+    beat = _hint_if_unclaimed(client, batch_id, heartbeat)
+    if output is not None:
+        # The directory and its receipt exist before anything is sent; the receipt then
+        # follows the workers' one, so it names every object even if this client dies.
+        start_records(
+            output,
+            {
+                "batch_id": batch_id,
+                "backend": spec.backend,
+                "redis_key": k.receipt_key(batch_id),
+                "state": "submitting",
+            },
+        )
+        beat = _mirror_receipt(client, batch_id, output, beat)
+    submission = client.send(spec)
+    err(f"batch {batch_id}: {spec.count} episodes submitted")
+    report = follow(client, [submission], _console(True), timeout, beat)[batch_id]
+    if output is not None:
+        _wait_for_records(client, batch_id, report)
+        write_records(
+            output,
+            report,
+            client.logs(batch_id),
+            client.records(batch_id),
+            submission.submit_to_report_seconds,
+        )
+        write_receipt(output, client.receipt(batch_id) | {"state": "reported"})
+        err(f"records written to {output}/")
+    return submission, report
+
+
+def _mirror_receipt(client: RolloutClient, batch_id: str, output: Path, inner: Any) -> Any:
+    """Keep receipt.json in step with the Redis receipt while the run is created, so the
+    directory names every object (namespace, UIDs) even if this client dies mid-run."""
+    from trainer_stub.records import write_receipt
+
+    last: dict[str, Any] = {}
+
+    def beat() -> None:
+        nonlocal last
+        inner()
+        receipt = client.receipt(batch_id)
+        if receipt and receipt != last:
+            write_receipt(output, receipt | {"state": "running"})
+            last = receipt
+
+    return beat
+
+
+def _hint_if_unclaimed(client: RolloutClient, batch_id: str, inner: Any) -> Any:
+    started = time.monotonic()
+    hinted = False
+
+    def beat() -> None:
+        nonlocal hinted
+        if inner is not None:
+            inner()
+        if not hinted and time.monotonic() - started > 15 and not client.receipt(batch_id):
+            err(
+                "[yellow]no worker has taken the batch yet: is a `rollout worker "
+                "--queues control` running against this Redis?[/yellow]"
+            )
+            hinted = True
+
+    return beat
+
+
+def _wait_for_records(client: RolloutClient, batch_id: str, report: dict[str, Any]) -> None:
+    """The report comes first; the run's records (job.json, ...) follow within seconds."""
+    if report.get("records") != "pending":
+        return
+    deadline = time.monotonic() + RECORDS_WAIT_SECONDS
+    while client.receipt(batch_id).get("records") == "pending" or not client.receipt(batch_id).get(
+        "records"
+    ):
+        if time.monotonic() > deadline:
+            err(f"[yellow]records of batch {batch_id} not complete; writing what exists[/yellow]")
+            return
+        time.sleep(0.2)
+
+
+def _wait_for_cleanup(client: RolloutClient, batch_id: str, heartbeat: Any) -> None:
+    """Before a private stack stops: wait (bounded) for the workers to delete the run."""
+    deadline = time.monotonic() + CLEANUP_WAIT_SECONDS
+    state = None
+    while time.monotonic() < deadline:
+        state = client.receipt(batch_id).get("cleanup")
+        if state in ("deleted", "failed"):
+            break
+        if heartbeat is not None:
+            heartbeat()
+        time.sleep(0.2)
+    if state not in ("deleted", "failed"):
+        err(
+            f"[yellow]run of batch {batch_id} still {state} after "
+            f"{CLEANUP_WAIT_SECONDS:.0f}s; stopping anyway (`rollout sweep` finds it)[/yellow]"
+        )
+    elif state == "failed":
+        err(f"[red]run of batch {batch_id} was not deleted: see the worker log[/red]")
+
+
+def _print_report(report: dict[str, Any], submission: Submission, as_json: bool) -> None:
+    from rollout_worker.report import summary
+    from trainer_stub.display import print_errors, summary_table
+
+    if as_json:
+        text = summary(report) | {
+            "client_submit_to_report_seconds": submission.submit_to_report_seconds
+        }
+        sys.stdout.write(orjson.dumps(text, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    out(summary_table([report], [submission]))
+    print_errors(_console(True), report)
