@@ -473,10 +473,20 @@ class KubernetesBackend:
             return False
         with contextlib.suppress(ResourceNotFound):
             job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, namespace)
-            if job["metadata"]["uid"] != handle.job_uid:
+            job_labels = job["metadata"].get("labels") or {}
+            # A run cut short before the Job's UID was recorded (a CLI killed mid-run, whose
+            # receipt.json names the namespace UID only): the Job's labels are the proof.
+            if (handle.job_uid is not None and job["metadata"]["uid"] != handle.job_uid) or (
+                handle.job_uid is None
+                and (
+                    job_labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
+                    or job_labels.get(k.LABEL_BATCH) != handle.batch_id
+                )
+            ):
                 raise OwnershipError(
-                    f"Job {namespace}/{JOB_NAME} has uid {job['metadata']['uid']}, the "
-                    f"receipt says {handle.job_uid}: refusing to delete its namespace"
+                    f"Job {namespace}/{JOB_NAME} has uid {job['metadata']['uid']} and labels "
+                    f"{job_labels}, the receipt says uid {handle.job_uid}: refusing to delete "
+                    "its namespace"
                 )
         # The precondition makes the server refuse if the namespace was replaced since we
         # checked it. Finalizers are never removed by force.
