@@ -292,6 +292,10 @@ def collect(
     cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
     try:
         obs = backend.wait_episode(run, index, 0 if cancelled else block)
+        if not cancelled and obs.phase != "Succeeded":
+            # Cancelled while this collector waited: the cancel stopped the sandbox (a Pod
+            # killed by the suspended Job ends Failed), so the episode was cancelled, not failed.
+            cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
         if cancelled and obs.phase != "Succeeded":
             row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
         elif obs.terminal:
