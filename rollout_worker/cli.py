@@ -200,19 +200,24 @@ def cancel(batch_id: str, wait: bool, timeout: float, redis_url: str | None) -> 
 @redis_option
 def sweep(dry_run: bool, redis_url: str | None) -> None:
     """Delete runs of ours that nothing else will (the sweeper that `--beat` runs)."""
+    import redis as redis_lib
+
     from rollout_worker import core
-    from rollout_worker.backends import get_backend
+    from rollout_worker.backends import Backend, RunHandle, get_backend
     from rollout_worker.store import Store
-    from rollout_worker.tasks import sweep_backends
+    from rollout_worker.tasks import backend_for_run, sweep_backends
 
     settings = _settings(redis_url)
     store = Store.from_url(settings.redis_url, settings.record_ttl)
-    backends: dict[str, Any] = {}
+    backends: dict[str, Backend] = {}
 
-    def backend_for(name: str) -> Any:
+    def backend_for(name: str) -> Backend:
         if name not in backends:
             backends[name] = get_backend(name, settings)
         return backends[name]
+
+    def for_run(handle: RunHandle) -> Backend:
+        return backend_for_run(handle, settings, backends)
 
     try:
         swept = core.sweep(
@@ -222,9 +227,12 @@ def sweep(dry_run: bool, redis_url: str | None) -> None:
             run_ttl=settings.run_ttl_seconds,
             now=time.time(),
             dry_run=dry_run,
+            backend_for_run=for_run,
         )
     except RolloutError as exc:
         raise click.ClickException(str(exc)) from exc
+    except redis_lib.RedisError as exc:
+        raise click.ClickException(f"redis at {settings.redis_url} is not usable: {exc}") from exc
     for item in swept:
         out(f"{item.action:12} {item.batch_id}  {item.reason}", highlight=False)
     if not swept:

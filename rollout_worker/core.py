@@ -489,11 +489,14 @@ def sweep(
     run_ttl: float,
     now: float,
     dry_run: bool,
+    backend_for_run: Callable[[RunHandle], Backend] | None = None,
 ) -> list[Swept]:
     """The backstop behind `cleanup`: delete runs of ours that nothing else will delete (no
     live receipt, a kept run past its TTL, a cleanup that stalled), proving each by the UIDs
     in the run registry. Runs that carry our labels but are not in the registry are listed,
     never deleted: nothing proves we created them."""
+    # A run is deleted where it was created (its recorded context), not where we point now.
+    backend_for_run = backend_for_run or (lambda handle: backend_for(handle.backend))
     results: list[Swept] = []
     registry = store.registered_runs()
     for batch_id, entry in sorted(registry.items()):
@@ -511,7 +514,7 @@ def sweep(
             results.append(Swept(batch_id, "would-delete", reason))
             continue
         try:
-            gone = backend_for(handle.backend).delete_run(handle)
+            gone = backend_for_run(handle).delete_run(handle)
         except BackendError as exc:
             results.append(Swept(batch_id, "failed", f"{reason}; {exc}"))
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 from celery import Celery, Task, chord, group
@@ -24,7 +25,7 @@ from celery import Celery, Task, chord, group
 from rollout_wire import constants as k
 from rollout_wire.errors import TransientBackendError
 from rollout_worker import core
-from rollout_worker.backends import Backend, get_backend
+from rollout_worker.backends import Backend, RunHandle, get_backend
 from rollout_worker.settings import Settings
 from rollout_worker.store import Store
 
@@ -48,6 +49,10 @@ class Clients:
         if name not in self._backends:
             self._backends[name] = get_backend(name, self.settings)
         return self._backends[name]
+
+    def backend_for_run(self, handle: RunHandle) -> Backend:
+        """The backend of the cluster a run was created in (its recorded context)."""
+        return backend_for_run(handle, self.settings, self._backends)
 
     def started(self, batch_id: str) -> core.Receipt | None:
         """The receipt of a started batch (its spec and run never change after that)."""
@@ -209,8 +214,21 @@ def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
         run_ttl=c.settings.run_ttl_seconds,
         now=time.time(),
         dry_run=dry_run,
+        backend_for_run=c.backend_for_run,
     )
     return [{"batch_id": s.batch_id, "action": s.action, "reason": s.reason} for s in swept]
+
+
+def backend_for_run(handle: RunHandle, settings: Settings, cache: dict[str, Backend]) -> Backend:
+    """A Kubernetes run is reached through the context recorded when it was created."""
+    context = handle.context if handle.backend == "kubernetes" else None
+    if context in (None, "", "in-cluster"):
+        key, wanted = handle.backend, settings
+    else:
+        key, wanted = f"{handle.backend}@{context}", replace(settings, kube_context=context)
+    if key not in cache:
+        cache[key] = get_backend(handle.backend, wanted)
+    return cache[key]
 
 
 def sweep_backends(settings: Settings) -> list[str]:
