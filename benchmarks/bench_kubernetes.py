@@ -1,33 +1,207 @@
-"""The kubernetes backend on KWOK nodes: report latency and worker CPU per episode.
+"""The kubernetes backend on KWOK nodes: report and row latency, API reads, CPU and memory per
+episode, beside a no-op chord floor measured in the same run and the guide's own figures.
 
-Each figure is the median of --runs runs [min-max]. CPU is that of every process of ours that
-works for the batch (the control worker and its prefork children, the collectors; see proc.py),
-with Redis beside it. The KWOK harness that plays the kubelet (it runs in this process and its
-subprocesses) is not ours and is not counted.
+Each figure is the median of --runs runs [min-max] unless the table says otherwise.
+
+- Terminal: when the benchmark's own watch of the batch namespace first saw the episode's Pod
+  Succeeded or Failed (better than finishedAt, which has 1 s resolution).
+- Report latency: last Pod terminal -> the trainer's stream delivers the `report` entry
+  (client receive time; `reported_at` of the report is printed beside it).
+- Row latency: each episode's Pod terminal -> its row delivered by the trainer's stream.
+- API reads: the API server's own `apiserver_request_total`, scraped before the batch and after
+  its records and cleanup: GET, LIST, WATCH of pods, jobs and namespaces plus pod log reads
+  (CONNECT pods/log), less the reads of the KWOK harness and of the benchmark's watch (counted
+  on their side). The metric has no client or namespace label, so other clients of a shared
+  cluster (other sessions) inflate it; the second figure keeps only the kinds the workers
+  make (it leaves out single-Pod GETs, pods/status and cluster-wide watches, never ours).
+- CPU: every process of ours that works for the batch (the control worker and its prefork
+  children, the collectors; proc.py), and Redis beside it, from submit to records and cleanup
+  done. The floor is a no-op Celery chord of as many tasks on workers of the same shape.
+- Memory: peak summed RSS of the workers while the batch runs, and Redis used_memory's peak.
+- Episodes are served by the KWOK harness as all-success draws of its seeded mix; the
+  harness annotates a Pod `--seconds` after taking it (0: at once), and the KWOK stage ends it
+  1-2.5 s later. The flatness rows run --length-episodes episodes of 5 s and 60 s.
 
 Needs the local cluster (hack/localkube/cluster.sh up; eval "$(hack/localkube/cluster.sh env)").
-Pods on KWOK nodes are simulated; their logs are served by tests.integration.kwok_episodes.
 
     python -m benchmarks.bench_kubernetes [--sizes 10 1000] [--parallelism 200] [--runs 3]
+        [--lengths 5 60] [--length-episodes 200] [--long-runs 1] [--deadline 600]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import redis
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from benchmarks.proc import Meter, Stats, Usage
+from benchmarks.kwok_bench import (
+    MemorySampler,
+    TerminalWatch,
+    TimedEpisodes,
+    api_reads,
+    percentile,
+)
+from benchmarks.proc import Meter, Stats
+from rollout_wire import constants as k
+from rollout_wire.request import new_batch_id
 from rollout_worker.stack import LocalStack
-from tests.integration.kwok_episodes import SimulatedEpisodes
+from tests.integration.kwok_episodes import StagesMismatch, verify_stages
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 
 RUNTIME = "rollout-kwok"
+MB = 1024 * 1024
+# The guide's script, seed, 10 episodes in parallel on real nodes.
+GUIDE = {"all ready s": 3.7, "all rewards s": 8.4, "client sees Job complete s": 12.7}
+
+
+def one_batch(
+    ctx: dict[str, Any], size: int, parallelism: int, seconds: float, deadline: int
+) -> dict[str, Any]:
+    stack: LocalStack = ctx["stack"]
+    rollout: RolloutClient = ctx["rollout"]
+    episodes: TimedEpisodes = ctx["episodes"]
+    batch_id = new_batch_id()
+    namespace = f"rollout-{batch_id}"
+    episodes.serve(batch_id, seconds)
+    before = api_reads()
+    harness0 = (episodes.pod_gets, episodes.pod_watches)
+    terminal = TerminalWatch(ctx["cluster"], namespace, size)
+    terminal.start()
+    memory = MemorySampler(ctx["roots"], ctx["redis"])
+    memory.start()
+    meter = Meter(ctx["roles"], ctx["redis_pid"], str(stack.dir), reap_orphans=False).start()
+    start = time.time()
+    rollout.submit(
+        batch_id=batch_id,
+        count=size,
+        parallelism=min(size, parallelism),
+        backend="kubernetes",
+        runtime=RUNTIME,
+        node_selector=ctx["placement"]["nodeSelector"],
+        tolerations=ctx["placement"]["tolerations"],
+        deadline_seconds=deadline,
+    )
+    rows: dict[int, float] = {}
+    report_at = 0.0
+    for _, entry in rollout.entries([batch_id], timeout=deadline + 600):
+        now = time.time()
+        if entry.type == k.ENTRY_EPISODE and entry.index is not None:
+            rows.setdefault(entry.index, now)
+        elif entry.type == k.ENTRY_REPORT:
+            report_at = now
+    report = rollout.report(batch_id) or {}
+    # Records (job.json, events) and cleanup follow the report; wait for them (bounded) so
+    # their CPU and API reads are this batch's.
+    settled = "?"
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        receipt = rollout.receipt(batch_id) or {}
+        records, cleanup = receipt.get("records"), receipt.get("cleanup")
+        settled = f"records {records} +{time.time() - report_at:.0f}s, cleanup {cleanup}"
+        if records in ("complete", "failed") and (
+            cleanup in ("deleted", "failed", "kept") or time.monotonic() > end - 30
+        ):
+            break
+        time.sleep(0.5)
+    usage, _ = meter.stop()
+    memory.stop()
+    terminal.stop()
+    after = api_reads()
+    delta = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key)}
+    # The harness's and the benchmark watch's own reads are not ours.
+    gets, watches = episodes.pod_gets - harness0[0], episodes.pod_watches - harness0[1]
+    delta["GET pods resource"] = delta.get("GET pods resource", 0) - gets
+    delta["WATCH pods cluster"] = delta.get("WATCH pods cluster", 0) - watches
+    delta["WATCH pods namespace"] = delta.get("WATCH pods namespace", 0) - terminal.requests
+    reads = sum(delta.values())
+    last_terminal = max(terminal.terminal.values()) if terminal.terminal else float("nan")
+    row_lat = [rows[i] - terminal.terminal[i] for i in rows if i in terminal.terminal]
+    annotated = episodes.annotated.get(namespace, {})
+    result = {
+        "batch_id": batch_id,
+        "size": size,
+        "seconds": seconds,
+        "ok": report.get("ok"),
+        "reward_sum": report.get("reward_sum"),
+        "status": report.get("status"),
+        "errors": (report.get("errors") or [])[:3],
+        "wall": report_at - start,
+        "report_latency": report_at - last_terminal,
+        "reported_at_latency": float(report.get("reported_at") or 0) - last_terminal,
+        "annotated_to_report": report_at - max(annotated.values()) if annotated else None,
+        "terminal_seen": len(terminal.terminal),
+        "rows_seen": len(rows),
+        "row_median": statistics.median(row_lat) if row_lat else float("nan"),
+        "row_p95": percentile(row_lat, 0.95) if row_lat else float("nan"),
+        "reads": reads,
+        "reads_by_kind": {key: v for key, v in sorted(delta.items()) if v},
+        "cpu_ours": usage.ours,
+        "cpu_control": usage.control,
+        "cpu_collectors": usage.collectors,
+        "cpu_redis": usage.redis,
+        "rss_peak": memory.rss_peak,
+        "rss_start": memory.rss_start,
+        "redis_peak": memory.redis_peak,
+        "redis_start": memory.redis_start,
+        "settled": settled,
+        "harness_errors": episodes.errors[-3:],
+    }
+    ctx["log"].write(json.dumps(result) + "\n")
+    ctx["log"].flush()
+    print(
+        f"  # {size} x {seconds:g}s: ok={result['ok']} {result['reward_sum']}/{size} "
+        f"wall {result['wall']:.1f}s report {result['report_latency']:.3f}s rows "
+        f"p50 {result['row_median']:.3f}s reads/ep {reads / size:.2f} "
+        f"cpu {usage.ours / size * 1000:.1f} ms/ep ({settled})",
+        flush=True,
+    )
+    return result
+
+
+def noop_floor(ctx: dict[str, Any], n: int, runs: int) -> list[Any]:
+    from benchmarks.bench_pipeline import NoopWorkers, noop_chord
+
+    os.environ["ROLLOUT_REDIS_URL"] = ctx["stack"].redis_url  # read by noop_app at import
+    usages = []
+    with NoopWorkers(ctx["stack"]) as workers:
+        noop_chord(ctx["stack"], workers, 20)  # warm-up, not counted
+        for _ in range(runs):
+            _, usage = noop_chord(ctx["stack"], workers, n)
+            usages.append(usage)
+    return usages
+
+
+# Reads the workers never make (no GET of single Pods or of pods/status, no cluster-wide watch):
+# on a shared cluster they are other sessions' (their KWOK harnesses and probes).
+NOT_WORKERS = ("GET pods resource", "GET pods/status resource", "WATCH pods cluster")
+
+
+def worker_kind_reads(result: dict[str, Any]) -> int:
+    return sum(
+        count
+        for kind, count in result["reads_by_kind"].items()
+        if kind not in NOT_WORKERS and (not kind.startswith("WATCH") or kind.endswith("namespace"))
+    )
+
+
+def cell(values: list[float], digits: int = 2, scale: float = 1.0) -> str:
+    values = [v for v in values if v == v]  # drop NaN
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0] * scale:.{digits}f} (1 run)"
+    return Stats(values).fmt(scale=scale, digits=digits)
 
 
 def main() -> None:
@@ -37,10 +211,21 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 1000])
     parser.add_argument("--parallelism", type=int, default=200)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=0.0, help="episode length (harness)")
+    parser.add_argument("--lengths", type=float, nargs="*", default=[5, 60])
+    parser.add_argument("--length-episodes", type=int, default=200)
+    parser.add_argument("--long-runs", type=int, default=1, help="runs of episodes >= 30 s")
+    parser.add_argument("--deadline", type=int, default=600)
+    parser.add_argument("--collect-concurrency", type=int, default=64)
+    parser.add_argument("--out", default=None, help="JSON lines of every run (default: tmp)")
     args = parser.parse_args()
     assert args.runs >= 3, "a figure is a median of at least 3 runs"
     cluster = kc.ensure_cluster()
     kc.ensure_kwok_nodes(cluster, 4)
+    try:  # a shared, busy cluster can be slow to start the probe: warn, the runs will tell
+        verify_stages(cluster, timeout=120)
+    except StagesMismatch as exc:
+        print(f"warning: {exc}", flush=True)
     try:
         client.NodeV1Api(cluster.api_client).create_runtime_class(
             {"metadata": {"name": RUNTIME}, "handler": "kwok"}
@@ -48,59 +233,161 @@ def main() -> None:
     except ApiException as exc:
         if exc.status != 409:
             raise
-    placement = kc.kwok_placement()
-    env = {"KUBECONFIG": str(cluster.kubeconfig)}
+    env = {
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "ROLLOUT_MAX_BATCH_EPISODES": str(max(5000, *args.sizes)),
+    }
+    out = Path(args.out or tempfile.mkstemp(prefix="bench-kubernetes-", suffix=".jsonl")[1])
+    results: dict[tuple[int, float], list[dict[str, Any]]] = {}
     with (
         tempfile.TemporaryDirectory() as logs,
-        SimulatedEpisodes(cluster, Path(logs)),
-        LocalStack(collectors=2, collect_concurrency=16, extra_env=env) as stack,
+        TimedEpisodes(cluster, Path(logs)) as episodes,
+        LocalStack(collect_concurrency=args.collect_concurrency, extra_env=env) as stack,
+        out.open("a") as log,
     ):
         stack.wait_ready()
-        rollout = RolloutClient(stack.redis_url)
         roles = {
             "control": [w.proc.pid for w in stack.workers if w.queue == "control"],
             "collectors": [w.proc.pid for w in stack.workers if w.queue == "collect"],
         }
-        redis_pid = stack.redis_proc.pid if stack.redis_proc else None
-        print(f"{args.runs} runs per size, median [min-max]; CPU in ms per episode")
-        print(
-            f"{'episodes':>8} {'wall s':>22} {'last done->report s':>22} "
-            f"{'ours (control+collect)':>24} {'control':>22} {'collectors':>22} "
-            f"{'redis-server':>22}  ok"
-        )
-        for size in args.sizes:
-            walls, latencies, usages, oks = [], [], [], []
-            for _ in range(args.runs):
-                meter = Meter(roles, redis_pid, str(stack.dir), reap_orphans=False).start()
-                start = time.perf_counter()
-                submission = rollout.submit(
-                    count=size,
-                    parallelism=min(size, args.parallelism),
-                    backend="kubernetes",
-                    runtime=RUNTIME,
-                    node_selector=placement["nodeSelector"],
-                    tolerations=placement["tolerations"],
+        ctx = {
+            "stack": stack,
+            "cluster": cluster,
+            "episodes": episodes,
+            "rollout": RolloutClient(stack.redis_url),
+            "roles": roles,
+            "roots": roles["control"] + roles["collectors"],
+            "redis_pid": stack.redis_proc.pid if stack.redis_proc else None,
+            "redis": redis.Redis.from_url(stack.redis_url),
+            "placement": kc.kwok_placement(),
+            "log": log,
+        }
+        print(f"runs logged to {out}", flush=True)
+        one_batch(ctx, 10, 10, 0, args.deadline)  # warm-up (imports, connections), not counted
+        plan = [(size, args.seconds, args.runs) for size in args.sizes]
+        plan += [
+            (args.length_episodes, s, args.long_runs if s >= 30 else args.runs)
+            for s in args.lengths
+        ]
+        for size, seconds, runs in plan:
+            for _ in range(runs):
+                results.setdefault((size, seconds), []).append(
+                    one_batch(ctx, size, args.parallelism, seconds, args.deadline)
                 )
-                report = rollout.wait(submission.batch_id, timeout=1800)
-                walls.append(time.perf_counter() - start)
-                usage, _ = meter.stop()
-                usages.append(usage)
-                # The last Pod's finish (1 s resolution) is the start of the report latency.
-                last_done = max(
-                    max(row["reward_at"] or 0, row["finished_at"] or 0) for row in report["pods"]
-                )
-                latencies.append(report["reported_at"] - last_done)
-                oks.append(f"{report['ok']} ({report['reward_sum']}/{size})")
+        floor_n = max(args.sizes)
+        floor = noop_floor(ctx, floor_n, args.runs)
+        used_memory_peak = int(ctx["redis"].info("memory")["used_memory_peak"])
+        ctx["rollout"].close()
+        print_table(args, results, floor, floor_n, used_memory_peak)
+    sys.stdout.flush()
+    # Celery's result consumer of the no-op chord retries its (stopped) Redis for minutes at
+    # interpreter exit: nothing is left to clean up here.
+    os._exit(0)
 
-            def per_episode(role: str, usages: list[Usage] = usages, size: int = size) -> str:
-                return Stats([getattr(u, role) / size * 1000 for u in usages]).fmt(digits=1)
 
+def print_table(
+    args: argparse.Namespace,
+    results: dict[tuple[int, float], list[dict[str, Any]]],
+    floor: list[Any],
+    floor_n: int,
+    used_memory_peak: int,
+) -> None:
+    floor_ms = [u.ours / floor_n * 1000 for u in floor]
+    floor_redis = [u.redis / floor_n * 1000 for u in floor]
+    print()
+    print(
+        f"KWOK, {os.cpu_count()} cpus; workers: control prefork x2, 2 collectors threads "
+        f"x{args.collect_concurrency}; parallelism min(N, {args.parallelism}); deadline "
+        f"{args.deadline}s; median [min-max] of the runs"
+    )
+    cols = [key for key in results if key[1] == args.seconds and key[0] in args.sizes]
+    heads = [f"N={n}, {s:g}s eps ({len(results[(n, s)])} runs)" for n, s in cols]
+    width = 30
+
+    def row(label: str, fn, digits: int = 2, goal: str = "", scale: float = 1.0) -> None:
+        cells = [cell([fn(r) for r in results[key]], digits, scale) for key in cols]
+        print(f"{label:<44}" + "".join(f"{c:>{width}}" for c in cells) + f"   {goal}")
+
+    print(f"{'figure':<44}" + "".join(f"{h:>{width}}" for h in heads) + "   goal / reference")
+    row("ok (reward_sum = N)", lambda r: float(r["ok"] and r["reward_sum"] == r["size"]), 0)
+    row("wall: submit -> report received s", lambda r: r["wall"])
+    row(
+        "report latency: last Pod terminal -> report s",
+        lambda r: r["report_latency"],
+        3,
+        "<= 1 s at 1000, <= 2 s at 5000 (KWOK)",
+    )
+    row("  same, to report's reported_at s", lambda r: r["reported_at_latency"], 3)
+    row("  last annotation -> report received s", lambda r: r["annotated_to_report"] or 0, 3)
+    row("row latency: Pod terminal -> row, median s", lambda r: r["row_median"], 3, "<= 0.3 s")
+    row("row latency p95 s", lambda r: r["row_p95"], 3)
+    row("API reads per episode (all clients)", lambda r: r["reads"] / r["size"], 2)
+    row(
+        "  only kinds the workers make",
+        lambda r: worker_kind_reads(r) / r["size"],
+        2,
+        "<= 1.5 at 1000 and 5000",
+    )
+    row("worker CPU ms/episode (all ours)", lambda r: r["cpu_ours"] / r["size"] * 1000, 1)
+    row("  control + children", lambda r: r["cpu_control"] / r["size"] * 1000, 1)
+    row("  collectors", lambda r: r["cpu_collectors"] / r["size"] * 1000, 1)
+    row("redis-server CPU ms/episode", lambda r: r["cpu_redis"] / r["size"] * 1000, 1)
+    row(
+        "worker CPU / no-op chord floor",
+        lambda r: r["cpu_ours"] / r["size"] * 1000 / statistics.median(floor_ms),
+        2,
+        "<= 1.5x",
+    )
+    row("peak worker RSS MB (sum of processes)", lambda r: r["rss_peak"] / MB, 0)
+    row(
+        "  growth over idle, MB per 1000 episodes",
+        lambda r: (r["rss_peak"] - r["rss_start"]) / MB * 1000 / r["size"],
+        1,
+    )
+    row(
+        "Redis used_memory peak growth MB/1000 eps",
+        lambda r: (r["redis_peak"] - r["redis_start"]) / MB * 1000 / r["size"],
+        1,
+    )
+    print(
+        f"{'no-op chord floor, N=' + str(floor_n) + ' tasks':<44}"
+        f"{'workers ' + cell(floor_ms, 1) + ' ms/task':>{width * 2}}"
+        f"   redis {cell(floor_redis, 1)} ms/task ({len(floor)} runs)"
+    )
+    print(f"Redis INFO used_memory_peak over the whole run: {used_memory_peak / MB:.1f} MB")
+    print()
+    lengths = [key for key in results if key not in cols]
+    if lengths:
+        print("cost per episode against episode length (harness annotates after the length):")
+        for key in lengths:
+            rs = results[key]
             print(
-                f"{size:>8} {Stats(walls).fmt():>22} {Stats(latencies).fmt(digits=3):>22} "
-                f"{per_episode('ours'):>24} {per_episode('control'):>22} "
-                f"{per_episode('collectors'):>22} {per_episode('redis'):>22}  {', '.join(oks)}"
+                f"  N={key[0]}, {key[1]:g}s episodes ({len(rs)} run{'s' * (len(rs) > 1)}): "
+                f"wall {cell([r['wall'] for r in rs], 1)} s, worker CPU "
+                f"{cell([r['cpu_ours'] / r['size'] * 1000 for r in rs], 1)} ms/ep, redis "
+                f"{cell([r['cpu_redis'] / r['size'] * 1000 for r in rs], 1)} ms/ep, API reads "
+                f"{cell([r['reads'] / r['size'] for r in rs])} /ep, report latency "
+                f"{cell([r['report_latency'] for r in rs], 3)} s, ok "
+                f"{sum(bool(r['ok']) for r in rs)}/{len(rs)}"
             )
-        rollout.close()
+        if len(lengths) >= 2:
+            cpus = [
+                statistics.median([r["cpu_ours"] / r["size"] for r in results[key]])
+                for key in lengths
+            ]
+            print(
+                f"  longest / shortest worker CPU per episode: {cpus[-1] / cpus[0]:.2f} "
+                "(goal within 20%)"
+            )
+        print()
+    print(
+        "guide's script, seed, 10 parallel on real nodes (not measured here): "
+        + ", ".join(f"{key} {value}" for key, value in GUIDE.items())
+    )
+    print(
+        "API reads of the last run per size, by kind: "
+        + "; ".join(f"N={key[0]}: {results[key][-1]['reads_by_kind']}" for key in list(results)[:3])
+    )
 
 
 if __name__ == "__main__":
