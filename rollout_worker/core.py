@@ -466,11 +466,19 @@ def cancel(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
         return "unknown"
     if store.has_report(batch_id):
         return "already-reported"
-    # Stop first, then tell the collectors: the report never precedes the stop.
+    # Stop first, then tell the collectors: the report never precedes the stop. A stop that
+    # cannot be confirmed still cancels (the collectors must not wait for the deadline).
+    state = "cancelling"
     if receipt.run is not None:
-        backend_for(receipt.run.backend).cancel_run(receipt.run)
+        try:
+            backend_for(receipt.run.backend).cancel_run(receipt.run)
+        except TransientBackendError:
+            raise
+        except BackendError as exc:
+            log.error("batch %s: stop not confirmed: %s", batch_id, exc)
+            state = "cancelling (stop not confirmed)"
     store.set_flag(batch_id, FLAG_CANCEL)
-    return "cancelling"
+    return state
 
 
 # -- sweep -----------------------------------------------------------------------------------

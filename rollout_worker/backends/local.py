@@ -40,6 +40,9 @@ from rollout_worker.quantities import sandbox_limits
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
+# How long a cancel waits for the supervisor to stop its sandboxes (longer under heavy load).
+CANCEL_WAIT_SECONDS = 30.0
+
 
 @functools.lru_cache(maxsize=4)
 def probe_bwrap() -> str | None:
@@ -287,7 +290,7 @@ class LocalBackend:
     def cancel_run(self, handle: RunHandle) -> None:
         # The supervisor kills the running sandboxes, marks the rest Stopped and exits: wait
         # for that (a few seconds at most), so nothing of the batch runs after this returns.
-        self._stop_supervisor(self._dir(handle))
+        self._stop_supervisor(self._dir(handle), wait=CANCEL_WAIT_SECONDS)
 
     def list_runs(self) -> list[str]:
         if not self.root.is_dir():
