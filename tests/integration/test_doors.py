@@ -153,7 +153,7 @@ def test_cancel_stops_the_sandboxes_and_reports_what_had_finished(stack, client)
     batch.cancel()
     report = batch.wait(60)
     assert report["status"] == "cancelled" and report["ok"] is False
-    assert time.monotonic() - started < 30  # not the 120 s deadline
+    assert time.monotonic() - started < 60  # not the 120 s deadline
     assert report["lost_episodes"] == 6 and report["collected_episodes"] == 6
     assert all("cancelled" in row["errors"][0] for row in report["pods"])
     assert episode_processes(run_dir) == [], "sandboxes survived the cancel"
