@@ -226,6 +226,15 @@ class LocalStack:
                 os.killpg(worker.proc.pid, signal.SIGKILL)
                 worker.proc.wait()
 
+    def pool_children(self, worker: WorkerProc) -> list[int]:
+        """Pids of a worker's direct children (a prefork worker's pool processes), for fault
+        tests that kill one of them. Empty when the worker is gone."""
+        pids: list[int] = []
+        for children in Path(f"/proc/{worker.proc.pid}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pids += [int(pid) for pid in children.read_text().split()]
+        return sorted(set(pids))
+
     def stop(self) -> None:
         self._stop_supervisors()
         for worker in self.workers:

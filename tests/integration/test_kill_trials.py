@@ -1,0 +1,339 @@
+"""Worker faults as repeated trials (issue 13): SIGKILL of a collector, of the control worker's
+main process (its process group: main and pool children) and of one prefork child of the control
+worker, at a seeded random moment of a batch, on the local backend and on Kubernetes (KWOK nodes,
+episodes served by tests/integration/kwok_episodes.py).
+
+A replacement worker on the same queue starts at once after each kill (for a prefork child the
+surviving main process forks the replacement child itself). Every batch must then complete with
+each episode counted exactly once, within RECOVERY_LIMIT_S of the replacement starting, with
+the default reliability settings (visibility timeout 40 s, kombu's unacked restore sweep every
+10 s): nothing here shortens the real recovery path.
+
+Where the kills land: two batches without a kill are run first and the second is timed; trial
+i of a kind then kills at a seeded random moment of window i (cycling): while `submit_batch`
+runs (between its receipt and the chord's publication: the worst case for the control worker,
+whose unacknowledged submit then comes back only after the visibility timeout), during the
+collection, and from just before the report through the cleanup.
+
+Each trial prints: backend, kind, delay after submit, where the batch was at the kill, and the
+recovery time (replacement start -> report seen by the trainer). The module ends with the
+number of trials and the worst recovery per kind.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from rollout_wire import codec
+from rollout_wire import constants as k
+from rollout_worker.stack import LocalStack, WorkerProc
+from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
+    SUCCESS,
+    Mix,
+    episodes_fixture,
+    kwok_request,
+    kwok_runtime_fixture,
+    new_batch_id,
+)
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
+
+#: A batch completes within this long after the replacement worker started.
+RECOVERY_LIMIT_S = 60.0
+#: Longest the test waits for a report before it says the batch never completed.
+REPORT_TIMEOUT_S = 150.0
+#: A deleted run's receipt says `deleted` within this long after its report.
+CLEANUP_TIMEOUT_S = 120.0
+TRIALS = int(os.environ.get("ROLLOUT_KILL_TRIALS", "3"))
+SEED = int(os.environ.get("ROLLOUT_KILL_SEED", "13"))
+COUNT = 12
+KINDS = ("collector", "control-main", "prefork-child")
+
+
+@dataclass
+class Trial:
+    backend: str
+    kind: str
+    number: int
+    delay: float
+    batch_id: str = ""
+    at_kill: str = ""
+    victim: str = ""
+    recovery: float | None = None  # replacement start -> report (<= 0: reported before)
+    submit_to_report: float | None = None
+    finalized_by: str = ""
+    cleanup: str = ""
+    cleanup_seconds: float | None = None
+    problem: str = ""
+
+    def line(self) -> str:
+        rec = "-" if self.recovery is None else f"{self.recovery:6.1f}s"
+        total = "-" if self.submit_to_report is None else f"{self.submit_to_report:5.1f}s"
+        return (
+            f"{self.backend:10} {self.kind:13} #{self.number} delay {self.delay:5.2f}s "
+            f"at kill: {self.at_kill:24} victim {self.victim:14} recovery {rec} "
+            f"(submit->report {total}, by {self.finalized_by or '-'}, cleanup {self.cleanup})"
+            + (" FAILED" if self.problem else "")
+        )
+
+
+RESULTS: list[Trial] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kill_summary(request) -> Iterator[None]:
+    yield
+    if not RESULTS:
+        return
+    lines = ["", f"kill trials: {len(RESULTS)} (seed {SEED})"]
+    lines += [t.line() for t in RESULTS]
+    for backend in sorted({t.backend for t in RESULTS}):
+        for kind in KINDS:
+            times = [
+                t.recovery
+                for t in RESULTS
+                if (t.backend, t.kind) == (backend, kind) and t.recovery is not None
+            ]
+            if times:
+                lines.append(
+                    f"worst recovery {backend} {kind}: {max(times):.1f}s over {len(times)} trials"
+                )
+    measured = [t.recovery for t in RESULTS if t.recovery is not None]
+    if measured:
+        lines.append(f"worst recovery overall: {max(measured):.1f}s over {len(RESULTS)} trials")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            print(line)
+
+
+# -- the kill --------------------------------------------------------------------------------
+def where(client: RolloutClient, batch_id: str, count: int) -> str:
+    """Where the batch is, read from Redis the moment before the kill."""
+    r = client.redis
+    if r.exists(k.report_key(batch_id)):
+        receipt = client.receipt(batch_id)
+        return f"reported, cleanup {receipt.get('cleanup')}"
+    receipt = client.receipt(batch_id)
+    if not receipt:
+        return "submit queued"
+    if not receipt.get("run"):
+        return "submit: starting run"
+    if not r.exists(k.flag_key(batch_id, "chord")):
+        return "submit: chord publish"
+    rows = r.hlen(k.episodes_key(batch_id))
+    if rows < count:
+        return f"collecting {rows}/{count}"
+    return "chord callback"
+
+
+def live(stack: LocalStack, queue: str) -> list[WorkerProc]:
+    return [w for w in stack.workers if w.queue == queue and w.proc.poll() is None]
+
+
+def kill_and_replace(
+    stack: LocalStack, kind: str, rng: random.Random, tag: str
+) -> tuple[str, float]:
+    """SIGKILL the victim of `kind`; start its replacement at once. Returns (victim, the
+    monotonic time the replacement started)."""
+    if kind == "prefork-child":
+        (control,) = live(stack, k.QUEUE_CONTROL)
+        children = stack.pool_children(control)
+        assert children, f"control worker {control.proc.pid} has no pool children"
+        child = rng.choice(children)
+        os.kill(child, signal.SIGKILL)
+        # The main process lives on and forks the replacement child itself.
+        return f"child {child}", time.monotonic()
+    queue = k.QUEUE_COLLECT if kind == "collector" else k.QUEUE_CONTROL
+    victim = rng.choice(live(stack, queue))
+    os.killpg(victim.proc.pid, signal.SIGKILL)  # the main process and its children
+    victim.proc.wait(10)
+    stack.workers.remove(victim)
+    if queue == k.QUEUE_COLLECT:
+        stack.start_worker(
+            queue, f"collect-{tag}", pool="threads", concurrency=stack.collect_concurrency
+        )
+    else:
+        stack.start_worker(
+            queue, f"control-{tag}", pool="prefork", concurrency=stack.control_concurrency
+        )
+    return victim.name, time.monotonic()
+
+
+def check_counted_once(client: RolloutClient, report: dict, count: int) -> None:
+    batch_id = report["batch_id"]
+    assert report["episodes"] == report["collected_episodes"] == count, (
+        report["episodes"],
+        report["collected_episodes"],
+    )
+    indexes = sorted(row["index"] for row in report["pods"])
+    assert indexes == list(range(count)), indexes
+    assert report["ok"] is True, report["errors"]
+    assert report["successful_episodes"] == count and report["reward_sum"] == count
+    entries = [codec.decode_entry(d) for _, d in client.redis.xrange(k.stream_key(batch_id))]
+    episode_indexes = sorted(e.index for e in entries if e.type == k.ENTRY_EPISODE)
+    assert episode_indexes == list(range(count)), episode_indexes
+    reports = [e for e in entries if e.type == k.ENTRY_REPORT]
+    assert len(reports) == 1, reports
+    assert client.redis.hlen(k.episodes_key(batch_id)) == count
+
+
+def calibrate(client: RolloutClient, submit) -> list[tuple[str, float, float]]:
+    """Run one batch without a kill and time its phases (seconds after submit); returns the
+    windows kill delays are drawn from: `submit_batch` running (receipt written -> chord
+    published: the run starts, the chord goes out), the collection, and the chord callback
+    with the cleanup. The first window is anchored on the receipt appearing in Redis (the
+    moment the control worker holds the submit), the others on the submit."""
+    start = time.monotonic()
+    batch_id = submit(client)
+    r = client.redis
+    marks: dict[str, float] = {}
+    while "deleted" not in marks:
+        assert time.monotonic() - start < REPORT_TIMEOUT_S + CLEANUP_TIMEOUT_S, (batch_id, marks)
+        now = time.monotonic() - start
+        if "receipt" not in marks and r.exists(k.receipt_key(batch_id)):
+            marks["receipt"] = now
+        if "chord" not in marks and r.exists(k.flag_key(batch_id, "chord")):
+            marks["chord"] = now
+        if "report" not in marks and r.exists(k.report_key(batch_id)):
+            marks["report"] = now
+        if "report" in marks and client.receipt(batch_id).get("cleanup") == "deleted":
+            marks["deleted"] = now
+        time.sleep(0.02)
+    check_counted_once(client, client.wait(batch_id, timeout=1), COUNT)
+    print("calibration: " + ", ".join(f"{name} {at:.2f}s" for name, at in marks.items()))
+    receipt = marks.get("receipt", 0.0)
+    chord, report, deleted = marks.get("chord", receipt), marks["report"], marks["deleted"]
+    return [
+        ("submit", 0.0, chord - receipt),
+        ("collection", chord, report),
+        ("callback+cleanup", max(chord, report - 0.3), deleted),
+    ]
+
+
+def wait_for_receipt(client: RolloutClient, batch_id: str) -> float:
+    """The monotonic time the batch's receipt appeared (submit_batch is running)."""
+    end = time.monotonic() + REPORT_TIMEOUT_S
+    while not client.redis.exists(k.receipt_key(batch_id)):
+        assert time.monotonic() < end, f"{batch_id}: submit_batch never wrote the receipt"
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def run_trials(
+    stack: LocalStack,
+    backend: str,
+    kind: str,
+    submit,
+    seed_tag: str,
+) -> None:
+    rng = random.Random(f"{SEED}:{seed_tag}")
+    client = RolloutClient(stack.redis_url)
+    trials: list[Trial] = []
+    try:
+        calibrate(client, submit)  # the first batch of a stack is slower (cold workers)
+        windows = calibrate(client, submit)
+        for number in range(1, TRIALS + 1):
+            stack.wait_ready()  # the previous trial's replacement is up
+            # Trial i kills at a random moment of window i (cycling): every phase is hit.
+            window, low, high = windows[(number - 1) % len(windows)]
+            delay = rng.uniform(low, high)
+            trial = Trial(backend, kind, number, delay)
+            trials.append(trial)
+            RESULTS.append(trial)
+            submitted = time.monotonic()
+            trial.batch_id = submit(client)
+            anchor = submitted
+            if window == "submit":  # from the moment submit_batch wrote the receipt
+                anchor = wait_for_receipt(client, trial.batch_id)
+            time.sleep(max(0.0, anchor + delay - time.monotonic()))
+            trial.delay = time.monotonic() - submitted
+            trial.at_kill = where(client, trial.batch_id, COUNT)
+            trial.victim, replaced = kill_and_replace(
+                stack, kind, rng, f"{backend[:4]}{kind[:4]}{number}"
+            )
+            try:
+                report = client.wait(trial.batch_id, timeout=REPORT_TIMEOUT_S)
+                seen = time.monotonic()
+                # A batch reported before the kill (the kill hit its cleanup) shows ~0 here.
+                trial.recovery = seen - replaced
+                trial.submit_to_report = seen - submitted
+                trial.finalized_by = report.get("finalized_by", "")
+                check_counted_once(client, report, COUNT)
+                assert trial.recovery <= RECOVERY_LIMIT_S, (
+                    f"the report came {trial.recovery:.1f}s after the replacement started"
+                )
+            except (AssertionError, TimeoutError) as exc:
+                trial.problem = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            print(trial.line(), flush=True)
+        # Every run is deleted in the end too (a kill during cleanup included).
+        for trial in trials:
+            start = time.monotonic()
+            while (state := client.receipt(trial.batch_id).get("cleanup")) != "deleted":
+                if time.monotonic() - start > CLEANUP_TIMEOUT_S:
+                    trial.problem += f" cleanup still {state!r} after {CLEANUP_TIMEOUT_S:.0f}s"
+                    break
+                time.sleep(0.25)
+            else:
+                trial.cleanup = "deleted"
+                reported = (client.report(trial.batch_id) or {}).get("reported_at")
+                trial.cleanup_seconds = time.time() - reported if reported else None
+    finally:
+        client.close()
+    failed = [t for t in trials if t.problem]
+    if failed:
+        stack.keep_dir = True  # the workers' logs stay for the diagnosis
+    assert not failed, f"logs in {stack.dir}:\n" + "\n".join(
+        f"{t.line()}\n    {t.problem}" for t in failed
+    )
+
+
+# -- local backend ---------------------------------------------------------------------------
+@pytest.fixture
+def local_stack() -> Iterator[LocalStack]:
+    with LocalStack(collectors=2, keep_dir=bool(os.environ.get("ROLLOUT_KILL_KEEP"))) as stack:
+        stack.wait_ready()
+        yield stack
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_local_batches_survive_killed_workers(local_stack, kind):
+    def submit(client: RolloutClient) -> str:
+        return client.submit(count=COUNT, parallelism=3).batch_id
+
+    run_trials(local_stack, "local", kind, submit, f"local:{kind}")
+
+
+# -- Kubernetes (KWOK nodes) -----------------------------------------------------------------
+@pytest.fixture
+def kwok_stack(k8s_cluster, kwok_nodes) -> Iterator[LocalStack]:
+    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
+    keep = bool(os.environ.get("ROLLOUT_KILL_KEEP"))
+    with LocalStack(collectors=2, extra_env=env, keep_dir=keep) as stack:
+        stack.wait_ready()
+        yield stack
+
+
+ALL_SUCCEED = Mix(SEED, weights=((SUCCESS, 1),))
+
+
+@pytest.mark.kwok
+@pytest.mark.k8s
+@pytest.mark.parametrize("kind", KINDS)
+def test_kwok_batches_survive_killed_workers(kwok_stack, kwok_runtime, episodes, kind):
+    def submit(client: RolloutClient) -> str:
+        batch_id = episodes.use_mix(new_batch_id(), ALL_SUCCEED)
+        request = kwok_request(kwok_runtime, batch_id=batch_id, count=COUNT, parallelism=COUNT)
+        return client.submit(**request).batch_id
+
+    run_trials(kwok_stack, "kubernetes", kind, submit, f"kwok:{kind}")
