@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 # The watchdog looks at a batch at least this often, and gives the chord this long after the
 # collectors' own give-up time before it finalises the batch itself.
-WATCHDOG_STEP_SECONDS = 60.0
+# Well under the visibility timeout: a delayed message held longer is restored by kombu even
+# though its worker lives, and the copies would double at every step.
+WATCHDOG_STEP_SECONDS = 15.0
 WATCHDOG_EXTRA_SECONDS = 30.0
 # What Redis keeps of one episode's log (validation reads all of it, up to the backend's cap).
 STORED_LOG_BYTES = 2**20
@@ -84,6 +86,8 @@ class Limits:
 
     max_batch_episodes: int
     collect_grace_seconds: float
+    # At most half the visibility timeout (see WATCHDOG_STEP_SECONDS).
+    watchdog_step_seconds: float = WATCHDOG_STEP_SECONDS
 
 
 FLAG_CANCEL = "cancel"
@@ -131,7 +135,7 @@ def give_up_at(spec: BatchSpec, run: RunHandle, limits: Limits) -> float:
 def watchdog_countdown(spec: BatchSpec, run: RunHandle, limits: Limits, now: float) -> float:
     """Seconds until the watchdog should look again: at most a step, never past its due time."""
     due = give_up_at(spec, run, limits) + WATCHDOG_EXTRA_SECONDS
-    return max(0.0, min(WATCHDOG_STEP_SECONDS, due - now))
+    return max(0.0, min(limits.watchdog_step_seconds, due - now))
 
 
 # -- submit ----------------------------------------------------------------------------------

@@ -40,7 +40,11 @@ class Clients:
     def __init__(self, settings: Settings) -> None:
         self.pid = os.getpid()
         self.settings = settings
-        self.limits = core.Limits(settings.max_batch_episodes, settings.collect_grace_seconds)
+        self.limits = core.Limits(
+            settings.max_batch_episodes,
+            settings.collect_grace_seconds,
+            min(core.WATCHDOG_STEP_SECONDS, settings.visibility_timeout / 2),
+        )
         self.store = Store.from_url(settings.redis_url, settings.record_ttl)
         self._backends: dict[str, Backend] = {}
         self._receipts: dict[str, core.Receipt] = {}
