@@ -52,7 +52,11 @@ class PodWatch:
         self._stream_fn, self._stream_args, self._stream_kwargs = stream_args
         self._index_of = index_of
         self._by_index: dict[int, Pods] = {}
-        self._cond = threading.Condition()
+        # One lock; a condition per episode index, so a Pod event wakes only the collectors of
+        # that episode (not every waiting thread of the process).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._per_index: dict[int, threading.Condition] = {}
         self._synced = False
         self._error: BackendError | None = None
         self._last_wait = time.monotonic()
@@ -66,10 +70,22 @@ class PodWatch:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
 
+    def _index_cond(self, index: int) -> threading.Condition:
+        """Called with the lock held."""
+        cond = self._per_index.get(index)
+        if cond is None:
+            cond = self._per_index[index] = threading.Condition(self._lock)
+        return cond
+
+    def _wake_all(self) -> None:
+        """Called with the lock held: a relist, an error or the end concerns every waiter."""
+        for cond in self._per_index.values():
+            cond.notify_all()
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def wait(self, index: int, timeout: float, done: Callable[[Pods], bool]) -> Pods:
         """The Pods of episode `index` once `done(pods)` holds, or as they are after `timeout`.
@@ -91,7 +107,7 @@ class PodWatch:
                             f"watch of {self.name} not synced: {self._error or 'starting'}"
                         )
                     return pods
-                self._cond.wait(remaining)
+                self._index_cond(index).wait(remaining)
                 self._last_wait = time.monotonic()
 
     # -- the watch thread ----------------------------------------------------------------------
@@ -116,7 +132,7 @@ class PodWatch:
                 delay = min(delay * 2, RETRY_MAX_SECONDS)
         with self._cond:
             self._stopped = True
-            self._cond.notify_all()
+            self._wake_all()
 
     def _relist(self) -> str:
         listing = self._list()
@@ -130,7 +146,7 @@ class PodWatch:
             self._by_index = by_index
             self._synced = True
             self._error = None
-            self._cond.notify_all()
+            self._wake_all()
         return str(listing["metadata"]["resourceVersion"])
 
     def _follow(self, version: str) -> str:
@@ -179,7 +195,7 @@ class PodWatch:
             pod = {**pod, DELETED_MARK: True}
         with self._cond:
             self._by_index.setdefault(index, {})[uid] = pod
-            self._cond.notify_all()
+            self._index_cond(index).notify_all()
 
 
 class _Gone(Exception):
