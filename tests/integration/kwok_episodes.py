@@ -377,6 +377,9 @@ class KwokEpisodes:
             return False
         if CLAIM in (meta.get("annotations") or {}):
             return False  # another harness (or an earlier watch of ours) has it
+        # Batch Pods only (a Job's completion index), never another session's probe Pod.
+        if "batch.kubernetes.io/job-completion-index" not in (meta.get("labels") or {}):
+            return False
         return self._on_kwok_node((pod.get("spec") or {}).get("nodeName"))
 
     def _on_kwok_node(self, node: str | None) -> bool:
