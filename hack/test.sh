@@ -15,8 +15,8 @@ VENV="${ROLLOUT_VENV:-.venv}"
 export VIRTUAL_ENV="${VENV}" PATH="${VENV}/bin:${PATH}"
 hash -r
 
-ruff check rollout_worker trainer_stub tests benchmarks
-ruff format --check rollout_worker trainer_stub
+ruff check rollout_wire rollout_worker trainer_stub tests benchmarks
+ruff format --check rollout_wire rollout_worker trainer_stub
 mypy
 phase lint+types
 
