@@ -423,7 +423,12 @@ def _save_records(store: BatchStore, backend: Backend, receipt: Receipt) -> None
         return
     store.save_records(receipt.batch_id, finished.records)
     store.update_receipt(
-        receipt.batch_id, {"records": RECORDS_COMPLETE, "run_verdict": finished.verdict}
+        receipt.batch_id,
+        {
+            "records": RECORDS_COMPLETE,
+            "run_verdict": finished.verdict,
+            "completed_at": finished.completed_at,
+        },
     )
 
 

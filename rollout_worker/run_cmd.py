@@ -310,6 +310,7 @@ def _submit_and_wait(
     report = follow(client, [submission], _console(True), timeout, beat)[batch_id]
     if output is not None:
         _wait_for_records(client, batch_id, report)
+        report = _settled(report, client.receipt(batch_id))
         write_records(
             output,
             report,
@@ -356,6 +357,18 @@ def _hint_if_unclaimed(client: RolloutClient, batch_id: str, inner: Any) -> Any:
             hinted = True
 
     return beat
+
+
+def _settled(report: dict[str, Any], receipt: dict[str, Any]) -> dict[str, Any]:
+    """The report as results.json keeps it: with how the run ended, once its records are in
+    (the report itself is published before the Job settles)."""
+    completed_at = receipt.get("completed_at")
+    if receipt.get("records") != "complete":
+        return report
+    settled = {"run_verdict": receipt.get("run_verdict"), "completed_at": completed_at}
+    if completed_at and report.get("run_created_at"):
+        settled["job_complete_seconds"] = completed_at - report["run_created_at"]
+    return report | settled
 
 
 def _wait_for_records(client: RolloutClient, batch_id: str, report: dict[str, Any]) -> None:
