@@ -37,28 +37,16 @@ def wait_gone(cluster, batch_id: str, timeout: float = GONE_WITHIN_SECONDS) -> f
 
 
 def test_all_in_one_on_the_real_node_leaves_no_namespace(real_node, k8s_cluster):
-    selector = ",".join(f"{key}={v}" for key, v in real_node.node_selector.items())
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "rollout_worker.cli",
             "run",
-            "--backend",
-            "kubernetes",
             "--all-in-one",
             "--count",
             "10",
-            "--image",
-            real_node.image,
-            "--runtime",
-            real_node.runtime_class,
-            "--image-pull-policy",
-            real_node.image_pull_policy,
-            "--node-selector",
-            selector,
-            "--toleration",
-            f"{kc.REAL_NODE_LABEL_KEY}:NoSchedule",
+            *real_node.run_flags(),
             "--json",
         ],
         capture_output=True,

@@ -35,21 +35,7 @@ CLI = [sys.executable, "-m", "rollout_worker.cli"]
 
 # -- helpers ---------------------------------------------------------------------------------
 def real_node_flags(real_node) -> list[str]:
-    selector = ",".join(f"{key}={value}" for key, value in real_node.node_selector.items())
-    return [
-        "--backend",
-        "kubernetes",
-        "--image",
-        real_node.image,
-        "--runtime",
-        real_node.runtime_class,
-        "--image-pull-policy",
-        real_node.image_pull_policy,
-        "--node-selector",
-        selector,
-        "--toleration",
-        f"{kc.REAL_NODE_LABEL_KEY}:NoSchedule",
-    ]
+    return real_node.run_flags()
 
 
 def cli_env(kubeconfig: Path | str, redis_url: str | None = None) -> dict[str, str]:

@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
-from tests.k8s import cluster as kc
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
 
@@ -20,25 +19,13 @@ pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.m
 @pytest.mark.parametrize("parallelism", [10, 1])
 def test_guide_run_on_the_real_node(real_node, real_stack, k8s_cluster, tmp_path, parallelism):
     out = tmp_path / f"rl-{parallelism}-10"
-    selector = ",".join(f"{k}={v}" for k, v in real_node.node_selector.items())
     args = [
         "run",
-        "--backend",
-        "kubernetes",
         "--count",
         "10",
         "--parallelism",
         str(parallelism),
-        "--image",
-        real_node.image,
-        "--runtime",
-        real_node.runtime_class,
-        "--image-pull-policy",
-        real_node.image_pull_policy,
-        "--node-selector",
-        selector,
-        "--toleration",
-        f"{kc.REAL_NODE_LABEL_KEY}:NoSchedule",
+        *real_node.run_flags(),
         "--output",
         str(out),
         "--no-keep",

@@ -363,6 +363,24 @@ class RealNode:
         """Pod spec fields for this node: merge into ``spec`` (or a template's)."""
         return {"nodeSelector": self.node_selector, "tolerations": self.tolerations}
 
+    def run_flags(self) -> list[str]:
+        """`rollout run` options that run a batch's episodes on this node."""
+        selector = ",".join(f"{k}={v}" for k, v in self.node_selector.items())
+        return [
+            "--backend",
+            "kubernetes",
+            "--image",
+            self.image,
+            "--runtime",
+            self.runtime_class,
+            "--image-pull-policy",
+            self.image_pull_policy,
+            "--node-selector",
+            selector,
+            "--toleration",
+            f"{REAL_NODE_LABEL_KEY}:NoSchedule",
+        ]
+
     def batch_fields(self) -> dict:
         """Fields of a batch request (``parse_spec``) that run its episodes on this node."""
         return {
