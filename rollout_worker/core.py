@@ -91,6 +91,7 @@ class Limits:
 
 
 FLAG_CANCEL = "cancel"
+FLAG_STOPPED = "cancel-stopped"  # the backend stopped the run's sandboxes (or gave up trying)
 
 
 class NotYet(Exception):
@@ -294,14 +295,19 @@ def collect(
     episode_id = run.episode_id(index)
     text = ""
     cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
+    stopped = cancelled and store.has_flag(spec.batch_id, FLAG_STOPPED)
     try:
-        obs = backend.wait_episode(run, index, 0 if cancelled else block)
-        if not cancelled and obs.phase != "Succeeded":
+        obs = backend.wait_episode(
+            run, index, 0 if stopped else min(block, 1.0) if cancelled else block
+        )
+        if obs.phase != "Succeeded" and not cancelled:
             # Cancelled while this collector waited: the cancel stopped the sandbox (a Pod
             # killed by the suspended Job ends Failed), so the episode was cancelled, not failed.
             cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
-        if cancelled and obs.phase != "Succeeded":
+        if cancelled and obs.phase != "Succeeded" and (obs.terminal or stopped):
             row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
+        elif cancelled and not obs.terminal and in_time():
+            raise NotYet  # the stop is under way: the report must not come before it
         elif obs.terminal:
             text = backend.read_output(run, obs)
             row = validate_episode(obs, text, run.origin)
@@ -475,8 +481,9 @@ def cancel(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
         return "unknown"
     if store.has_report(batch_id):
         return "already-reported"
-    # Stop first, then tell the collectors: the report never precedes the stop. A stop that
-    # cannot be confirmed still cancels (the collectors must not wait for the deadline).
+    # Tell the collectors first (an episode that ends now is cancelled, not failed), stop the
+    # sandboxes, then let the collectors finish the rest: the report never precedes the stop.
+    store.set_flag(batch_id, FLAG_CANCEL)
     state = "cancelling"
     if receipt.run is not None:
         try:
@@ -486,7 +493,7 @@ def cancel(store: BatchStore, backend_for: BackendFor, batch_id: str) -> str:
         except BackendError as exc:
             log.error("batch %s: stop not confirmed: %s", batch_id, exc)
             state = "cancelling (stop not confirmed)"
-    store.set_flag(batch_id, FLAG_CANCEL)
+    store.set_flag(batch_id, FLAG_STOPPED)
     return state
 
 
