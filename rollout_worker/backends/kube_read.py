@@ -250,6 +250,18 @@ def completion_index(pod: Mapping[str, Any]) -> int | None:
         return None
 
 
+def index_in(ranges: str, index: int) -> bool:
+    """Whether `index` is in a Job's index list ("1,3-5,9", as in status.failedIndexes)."""
+    for part in filter(None, ranges.split(",")):
+        low, _, high = part.partition("-")
+        try:
+            if int(low) <= index <= int(high or low):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 def node_ready(node: Mapping[str, Any]) -> bool:
     return any(
         c.get("type") == "Ready" and c.get("status") == "True"

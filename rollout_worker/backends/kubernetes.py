@@ -38,6 +38,7 @@ from rollout_worker.backends.kube_read import (
     capacity_plan,
     completion_index,
     events_text,
+    index_in,
     job_verdict,
     node_ready,
     observe_pods,
@@ -60,7 +61,7 @@ from rollout_worker.settings import Settings
 
 MAX_LOG_BYTES = 8 * 2**20
 JOB_CACHE_SECONDS = 1.0
-JOB_SETTLE_SECONDS = 15
+JOB_SETTLE_SECONDS = 25  # after the report; well under the visibility timeout
 REQUEST_TIMEOUT = 30
 
 
@@ -348,10 +349,16 @@ class KubernetesBackend:
                 if c.get("type") == verdict
             ]
             obs.phase = "Failed"
-            obs.reason = (
-                f"Job {verdict}: {reasons[0] if reasons else '?'}; no Pod of this episode is "
-                "left to read"
-            )
+            status = job.get("status") or {}
+            if index_in(status.get("failedIndexes") or "", index):
+                # The Job counted this index failed: its Pod ended (failed, or was deleted)
+                # before any watch of ours saw it.
+                obs.reason = f"Job {verdict}: its Pod failed or was deleted before it could be read"
+            else:
+                obs.reason = (
+                    f"Job {verdict}: {reasons[0] if reasons else '?'}; no Pod of this episode "
+                    "is left to read"
+                )
         return obs
 
     def _recent_job(self, namespace: str) -> dict[str, Any]:

@@ -204,3 +204,10 @@ def test_a_pod_the_watch_saw_deleted_before_it_ended_is_a_failed_episode():
     running["status"]["containerStatuses"][0]["state"] = {"running": {}}
     obs = observe_pods(handle, 4, {"a": {**running, DELETED_MARK: True}})
     assert obs.terminal and obs.phase == "Failed" and "deleted" in obs.reason
+
+
+def test_job_index_lists_are_read_as_kubernetes_writes_them():
+    from rollout_worker.backends.kube_read import index_in
+
+    assert index_in("1,3-5,9", 4) and index_in("1,3-5,9", 9) and index_in("0", 0)
+    assert not index_in("1,3-5,9", 2) and not index_in("", 0)
