@@ -88,6 +88,10 @@ class Limits:
     collect_grace_seconds: float
     # At most half the visibility timeout (see WATCHDOG_STEP_SECONDS).
     watchdog_step_seconds: float = WATCHDOG_STEP_SECONDS
+    # After this long a collect task that has not recorded its episode may be lost for good
+    # (a worker killed between taking a message and marking it unacknowledged): the watchdog
+    # then collects ended episodes itself. The visibility timeout plus a margin.
+    rescue_after_seconds: float = 60.0
 
 
 FLAG_CANCEL = "cancel"
@@ -137,6 +141,28 @@ def watchdog_countdown(spec: BatchSpec, run: RunHandle, limits: Limits, now: flo
     """Seconds until the watchdog should look again: at most a step, never past its due time."""
     due = give_up_at(spec, run, limits) + WATCHDOG_EXTRA_SECONDS
     return max(0.0, min(limits.watchdog_step_seconds, due - now))
+
+
+def rescue(
+    store: BatchStore, backend: Backend, receipt: Receipt, limits: Limits, now: float
+) -> bool:
+    """The watchdog's look at a running batch: once its collection could have stalled, record
+    every episode that has ended but has no row (first writer wins, so a live collector's copy
+    is harmless). True when every episode has its row: the batch can be reported now, whether
+    or not the chord's callback ever comes."""
+    run = receipt.run
+    if run is None or now - run.origin < limits.rescue_after_seconds:
+        return False
+    batch_id = receipt.spec.batch_id
+    missing = [i for i in range(receipt.spec.count) if not store.has_episode(batch_id, i)]
+    for index in missing:
+        try:
+            collect(
+                store, backend, receipt, index, block=0, final=False, limits=limits, now=lambda: now
+            )
+        except (NotYet, TransientBackendError):
+            continue
+    return all(store.has_episode(batch_id, i) for i in missing)
 
 
 # -- submit ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class Clients:
             settings.max_batch_episodes,
             settings.collect_grace_seconds,
             min(core.WATCHDOG_STEP_SECONDS, settings.visibility_timeout / 2),
+            settings.visibility_timeout + 20.0,
         )
         self.store = Store.from_url(settings.redis_url, settings.record_ttl)
         self._backends: dict[str, Backend] = {}
@@ -183,6 +184,9 @@ def batch_watchdog(self: Task, batch_id: str) -> dict[str, Any]:
         return {"batch_id": batch_id, "status": "reported"}
     receipt = c.started(batch_id)
     if receipt is not None and receipt.run is not None:
+        backend = c.backend(receipt.run.backend)
+        if core.rescue(c.store, backend, receipt, c.limits, time.time()):
+            return _finalize(self, batch_id, "watchdog")
         countdown = core.watchdog_countdown(receipt.spec, receipt.run, c.limits, time.time())
         if countdown > 0:
             raise self.retry(countdown=countdown)

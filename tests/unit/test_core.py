@@ -239,3 +239,20 @@ def test_a_redelivered_callback_finds_the_cleanup_it_must_schedule_again(store, 
     assert finalize(store, backend) is None and core.cleanup_pending(store, "b1")
     core.cleanup(store, lambda name: backend, "b1")
     assert not core.cleanup_pending(store, "b1")
+
+
+def test_the_watchdog_rescues_a_batch_whose_collect_task_was_lost(store, backend):
+    receipt = started(store, backend)
+    for index in range(3):
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", 1000.5))
+    collect(store, backend, receipt, 0, now=1002.0)
+    collect(store, backend, receipt, 2, now=1002.0)
+    # Episode 1 ended but its collect task vanished with a killed worker: too early to tell...
+    assert not core.rescue(store, backend, receipt, LIMITS, now=1010.0)
+    assert not store.has_episode("b1", 1)
+    # ...later the watchdog records it itself and the batch can be reported.
+    assert core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 61)
+    assert store.rows["b1"][1].status == "ok"
+    backend.ended.pop(2)
+    store.rows["b1"].pop(2)  # an episode still running: not yet
+    assert not core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 61)
