@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # collectors' own give-up time before it finalises the batch itself.
 # Well under the visibility timeout: a delayed message held longer is restored by kombu even
 # though its worker lives, and the copies would double at every step.
-WATCHDOG_STEP_SECONDS = 15.0
+WATCHDOG_STEP_SECONDS = 10.0
 WATCHDOG_EXTRA_SECONDS = 30.0
 # What Redis keeps of one episode's log (validation reads all of it, up to the backend's cap).
 STORED_LOG_BYTES = 2**20
@@ -90,7 +90,7 @@ class Limits:
     watchdog_step_seconds: float = WATCHDOG_STEP_SECONDS
     # After this long a collect task that has not recorded its episode may be lost for good
     # (a worker killed between taking a message and marking it unacknowledged): the watchdog
-    # then collects ended episodes itself. The visibility timeout plus a margin.
+    # then collects ended episodes itself (workers use their visibility timeout).
     rescue_after_seconds: float = 60.0
 
 

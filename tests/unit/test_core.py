@@ -146,7 +146,7 @@ def test_the_watchdog_collects_what_ended_and_reports_the_rest_lost(store, backe
     report = done.report
     assert (report["successful_episodes"], report["lost_episodes"]) == (1, 2)
     assert report["finalized_by"] == "watchdog" and report["ok"] is False
-    assert core.watchdog_countdown(receipt.spec, receipt.run, LIMITS, now=0) == 15
+    assert core.watchdog_countdown(receipt.spec, receipt.run, LIMITS, now=0) == 10
     assert core.watchdog_countdown(receipt.spec, receipt.run, LIMITS, now=10**10) == 0
 
 
