@@ -44,7 +44,7 @@ class Clients:
             settings.max_batch_episodes,
             settings.collect_grace_seconds,
             min(core.WATCHDOG_STEP_SECONDS, settings.visibility_timeout / 2),
-            float(settings.visibility_timeout),
+            max(45.0, float(settings.visibility_timeout)),
         )
         self.store = Store.from_url(settings.redis_url, settings.record_ttl)
         self._backends: dict[str, Backend] = {}
