@@ -21,6 +21,7 @@ from rollout_wire.trajectory import trajectory_from_log
 from rollout_worker.backends.base import Backend, FinishedRun, RunHandle
 from rollout_worker.quantities import resource_problems
 from rollout_worker.report import build_report, error_report
+from rollout_worker.schedule import deadline_problem
 from rollout_worker.validation import lost_row, validate_episode
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ class Limits:
     # (a worker killed between taking a message and marking it unacknowledged): the watchdog
     # then collects ended episodes itself (workers use their visibility timeout).
     rescue_after_seconds: float = 60.0
+    # ROLLOUT_POD_CREATE_RATE: a Kubernetes batch that cannot be created within its deadline
+    # at this rate is refused (0: not checked).
+    pod_create_rate: float = 0.0
 
 
 FLAG_CANCEL = "cancel"
@@ -166,10 +170,20 @@ def rescue(
 
 
 # -- submit ----------------------------------------------------------------------------------
-def admit(request: Mapping[str, Any], max_episodes: int) -> BatchSpec:
-    """The worker's edge: the request's own rules, then the resource arithmetic."""
+def admit(request: Mapping[str, Any], max_episodes: int, pod_create_rate: float = 0.0) -> BatchSpec:
+    """The worker's edge: the request's own rules, then the resource arithmetic, then whether
+    the batch can finish within its deadline at all (rollout_worker/schedule.py)."""
     spec = parse_spec(request, max_episodes=max_episodes)
     problems = resource_problems(spec.resources)
+    too_long = deadline_problem(
+        spec.count,
+        spec.parallelism,
+        spec.deadline_seconds,
+        backend=spec.backend,
+        create_rate=pod_create_rate,
+    )
+    if too_long:
+        problems.append(too_long)
     if problems:
         raise InvalidSpec(problems)
     return spec
@@ -219,7 +233,7 @@ def submit(
         request["batch_id"] = default_batch_id
     request.setdefault("submitted_at", now)
     try:
-        spec = admit(request, limits.max_batch_episodes)
+        spec = admit(request, limits.max_batch_episodes, limits.pod_create_rate)
     except InvalidSpec as exc:
         # An unusable batch id is answered under the message's own id, which the sender knows.
         given = request.get("batch_id")

@@ -42,6 +42,10 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_SWEEP_SECONDS": "how often `rollout worker --beat` runs the sweeper (default 300)",
     "ROLLOUT_KUBE_JOB_TTL": "ttlSecondsAfterFinished of batch Jobs, a safety net for runs nobody "
     "cleans up (default 86400)",
+    "ROLLOUT_POD_CREATE_RATE": "Pods per second the cluster's Job controller creates (its "
+    "kube-controller-manager --kube-api-qps); a Kubernetes batch that cannot even be created "
+    "within its deadline at this rate is refused up front, with the arithmetic; 0: do not check "
+    "(default 20, a stock kube-controller-manager)",
 }
 
 
@@ -63,6 +67,7 @@ class Settings:
     local_python: str = ""
     local_isolation: str = "auto"
     kube_job_ttl_seconds: int = 24 * 3600
+    pod_create_rate: float = 20.0
     run_ttl_seconds: int = 7 * 24 * 3600
     sweep_seconds: float = 300.0
     kubeconfig: str | None = None
@@ -93,6 +98,8 @@ class Settings:
                 "ROLLOUT_RESULT_EXPIRES must be at least 4 x "
                 "ROLLOUT_VISIBILITY_TIMEOUT + 3600 seconds (never 0)"
             )
+        if not self.pod_create_rate >= 0:  # also refuses NaN
+            problems.append("ROLLOUT_POD_CREATE_RATE must be >= 0 (0: do not check)")
         if self.local_isolation not in ("auto", "bwrap", "none"):
             problems.append(
                 f"ROLLOUT_LOCAL_ISOLATION {self.local_isolation!r} is not one of auto, bwrap, none"
@@ -135,6 +142,7 @@ class Settings:
         if env.get("ROLLOUT_LOCAL_ISOLATION"):
             values["local_isolation"] = env["ROLLOUT_LOCAL_ISOLATION"]
         number("ROLLOUT_KUBE_JOB_TTL", "kube_job_ttl_seconds", int)
+        number("ROLLOUT_POD_CREATE_RATE", "pod_create_rate", float)
         number("ROLLOUT_RUN_TTL", "run_ttl_seconds", int)
         number("ROLLOUT_SWEEP_SECONDS", "sweep_seconds", float)
         values["kubeconfig"] = env.get("KUBECONFIG") or None

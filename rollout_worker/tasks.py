@@ -45,6 +45,7 @@ class Clients:
             settings.collect_grace_seconds,
             min(core.WATCHDOG_STEP_SECONDS, settings.visibility_timeout / 2),
             max(45.0, float(settings.visibility_timeout)),
+            settings.pod_create_rate,
         )
         self.store = Store.from_url(settings.redis_url, settings.record_ttl)
         self._backends: dict[str, Backend] = {}

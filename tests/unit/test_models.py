@@ -68,3 +68,15 @@ def test_spec_round_trips_through_json_dict():
 
 def test_the_trainer_side_leaves_the_size_limit_to_the_workers():
     assert parse_spec({"count": 10**6}, max_episodes=None).count == 10**6
+
+
+def test_a_batch_that_cannot_be_created_within_its_deadline_is_refused_at_the_edge():
+    request = {"count": 5000, "parallelism": 500, "backend": "kubernetes"}
+    with pytest.raises(InvalidSpec) as info:
+        admit(request, max_episodes=5000, pod_create_rate=20)
+    (problem,) = info.value.problems
+    assert "5000 Pods at 20/s" in problem and "needs at least 251 s" in problem
+    # The same batch with a deadline that fits, or where creation is not rate-limited.
+    assert admit({**request, "deadline_seconds": 300}, 5000, pod_create_rate=20).count == 5000
+    assert admit(request, max_episodes=5000, pod_create_rate=0).count == 5000
+    assert admit({**request, "backend": "local"}, 5000, pod_create_rate=20).count == 5000
