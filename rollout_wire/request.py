@@ -90,6 +90,10 @@ class BatchSpec:
     tasks: list[dict[str, Any]] = field(default_factory=list)
     samples_per_task: int = 1
     policy: dict[str, Any] | None = None
+    # Retry budget: how many times an episode that failed for infrastructure reasons (the
+    # runner's exit code 4: policy endpoint unreachable, no task; or its sandbox disrupted) is
+    # run again, each time in a fresh sandbox. Episode failures and deadlines are never retried.
+    infra_retries: int = 0
 
     def episode(self, index: int) -> EpisodeTask:
         """Which task and sample episode `index` runs, and its group."""
@@ -250,6 +254,11 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append("labels must map short names ([A-Za-z0-9_.-]) to strings (<= 256 chars)")
         labels = {}
 
+    retries = _int_field(data, "infra_retries", 0, problems)
+    if not 0 <= retries <= MAX_INFRA_RETRIES:
+        problems.append(f"infra_retries must be within 0..{MAX_INFRA_RETRIES}, got {retries}")
+        retries = 0
+
     placement = _parse_placement(data, problems)
     policy = _parse_policy(data.get("policy"), problems)
     if backend == "kubernetes" and policy is not None:
@@ -295,6 +304,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         tasks=tasks,
         samples_per_task=samples,
         policy=policy,
+        infra_retries=retries,
         **placement,
     )
 
@@ -368,6 +378,7 @@ def _parse_resources(data: Any, problems: list[str]) -> Resources:
 # -- tasks and policy ------------------------------------------------------------------------
 DEMO_TASK_ID = "shipping-demo"
 MAX_SAMPLES_PER_TASK = 256
+MAX_INFRA_RETRIES = 3
 # A batch's tasks travel in the request, the receipt and (on Kubernetes) the batch's ConfigMap,
 # whose whole object the API server caps at 1 MiB: the encoded tasks must stay below this.
 MAX_TASKS_BYTES = 900 * 1024

@@ -71,6 +71,9 @@ class EpisodeRow:
     tests_total: int | None = None
     failure_kind: str | None = None  # one of FAILURE_KINDS when the row is not ok
     failure_cause: str | None = None  # the first reason, short
+    # Earlier attempts run again under the batch's retry budget (infra_retries), oldest first:
+    # each {episode_id, exit_code, reason, cause, finished_at}. `pod` is the last attempt.
+    retried: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -16,6 +16,7 @@ import orjson
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
+from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
 JOB_NAME = "rollout"
 CONFIGMAP_NAME = "episode"
@@ -27,6 +28,9 @@ TASKS_KEY = "tasks.json"
 # data limit 1 MiB); parse_spec keeps tasks below 900 KiB, this is the last check.
 CONFIGMAP_MAX_BYTES = 1024 * 1024
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+# Set by the Job controller on the Pods of a Job with backoffLimitPerIndex: how many Pods of
+# this index failed before this one.
+FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
 SANDBOX_UID = 1000
 
 
@@ -123,7 +127,45 @@ def agent_env(spec: BatchSpec) -> list[dict[str, str]]:
         "ROLLOUT_SAMPLES_PER_TASK": str(spec.samples_per_task if spec.tasks else spec.count),
         "ROLLOUT_BATCH_ID": spec.batch_id,
     }
-    return [{"name": name, "value": value} for name, value in values.items()]
+    return [
+        *({"name": name, "value": value} for name, value in values.items()),
+        # Which attempt this Pod is (0 first; the Job controller counts an index's failures).
+        {
+            "name": "ROLLOUT_ATTEMPT",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{FAILURE_COUNT}']"}},
+        },
+    ]
+
+
+def pod_failure_policy(spec: BatchSpec) -> dict[str, Any]:
+    """Which failed Pods use up the episode's retry budget (`backoffLimitPerIndex`): the
+    runner's infrastructure exit code and disruptions (eviction, preemption, node loss). Any
+    other failure (an episode error, a deadline) fails its index at once: retrying it would
+    only sample the policy again until one attempt looks good."""
+    return {
+        "rules": [
+            {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            {
+                "action": "Count",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "In",
+                    "values": [EXIT_INFRASTRUCTURE],
+                },
+            },
+            {
+                "action": "FailIndex",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "NotIn",
+                    "values": [0, EXIT_INFRASTRUCTURE],
+                },
+            },
+            # Every other failed Pod (it never ran: a Pending Pod past its deadline) is not
+            # retried either; without this rule the Job's default would count it.
+            {"action": "FailIndex", "onPodConditions": [{"type": "Ready", "status": "False"}]},
+        ]
+    }
 
 
 def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[str, Any]:
@@ -188,7 +230,7 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
-    return {
+    job: dict[str, Any] = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
@@ -200,19 +242,24 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
             "completionMode": "Indexed",
             "completions": spec.count,
             "parallelism": spec.parallelism,
-            # One attempt per episode, like the guide's backoffLimit 0, but per index: one
-            # failed episode no longer stops the others.
-            "backoffLimitPerIndex": 0,
+            # One attempt per episode, like the guide's backoffLimit 0, but per index (one
+            # failed episode no longer stops the others), plus the batch's retry budget for
+            # infrastructure failures (podFailurePolicy says which failures those are).
+            "backoffLimitPerIndex": spec.infra_retries,
             "maxFailedIndexes": spec.count,
             # Set explicitly, as the ceiling per-index limits can never reach (each index fails
-            # at most once): 0 here would fail the whole Job, and stop every other episode, at
-            # the first failed one (seen on 1.34). A cluster that drops the per-index fields
-            # may rerun a failed episode; its collector then sees two Pods for one index and
-            # reports the episode failed (restarted), never counted twice.
-            "backoffLimit": spec.count,
+            # at most 1 + infra_retries times): 0 here would fail the whole Job, and stop every
+            # other episode, at the first failed one (seen on 1.34). A cluster that drops the
+            # per-index fields may rerun a failed episode; its collector then sees a Pod the
+            # budget does not explain and reports the episode failed (restarted), never
+            # counted twice.
+            "backoffLimit": spec.count * (spec.infra_retries + 1),
             "podReplacementPolicy": "Failed",
             "activeDeadlineSeconds": spec.deadline_seconds,
             "ttlSecondsAfterFinished": ttl_seconds_after_finished,
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
+    if spec.infra_retries:
+        job["spec"]["podFailurePolicy"] = pod_failure_policy(spec)
+    return job

@@ -6,6 +6,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import orjson
+
+# The agent runner's exit status for an infrastructure failure (sandbox/episode.py uses the
+# same number): the only exit status the batch's retry budget (`infra_retries`) runs again.
+EXIT_INFRASTRUCTURE = 4
+
 
 @dataclass
 class EpisodeObservation:
@@ -24,6 +30,9 @@ class EpisodeObservation:
     reason: str | None = None
     timing: dict[str, float | None] = field(default_factory=dict)
     termination_message: str | None = None
+    # Earlier attempts of this episode, each ended by an infrastructure failure and run again
+    # in a fresh sandbox under the retry budget (see `attempt_summary`); oldest first.
+    retried: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -35,3 +44,23 @@ class EpisodeObservation:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpisodeObservation:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def attempt_summary(obs: EpisodeObservation) -> dict[str, Any]:
+    """What a retried attempt leaves in its episode's row: which sandbox, how it ended, why
+    (the cause the runner wrote to its termination message, when it wrote one)."""
+    cause = obs.reason
+    if obs.termination_message:
+        try:
+            message = orjson.loads(obs.termination_message)
+        except orjson.JSONDecodeError:
+            message = None
+        if isinstance(message, dict) and message.get("cause"):
+            cause = str(message["cause"])
+    return {
+        "episode_id": obs.episode_id,
+        "exit_code": obs.exit_code,
+        "reason": obs.reason,
+        "cause": cause,
+        "finished_at": obs.finished_at,
+    }

@@ -5,7 +5,10 @@ plans, lists of turns; sample n of a task follows plan n % len(plans), and the t
 number of assistant messages already in the conversation (the server keeps no state, so a
 retried request gets the same answer). A turn is a tool call (`write_file`, `read_file`, `run`,
 `submit`), a malformed reply (`text`: no tool call), a slow reply (`delay` seconds before it)
-or no reply in time (`hang`). Past its plan, or for a task it does not know, it submits.
+or no reply in time (`hang`). A turn with `unavailable_on_attempts` (a list of attempt
+numbers, from `X-Rollout-Attempt`) answers HTTP 503 to those attempts of the episode and acts
+normally for the others: an infrastructure failure that a retry in a fresh sandbox gets past.
+Past its plan, or for a task it does not know, it submits.
 
 The task comes from the `X-Rollout-Task-Id` header (else the group id's tail, `<batch>:<task>`),
 the sample from `X-Rollout-Sample`. Routes: POST `/rollout/<episode id>/v1/chat/completions`
@@ -39,6 +42,7 @@ GROUP_HEADER = "X-Rollout-Group-Id"
 TASK_HEADER = "X-Rollout-Task-Id"
 SAMPLE_HEADER = "X-Rollout-Sample"
 EPISODE_HEADER = "X-Rollout-Episode-Id"
+ATTEMPT_HEADER = "X-Rollout-Attempt"
 _ROUTE = re.compile(r"^(?:/rollout/(?P<episode>[^/]+))?/v1/chat/completions$")
 MAX_BODY = 16 * 2**20
 
@@ -165,8 +169,9 @@ class _Handler(BaseHTTPRequestHandler):
         task = self.headers.get(TASK_HEADER) or (group.rsplit(":", 1)[-1] if group else None)
         try:
             sample = int(self.headers.get(SAMPLE_HEADER) or 0)
+            attempt = int(self.headers.get(ATTEMPT_HEADER) or 0)
         except ValueError:
-            sample = 0
+            sample = attempt = 0
         turn_no = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
         episode = route.group("episode")
         with self.server.lock:
@@ -178,11 +183,15 @@ class _Handler(BaseHTTPRequestHandler):
                     "group_id": group,
                     "task_id": task,
                     "sample": sample,
+                    "attempt": attempt,
                     "turn": turn_no,
                     "at": time.time(),
                 }
             )
         turn = self.server.policy.turn(task, sample, turn_no)
+        if attempt in (turn.get("unavailable_on_attempts") or ()):
+            self._send(503, {"error": {"message": f"scripted outage for attempt {attempt}"}})
+            return
         if turn.get("hang"):
             time.sleep(self.server.policy.hang_seconds)
             self.close_connection = True

@@ -90,6 +90,10 @@ def build_report(
         "infrastructure_failures": sum(1 for r in ordered if r.failure_kind == "infrastructure")
         + len(missing),
         "episode_failures": sum(1 for r in ordered if r.failure_kind == "episode"),
+        # The retry budget per episode and what it cost: episodes run again, and attempts.
+        "infra_retries": spec.infra_retries,
+        "retried_episodes": sum(1 for r in ordered if r.retried),
+        "retries": sum(len(r.retried) for r in ordered),
         "samples_per_task": spec.samples_per_task if spec.tasks else spec.count,
         "policy": (
             {"url": spec.policy["url"], "model": spec.policy.get("model")} if spec.policy else None
@@ -138,7 +142,9 @@ def build_groups(spec: BatchSpec, by_index: Mapping[int, EpisodeRow]) -> list[di
     its valid samples, mean and population standard deviation, pass@k (a sample passes with
     reward 1) for k = 1, 2, 4, ... up to the valid samples. Failed and lost episodes are listed
     with their kind and cause and enter no figure: an infrastructure failure is not a reward-0
-    sample. A group is `complete` when every sample is valid, else `incomplete`."""
+    sample. A group is `complete` when every sample is valid; `failed` as a whole when an
+    infrastructure failure is left after the retry budget (its samples are no fair group for
+    group-relative advantages); else `incomplete` (some samples broke a rule of the episode)."""
     by_task: dict[str, list[int]] = {}
     for index in range(spec.count):
         by_task.setdefault(spec.episode(index).task_id, []).append(index)
@@ -173,7 +179,14 @@ def build_groups(spec: BatchSpec, by_index: Mapping[int, EpisodeRow]) -> list[di
                 "std": statistics.pstdev(rewards) if rewards else None,
                 "pass_at_k": {str(k): pass_at_k(n, passed, k) for k in ks},
                 "failed": failed,
-                "status": "complete" if not failed else "incomplete",
+                "retries": sum(len(r.retried) for r in rows if r is not None),
+                "status": (
+                    "complete"
+                    if not failed
+                    else "failed"
+                    if any(f["failure_kind"] == "infrastructure" for f in failed)
+                    else "incomplete"
+                ),
             }
         )
     return groups

@@ -80,6 +80,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
         finished_at=obs.finished_at,
         timing=dict(obs.timing),
         collected_at=time.time(),
+        retried=[dict(a) for a in obs.retried],
     )
     errors = row.errors
     if obs.phase != "Succeeded":
@@ -280,6 +281,11 @@ def _cross_check_termination(
     except orjson.JSONDecodeError:
         errors.append("termination message is not JSON")
         return
+    if isinstance(message, dict) and message.get("error"):
+        # The runner's error summary: the log's error event already says what went wrong.
+        if reward is not None:
+            errors.append("termination message reports an error, but the log has a reward")
+        return
     if reward is None:
         errors.append(
             "termination message reports an outcome the log does not contain (log cut or lost)"
@@ -309,4 +315,5 @@ def lost_row(
     if obs is not None:
         row.phase, row.node, row.created_at = obs.phase, obs.node, obs.created_at
         row.exit_code, row.restart_count = obs.exit_code, obs.restart_count
+        row.retried = [dict(a) for a in obs.retried]
     return row

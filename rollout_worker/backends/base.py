@@ -27,6 +27,9 @@ class RunHandle:
     origin: float  # when the run was created: the guide's "Job created", time zero of metrics
     episode_prefix: str  # episode ids are f"{episode_prefix}-{index}" (Pods add a suffix)
     context: str  # kubeconfig context, or local:<host>
+    # The batch's retry budget per episode (BatchSpec.infra_retries): how many earlier attempts
+    # of an episode its collector accepts as retries instead of restarts.
+    infra_retries: int = 0
     # kubernetes
     namespace: str | None = None
     namespace_uid: str | None = None

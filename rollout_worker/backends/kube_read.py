@@ -13,7 +13,7 @@ import orjson
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.manifests import CONTAINER_NAME, INDEX_LABEL, JOB_NAME
-from rollout_worker.observation import EpisodeObservation
+from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
 from rollout_worker.quantities import format_memory, parse_quantity
 
 
@@ -129,15 +129,57 @@ DELETED_MARK = "rolloutDeleted"
 NEVER_STARTS = frozenset({"ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
 
 
+# The reason of an episode whose attempt failed within the retry budget: the Job controller
+# runs it again in a new Pod, so it has not ended.
+RETRYING = "retrying"
+
+
+def retryable(pod: Mapping[str, Any], obs: EpisodeObservation) -> bool:
+    """Whether a failed Pod uses up its episode's retry budget instead of ending the episode:
+    the runner's infrastructure exit code, or a disruption (eviction, preemption, node loss).
+    The Job's podFailurePolicy (manifests.pod_failure_policy) says the same."""
+    if obs.phase != "Failed":
+        return False
+    disrupted = any(
+        c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+    return disrupted or obs.exit_code == EXIT_INFRASTRUCTURE
+
+
 def observe_pods(
-    handle: RunHandle, index: int, pods: Mapping[str, dict[str, Any]]
+    handle: RunHandle, index: int, pods: Mapping[str, dict[str, Any]], *, final: bool = False
 ) -> EpisodeObservation:
-    """What the Pods of one completion index say about its episode (the newest Pod counts;
-    earlier ones are restarts)."""
+    """What the Pods of one completion index say about its episode.
+
+    The newest Pod is the episode's current attempt. Earlier Pods that failed retryably, up to
+    the batch's budget (`handle.infra_retries`), are its retried attempts; any other earlier
+    Pod is a restart. A newest Pod that failed retryably with budget left has not ended the
+    episode (phase Pending, reason RETRYING: the Job controller replaces it) unless `final`
+    (the Job will not: it ended, or counted the index failed)."""
     if not pods:
         return EpisodeObservation(index=index, episode_id=handle.episode_id(index), phase="Pending")
     ordered = sorted(pods.values(), key=lambda p: p["metadata"]["creationTimestamp"])
-    pod = ordered[-1]
+    obs = _observe_pod(index, ordered[-1])
+    for pod in ordered[:-1]:
+        earlier = _observe_pod(index, pod)
+        if len(obs.retried) < handle.infra_retries and retryable(pod, earlier):
+            obs.retried.append(attempt_summary(earlier))
+        else:
+            obs.restart_count += 1
+    if (
+        not final
+        and len(obs.retried) < handle.infra_retries
+        and not ordered[-1].get(DELETED_MARK)
+        and retryable(ordered[-1], obs)
+    ):
+        obs.phase = "Pending"
+        obs.reason = f"{RETRYING}: {attempt_summary(obs)['cause']}"
+    return obs
+
+
+def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
+    """One Pod of an episode, on its own."""
     meta, status = pod["metadata"], pod.get("status", {})
     container: dict[str, Any] = next(
         (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER_NAME),
@@ -183,7 +225,7 @@ def observe_pods(
         node=pod.get("spec", {}).get("nodeName"),
         image_id=container.get("imageID") or None,
         exit_code=terminated.get("exitCode"),
-        restart_count=int(container.get("restartCount", 0)) + len(ordered) - 1,
+        restart_count=int(container.get("restartCount", 0)),
         reason=reason,
         termination_message=terminated.get("message") or None,
         timing={

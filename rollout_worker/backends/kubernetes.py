@@ -35,6 +35,7 @@ from rollout_wire.errors import (
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.kube_read import (
+    RETRYING,
     capacity_plan,
     completion_index,
     events_text,
@@ -238,6 +239,7 @@ class KubernetesBackend:
             origin=ts(job["metadata"]["creationTimestamp"]) or 0.0,
             episode_prefix=JOB_NAME,  # Pod names add a random suffix once created
             context=self.context,
+            infra_retries=spec.infra_retries,
             namespace=namespace,
             namespace_uid=ns["metadata"]["uid"],
             job_name=JOB_NAME,
@@ -334,7 +336,17 @@ class KubernetesBackend:
         obs = observe_pods(handle, index, pods)
         if not obs.terminal and not pods:
             obs = self._ended_without_pod(handle, index, obs)
+        elif (obs.reason or "").startswith(RETRYING) and self._no_retry_coming(handle, index):
+            obs = observe_pods(handle, index, pods, final=True)
         return obs
+
+    def _no_retry_coming(self, handle: RunHandle, index: int) -> bool:
+        """The Job will not replace this index's failed Pod: it ended, or counted the index
+        failed (its budget, as the controller counts it, is spent)."""
+        job = self._recent_job(_namespace(handle))
+        _, verdict = job_verdict(job)
+        failed = (job.get("status") or {}).get("failedIndexes") or ""
+        return verdict != "Running" or index_in(failed, index)
 
     def _ended_without_pod(
         self, handle: RunHandle, index: int, obs: EpisodeObservation

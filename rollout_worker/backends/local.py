@@ -184,6 +184,7 @@ class LocalBackend:
             origin=existing["created_at"],
             episode_prefix=existing["episode_prefix"],
             context=f"local:{existing['node']}",
+            infra_retries=spec.infra_retries,
             run_dir=str(run_dir.path),
             run_uid=existing["run_uid"],
             isolation=existing["isolation"],
@@ -273,6 +274,15 @@ class LocalBackend:
             records["run.json"] = orjson.dumps(run, option=orjson.OPT_INDENT_2).decode()
         if run_dir.supervisor_log.exists() and run_dir.supervisor_log.stat().st_size:
             records["supervisor.log"] = run_dir.supervisor_log.read_text(errors="replace")
+        for index in range(spec.count):
+            # The logs of attempts run again under the retry budget (the rows say why).
+            for attempt, _ in enumerate(
+                (run_dir.read_json(run_dir.attempts(index)) or {}).get("retried", [])
+            ):
+                path = run_dir.attempt_log(index, attempt)
+                if path.exists():
+                    text = path.read_bytes()[:MAX_LOG_BYTES].decode("utf-8", "replace")
+                    records[f"episode-{index}.attempt{attempt}.log"] = text
         # Like the Job controller: Complete when every episode's sandbox succeeded.
         phases = [
             (run_dir.read_json(run_dir.status(i)) or {}).get("phase") for i in range(spec.count)

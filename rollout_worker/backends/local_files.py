@@ -34,6 +34,13 @@ class RunDir:
     def stderr(self, index: int) -> Path:
         return self.path / "logs" / f"{index}.err"
 
+    def attempt_log(self, index: int, attempt: int, kind: str = "log") -> Path:
+        """The log (or stderr, kind "err") of an earlier attempt, kept after its retry."""
+        return self.path / "logs" / f"{index}.attempt{attempt}.{kind}"
+
+    def attempts(self, index: int) -> Path:
+        return self.path / "status" / f"{index}.attempts.json"
+
     def status(self, index: int) -> Path:
         return self.path / "status" / f"{index}.json"
 

@@ -4,7 +4,7 @@ The supervisor opens a socket for each episode it starts and bind-mounts it into
 the runner speaks HTTP over it. The proxy forwards only POST `/rollout/<this episode>/v1/chat/
 completions` (and GET `.../v1/models`) to the batch's policy URL, nothing else: no other
 path, no other episode's identity, no other host. It sets the identity headers itself (group,
-task, sample, episode), whatever the sandbox sent, so a trainer can trust them.
+task, sample, episode, attempt), whatever the sandbox sent, so a trainer can trust them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ IDENTITY_HEADERS = {
     "task_id": "X-Rollout-Task-Id",
     "sample": "X-Rollout-Sample",
     "episode_id": "X-Rollout-Episode-Id",
+    "attempt": "X-Rollout-Attempt",
 }
 
 
@@ -39,6 +40,7 @@ class EpisodeIdentity:
     group_id: str
     task_id: str
     sample: int
+    attempt: int = 0  # 0 first; n for the n-th retry after an infrastructure failure
 
 
 class _Handler(BaseHTTPRequestHandler):

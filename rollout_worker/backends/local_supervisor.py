@@ -38,6 +38,7 @@ from rollout_worker.backends.local_files import (
 from rollout_worker.backends.local_policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local_signal import DoneSignal
 from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
+from rollout_worker.observation import EXIT_INFRASTRUCTURE
 from rollout_worker.store import Store
 
 FILE_SIZE_LIMIT = 64 * 2**20
@@ -53,6 +54,7 @@ class Running:
     out: int  # read end of the sandbox's stdout
     log: BinaryIO
     created_at: float
+    attempt: int
     deadline: float
     killed_for: str | None = None
     pending: bytes = b""
@@ -117,6 +119,14 @@ class Supervisor:
         self.memory_bytes: int = run["limits"]["memory_bytes"]
         self.cpu_seconds: int = run["limits"]["cpu_seconds"]
         self.running: dict[int, Running] = {}
+        self.pending: deque[int] = deque()
+        # Earlier attempts of episodes run again under the retry budget (kept on disk too: a
+        # supervisor started again after a crash knows which attempt comes next).
+        self.retried: dict[int, list[dict[str, Any]]] = {}
+        for index in range(self.count):
+            earlier = run_dir.read_json(run_dir.attempts(index))
+            if earlier:
+                self.retried[index] = list(earlier["retried"])
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.as_root = os.geteuid() == 0
@@ -141,12 +151,14 @@ class Supervisor:
         if self.proxy is None:
             return {}, []
         episode = self.spec.episode(index)
+        attempt = self.attempt(index)
         identity = EpisodeIdentity(
-            self.episode_id(index), episode.group_id, episode.task_id, episode.sample
+            self.episode_id(index), episode.group_id, episode.task_id, episode.sample, attempt
         )
         sock = self.proxy.open(index, identity)
         env = {
             "ROLLOUT_POLICY": self.runner_policy,
+            "ROLLOUT_ATTEMPT": str(attempt),
             "ROLLOUT_TASK_ID": episode.task_id,
             "ROLLOUT_SAMPLE": str(episode.sample),
             "ROLLOUT_GROUP_ID": episode.group_id,
@@ -159,8 +171,14 @@ class Supervisor:
         ]
         return env, mounts
 
+    def attempt(self, index: int) -> int:
+        return len(self.retried.get(index, ()))
+
     def episode_id(self, index: int) -> str:
-        return f"{self.run['episode_prefix']}-{index}"
+        """A fresh sandbox name per attempt, like a Job's replacement Pod."""
+        attempt = self.attempt(index)
+        suffix = f"-retry{attempt}" if attempt else ""
+        return f"{self.run['episode_prefix']}-{index}{suffix}"
 
     def write_status(self, index: int, **fields: Any) -> None:
         status = {
@@ -169,12 +187,13 @@ class Supervisor:
             "node": self.run["node"],
             "image_id": self.run["image_id"],
             "restart_count": 0,
+            "retried": self.retried.get(index, []),
         } | fields
         write_json_atomic(self.dir.status(index), status)
         self.progress(index, "done")
 
     def todo(self) -> deque[int]:
-        pending: deque[int] = deque()
+        pending = self.pending
         for index in range(self.count):
             if self.dir.status(index).exists():
                 continue
@@ -232,7 +251,7 @@ class Supervisor:
         os.set_blocking(out, False)
         pidfd = os.pidfd_open(proc.pid)
         deadline = min(created_at + self.episode_timeout, self.run_deadline)
-        item = Running(index, proc, pidfd, out, log, created_at, deadline)
+        item = Running(index, proc, pidfd, out, log, created_at, self.attempt(index), deadline)
         self.running[pidfd] = item
         self.selector.register(pidfd, selectors.EVENT_READ, ("exit", item))
         self.selector.register(out, selectors.EVENT_READ, ("out", item))
@@ -285,6 +304,8 @@ class Supervisor:
             self.proxy.close(item.index)
         code = item.proc.wait()
         finished_at = time.time()
+        if self.retry(item, code, finished_at):
+            return
         reason = item.killed_for
         if reason is None and code < 0:
             reason = f"Signal{-code}"
@@ -304,6 +325,34 @@ class Supervisor:
             },
         )
         shutil.rmtree(self.dir.workspace(index=item.index), ignore_errors=True)
+
+    def retry(self, item: Running, code: int, finished_at: float) -> bool:
+        """Run the episode again in a fresh sandbox when its runner failed for infrastructure
+        reasons and the batch's retry budget for it is not spent; keep the attempt's log."""
+        if (
+            code != EXIT_INFRASTRUCTURE
+            or item.killed_for is not None
+            or self.stopping
+            or self.attempt(item.index) >= self.spec.infra_retries
+            or finished_at >= self.run_deadline
+        ):
+            return False
+        index, attempt = item.index, item.attempt
+        self.dir.log(index).rename(self.dir.attempt_log(index, attempt))
+        with contextlib.suppress(FileNotFoundError):
+            self.dir.stderr(index).rename(self.dir.attempt_log(index, attempt, "err"))
+        summary = {
+            "episode_id": self.episode_id(index),
+            "exit_code": code,
+            "reason": "Error",
+            "cause": _error_cause(self.dir.attempt_log(index, attempt)),
+            "finished_at": finished_at,
+        }
+        self.retried.setdefault(index, []).append(summary)
+        write_json_atomic(self.dir.attempts(index), {"retried": self.retried[index]})
+        shutil.rmtree(self.dir.workspace(index), ignore_errors=True)
+        self.pending.appendleft(index)
+        return True
 
     def kill(self, item: Running, why: str) -> None:
         if item.killed_for is None:
@@ -348,6 +397,19 @@ class Supervisor:
 
     def request_stop(self, *_: object) -> None:
         self.stopping = True
+
+
+def _error_cause(log_path: Path) -> str | None:
+    """The cause the runner gave in its (last) error event, if it printed one."""
+    cause = None
+    with contextlib.suppress(OSError), open(log_path, "rb") as log:
+        for line in log:
+            if b'"event": "error"' in line:
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    event = orjson.loads(line)
+                    if isinstance(event, dict) and event.get("cause"):
+                        cause = str(event["cause"])
+    return cause
 
 
 def serve(path: Path) -> int:

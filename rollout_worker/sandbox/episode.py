@@ -28,7 +28,9 @@ ROLLOUT_ACTION; for the agent runner ROLLOUT_POLICY (JSON: model, sampling,
 request_timeout_seconds, max_retries), ROLLOUT_POLICY_SOCKET (a unix socket that forwards to
 the policy; the local backend) or ROLLOUT_POLICY_URL (the policy's root URL; Kubernetes),
 ROLLOUT_TASKS_FILE, and either ROLLOUT_TASK_ID / ROLLOUT_SAMPLE / ROLLOUT_GROUP_ID or
-JOB_COMPLETION_INDEX / ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out.
+JOB_COMPLETION_INDEX / ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out;
+ROLLOUT_ATTEMPT (0 for the first run of this episode, n for its n-th retry in a fresh sandbox
+after an infrastructure failure), sent to the policy as X-Rollout-Attempt.
 """
 
 from __future__ import annotations
@@ -152,14 +154,16 @@ def truncate(text: str, limit: int = MAX_OBSERVATION_BYTES) -> tuple[str, bool]:
     return kept + TRUNCATION_MARKER.format(omitted=len(data) - limit), True
 
 
-def record_outcome(reward_event: dict[str, object]) -> None:
-    # Kubernetes carries this file back in the Pod status: the outcome survives even if the
-    # log stream is cut or never read.
+def record_outcome(event: dict[str, object]) -> None:
+    # Kubernetes carries this file back in the Pod status: the outcome (a reward, or an error's
+    # kind and cause) survives even if the log stream is cut or never read.
     if os.path.exists(TERMINATION_LOG):
-        summary = {
-            k: reward_event.get(k)
-            for k in ("at", "episode_id", "reward", "baseline_exit", "tests_exit")
-        }
+        keys: tuple = ("at", "episode_id", "reward", "baseline_exit", "tests_exit")
+        if event.get("event") == "error":
+            keys = ("at", "episode_id", "kind", "cause")
+        summary = {k: event.get(k) for k in keys}
+        if event.get("event") == "error":
+            summary["error"] = True
         try:
             with open(TERMINATION_LOG, "w") as handle:
                 handle.write(json.dumps(summary))
@@ -260,6 +264,7 @@ class Policy:
             "X-Rollout-Task-Id": identity["task_id"],
             "X-Rollout-Sample": str(identity["sample"]),
             "X-Rollout-Episode-Id": episode_id,
+            "X-Rollout-Attempt": str(identity.get("attempt", 0)),
         }
 
     def connection(self) -> http.client.HTTPConnection:
@@ -571,11 +576,13 @@ def load_task(identity: dict) -> dict:
 
 
 def episode_identity() -> dict:
+    attempt = int(os.environ.get("ROLLOUT_ATTEMPT") or 0)
     if os.environ.get("ROLLOUT_TASK_ID"):
         return {
             "task_id": os.environ["ROLLOUT_TASK_ID"],
             "sample": int(os.environ.get("ROLLOUT_SAMPLE", "0")),
             "group_id": os.environ["ROLLOUT_GROUP_ID"],
+            "attempt": attempt,
         }
     # An Indexed Job: the completion index says which task and sample (the batch's order).
     with open(os.environ["ROLLOUT_TASKS_FILE"]) as handle:
@@ -587,6 +594,7 @@ def episode_identity() -> dict:
         "task_id": task_id,
         "sample": sample,
         "group_id": f"{os.environ['ROLLOUT_BATCH_ID']}:{task_id}",
+        "attempt": attempt,
     }
 
 
@@ -596,7 +604,9 @@ def agent(workspace: str) -> int:
         identity = episode_identity()
         task = load_task(identity)
     except (OSError, ValueError, KeyError, IndexError, InfrastructureError) as exc:
-        emit("error", kind="infrastructure", cause=f"no task for this episode: {exc}")
+        record_outcome(
+            emit("error", kind="infrastructure", cause=f"no task for this episode: {exc}")
+        )
         return EXIT_INFRASTRUCTURE
     root = os.path.realpath(workspace)
     policy = Policy(json.loads(os.environ["ROLLOUT_POLICY"]), episode_id, identity)
@@ -616,7 +626,7 @@ def agent(workspace: str) -> int:
     try:
         steps, stop_reason = runner.loop()
     except InfrastructureError as exc:
-        emit("error", kind="infrastructure", cause=str(exc), **identity)
+        record_outcome(emit("error", kind="infrastructure", cause=str(exc), **identity))
         return EXIT_INFRASTRUCTURE
     removed = runner.remove_shadows()
     tests_exit, tests_output = runner.run_tests()

@@ -133,7 +133,7 @@ def test_a_mixed_bundled_batch_gets_exactly_the_rewards_the_scripted_actions_pro
     assert fizz["pass_at_k"] == {"1": 0.5, "2": 1.0}
     assert groups["leap-year"]["mean"] == pytest.approx(0.75)
     assert groups["leap-year"]["pass_at_k"] == {"1": 0.0, "2": 0.0}
-    assert groups["palindrome"]["status"] == "incomplete"
+    assert groups["palindrome"]["status"] == "failed"
     assert groups["palindrome"]["rewards"] == [] and groups["palindrome"]["mean"] is None
     assert {f["failure_kind"] for f in groups["palindrome"]["failed"]} == {"infrastructure"}
     assert all(g["status"] == "complete" for t, g in groups.items() if t != "palindrome")

@@ -76,7 +76,7 @@ def test_a_mixed_batch_on_the_real_node_gets_the_scripted_rewards(
     groups = {g["task_id"]: g for g in report["groups"]}
     assert groups["fizzbuzz-order"]["rewards"] == [1, 0]
     assert groups["inventory-two-bugs"]["mean"] == 1
-    assert groups["palindrome"]["status"] == "incomplete"
+    assert groups["palindrome"]["status"] == "failed"
     pods = {row["pod"]: row["group_id"] for row, _ in seen.values()}
     assert calls and all(pods[c["episode_id"]] == c["group_id"] for c in calls)
 

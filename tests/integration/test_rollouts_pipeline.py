@@ -45,6 +45,6 @@ def test_a_trainer_streams_trajectories_and_gets_group_rewards(client):
     groups = {g["task_id"]: g for g in report["groups"]}
     assert groups["fizzbuzz-order"]["rewards"] == [1, 0]
     assert groups["inventory-two-bugs"]["pass_at_k"] == {"1": 1.0, "2": 1.0}
-    assert groups["palindrome"]["status"] == "incomplete"
+    assert groups["palindrome"]["status"] == "failed"
     assert report["infrastructure_failures"] == 2
     assert report["ok"] is False  # failures are reported, never hidden as rewards

@@ -181,7 +181,7 @@ def test_the_report_groups_samples_per_task_and_keeps_failures_out_of_the_figure
     assert a["pass_at_k"] == {"1": pytest.approx(2 / 3), "2": 1.0, "3": 1.0}
     assert a["group_id"] == f"{spec.batch_id}:a"
     # Group b: one valid sample, one infrastructure failure (not a 0), one never collected.
-    assert b["rewards"] == [0.5] and b["valid_samples"] == 1 and b["status"] == "incomplete"
+    assert b["rewards"] == [0.5] and b["valid_samples"] == 1 and b["status"] == "failed"
     assert [(f["index"], f["failure_kind"]) for f in b["failed"]] == [
         (4, "infrastructure"),
         (5, "infrastructure"),

@@ -211,3 +211,91 @@ def test_job_index_lists_are_read_as_kubernetes_writes_them():
 
     assert index_in("1,3-5,9", 4) and index_in("1,3-5,9", 9) and index_in("0", 0)
     assert not index_in("1,3-5,9", 2) and not index_in("", 0)
+
+
+def test_a_retry_budget_counts_only_infrastructure_failures_and_disruptions():
+    js = job_manifest(spec(infra_retries=2), ttl_seconds_after_finished=60)["spec"]
+    assert js["backoffLimitPerIndex"] == 2
+    assert js["backoffLimit"] == 30  # 10 episodes x 3 attempts: never fails the whole Job
+    rules = js["podFailurePolicy"]["rules"]
+    assert [r["action"] for r in rules] == ["Count", "Count", "FailIndex", "FailIndex"]
+    assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget"}]
+    assert rules[1]["onExitCodes"] == {"containerName": "episode", "operator": "In", "values": [4]}
+    assert rules[2]["onExitCodes"]["values"] == [0, 4]
+    # Without a budget the Job is as before: no policy, one attempt per index.
+    plain = job_manifest(spec(), ttl_seconds_after_finished=60)["spec"]
+    assert "podFailurePolicy" not in plain and plain["backoffLimitPerIndex"] == 0
+    agent = parse_spec(
+        {"backend": "kubernetes", "tasks": [TASK], "policy": {"url": "http://10.0.0.1:8000"}},
+        max_episodes=100,
+    )
+    job = job_manifest(agent, ttl_seconds_after_finished=60)
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ROLLOUT_ATTEMPT"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-index-failure-count']"
+    )
+
+
+TASK = {
+    "id": "t",
+    "statement": "s",
+    "files": {"a.py": ""},
+    "test_command": ["python", "-m", "unittest"],
+}
+
+
+def test_earlier_pods_within_the_budget_are_retries_not_restarts():
+    handle = RunHandle(
+        backend="kubernetes",
+        batch_id="b",
+        origin=0.0,
+        episode_prefix="rollout",
+        context="c",
+        infra_retries=1,
+    )
+    created = ["2026-11-30T10:00:00Z", "2026-11-30T10:00:10Z", "2026-11-30T10:00:20Z"]
+    down = pod(
+        "rollout-0-a",
+        created[0],
+        phase="Failed",
+        exit_code=4,
+        message='{"error": true, "kind": "infrastructure", "cause": "policy endpoint answered '
+        'HTTP 503"}',
+    )
+    # The first attempt failed for infrastructure: the Job replaces it, the episode goes on.
+    waiting = observe_pods(handle, 0, {"a": down})
+    assert not waiting.terminal and waiting.reason.startswith("retrying: policy endpoint")
+    # Unless the Job will not (it ended, or counted the index failed).
+    assert observe_pods(handle, 0, {"a": down}, final=True).phase == "Failed"
+    # The replacement's outcome is the episode's; the first attempt is kept, not a restart.
+    obs = observe_pods(handle, 0, {"a": down, "b": pod("rollout-0-b", created[1])})
+    assert (obs.episode_id, obs.phase, obs.restart_count) == ("rollout-0-b", "Succeeded", 0)
+    assert obs.retried == [
+        {
+            "episode_id": "rollout-0-a",
+            "exit_code": 4,
+            "reason": "Completed",
+            "cause": "policy endpoint answered HTTP 503",
+            "finished_at": obs.finished_at,
+        }
+    ]
+    # The budget spent: a second infrastructure failure ends the episode.
+    again = pod("rollout-0-b", created[1], phase="Failed", exit_code=4)
+    spent = observe_pods(handle, 0, {"a": down, "b": again})
+    assert spent.terminal and spent.phase == "Failed" and len(spent.retried) == 1
+    # An episode error is never retried, and a Pod the budget does not explain is a restart.
+    broken = pod("rollout-0-c", created[0], phase="Failed", exit_code=3)
+    assert observe_pods(handle, 0, {"c": broken}).terminal
+    extra = observe_pods(handle, 0, {"c": broken, "b": pod("rollout-0-b", created[1])})
+    assert extra.restart_count == 1 and extra.retried == []
+    # A disrupted Pod (evicted) uses the budget whatever its exit code.
+    evicted = pod("rollout-0-d", created[0], phase="Failed", exit_code=137)
+    evicted["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True"})
+    assert not observe_pods(handle, 0, {"d": evicted}).terminal
+
+
+def test_the_runner_and_the_backends_agree_on_the_infrastructure_exit_code():
+    from rollout_worker.observation import EXIT_INFRASTRUCTURE
+    from rollout_worker.sandbox import episode
+
+    assert episode.EXIT_INFRASTRUCTURE == EXIT_INFRASTRUCTURE

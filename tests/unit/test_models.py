@@ -80,3 +80,9 @@ def test_a_batch_that_cannot_be_created_within_its_deadline_is_refused_at_the_ed
     assert admit({**request, "deadline_seconds": 300}, 5000, pod_create_rate=20).count == 5000
     assert admit(request, max_episodes=5000, pod_create_rate=0).count == 5000
     assert admit({**request, "backend": "local"}, 5000, pod_create_rate=20).count == 5000
+
+
+def test_the_retry_budget_is_bounded():
+    assert parse_spec({"count": 1, "infra_retries": 3}, max_episodes=10).infra_retries == 3
+    with pytest.raises(InvalidSpec, match=r"infra_retries must be within 0..3, got 9"):
+        parse_spec({"count": 1, "infra_retries": 9}, max_episodes=10)
