@@ -90,6 +90,7 @@ def rollout_fields(
     model: str | None = None,
     sampling: dict[str, Any] | None = None,
     policy_timeout: float | None = None,
+    infra_retries: int | None = None,
 ) -> dict[str, Any]:
     """The request fields of a real rollout from command-line style options (both CLIs):
     tasks resolved to data here, at the edge; `parse_spec` checks the rest."""
@@ -109,4 +110,6 @@ def rollout_fields(
         fields["policy"] = policy
     elif sampling or model:
         raise InvalidSpec(["--model and --sampling need --policy-url"])
+    if infra_retries is not None:
+        fields["infra_retries"] = infra_retries
     return fields

@@ -146,6 +146,13 @@ RECORDS_WAIT_SECONDS = 60.0
     "--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter (repeatable)."
 )
 @click.option("--policy-timeout", type=float, default=None, help="Seconds per policy request.")
+@click.option(
+    "--infra-retries",
+    type=int,
+    default=None,
+    help="Run an episode that failed for infrastructure reasons again, in a fresh sandbox, "
+    "at most this many times. [default: 0]",
+)
 @redis_option
 def run(
     count: int,
@@ -175,6 +182,7 @@ def run(
     model: str | None,
     sampling: tuple[str, ...],
     policy_timeout: float | None,
+    infra_retries: int | None,
     redis_url: str | None,
 ) -> None:
     """Run one batch of episodes through the pipeline and print its report.
@@ -215,6 +223,7 @@ def run(
             model=model,
             sampling=parse_sampling(sampling),
             policy_timeout=policy_timeout,
+            infra_retries=infra_retries,
         )
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc

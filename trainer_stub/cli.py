@@ -51,6 +51,12 @@ err = Console(stderr=True, soft_wrap=True)
 @click.option("--policy-url", default=None, help="The policy's chat completions server root.")
 @click.option("--model", default=None, help="Model name sent to the policy.")
 @click.option("--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter.")
+@click.option(
+    "--infra-retries",
+    type=int,
+    default=None,
+    help="Retries of an episode failed for infrastructure reasons (fresh sandbox each).",
+)
 def main(
     redis_url: str,
     rounds: int,
@@ -65,6 +71,7 @@ def main(
     policy_url: str | None,
     model: str | None,
     sampling: tuple[str, ...],
+    infra_retries: int | None,
 ) -> None:
     """Submit ROUNDS batches concurrently, follow them live, print every report.
 
@@ -88,6 +95,7 @@ def main(
             backend,
             timeout,
             as_json,
+            infra_retries,
         )
         return
     client = RolloutClient(redis_url)
@@ -131,6 +139,7 @@ def training_loop(
     backend: str,
     timeout: float,
     as_json: bool,
+    infra_retries: int | None = None,
 ) -> None:
     client = RolloutClient(redis_url)
     try:
@@ -141,6 +150,7 @@ def training_loop(
             policy_url=policy_url,
             model=model,
             sampling=parse_sampling(sampling),
+            infra_retries=infra_retries,
         )
         prepared = [
             client.prepare(
