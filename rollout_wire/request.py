@@ -270,12 +270,13 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
                 f"policy.url host {host!r} must be an IP address on kubernetes: the batch's "
                 "NetworkPolicy allows egress to that address only (it cannot match names)"
             )
-        images = sorted({t["image"] for t in tasks if t.get("image") not in (None, image)})
-        if images:
-            problems.append(
-                f"tasks need images {images} other than the batch's {image!r}: one Job per "
-                "image is not supported yet; submit one batch per image"
-            )
+    if tasks and not problems:
+        # One Job per image on Kubernetes: the tasks of an image are grouped (in the order the
+        # images first appear, the tasks' own order kept within each image), so each image's
+        # episodes are one range of indexes.
+        first_seen = {t.get("image") or image: None for t in tasks}
+        order = {name: position for position, name in enumerate(first_seen)}
+        tasks = sorted(tasks, key=lambda t: order[t.get("image") or image])
     if tasks and policy is None:
         problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
     for task in tasks:

@@ -1,7 +1,8 @@
 """Kubernetes objects of a batch, built as plain dicts. Pure: same spec in, same objects out.
 
 One namespace per batch holds a ConfigMap with the episode program, a deny-all NetworkPolicy
-and one Indexed Job (completion index = episode index). Every object carries our owner and
+and one Indexed Job per image (episode index = the Job's first index + completion index; a batch
+of one image has one Job, completion index = episode index). Every object carries our owner and
 batch labels; cleanup refuses anything without them.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import urllib.parse
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,6 +30,7 @@ TASKS_KEY = "tasks.json"
 # data limit 1 MiB); parse_spec keeps tasks below 900 KiB, this is the last check.
 CONFIGMAP_MAX_BYTES = 1024 * 1024
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+FIRST_INDEX_LABEL = "rollout.dev/first-index"
 # Set by the Job controller on the Pods of a Job with backoffLimitPerIndex: how many Pods of
 # this index failed before this one.
 FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
@@ -168,9 +171,52 @@ def pod_failure_policy(spec: BatchSpec) -> dict[str, Any]:
     }
 
 
-def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobPart:
+    """One Job of a batch: the episodes [first, first + count) that run one image."""
+
+    name: str
+    image: str
+    first: int
+    count: int
+    parallelism: int
+
+
+def job_parts(spec: BatchSpec) -> list[JobPart]:
+    """One Job per image, in episode order (parse_spec keeps a batch's tasks grouped by image,
+    so each image's episodes are one range). The batch's parallelism is shared among them in
+    proportion to their episodes, at least 1 each: with more images than `parallelism`, up to
+    one sandbox per image runs at a time."""
+    ranges: list[tuple[str, int, int]] = []
+    for index in range(spec.count):
+        episode = spec.episode(index)
+        task = spec.tasks[episode.task_index] if episode.task_index is not None else {}
+        image = task.get("image") or spec.image
+        if ranges and ranges[-1][0] == image:
+            ranges[-1] = (image, ranges[-1][1], ranges[-1][2] + 1)
+        else:
+            ranges.append((image, index, 1))
+    shares = [max(1, min(count, spec.parallelism * count // spec.count)) for _, _, count in ranges]
+    spare = spec.parallelism - sum(shares)
+    for number, (_, _, count) in enumerate(ranges):  # what rounding down left over
+        extra = max(0, min(spare, count - shares[number]))
+        shares[number] += extra
+        spare -= extra
+    return [
+        JobPart(JOB_NAME if number == 0 else f"{JOB_NAME}-{number}", image, first, count, share)
+        for number, ((image, first, count), share) in enumerate(zip(ranges, shares, strict=True))
+    ]
+
+
+def job_manifest(
+    spec: BatchSpec, *, ttl_seconds_after_finished: int, part: JobPart | None = None
+) -> dict[str, Any]:
+    """The Job of `part` (default: the batch's first, and usually only, Job)."""
+    part = part or job_parts(spec)[0]
     res = spec.resources
     labels = owner_labels(spec)
+    # Pods say which episodes their completion indexes count from (episode = first + index).
+    pod_labels = labels | {FIRST_INDEX_LABEL: str(part.first)}
     pod_spec: dict[str, Any] = {
         "runtimeClassName": spec.runtime,
         "restartPolicy": "Never",
@@ -190,7 +236,7 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
         "containers": [
             {
                 "name": CONTAINER_NAME,
-                "image": spec.image,
+                "image": part.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["python", "-B", f"{PROGRAM_DIR}/{PROGRAM_KEY}"],
                 "env": [
@@ -200,6 +246,7 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
                     },
                     {"name": "ROLLOUT_ACTION", "value": spec.action},
                     {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
+                    {"name": "ROLLOUT_INDEX_OFFSET", "value": str(part.first)},
                     *agent_env(spec),
                 ],
                 "securityContext": {
@@ -234,30 +281,30 @@ def job_manifest(spec: BatchSpec, *, ttl_seconds_after_finished: int) -> dict[st
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": JOB_NAME,
+            "name": part.name,
             "namespace": namespace_name(spec.batch_id),
             "labels": labels,
         },
         "spec": {
             "completionMode": "Indexed",
-            "completions": spec.count,
-            "parallelism": spec.parallelism,
+            "completions": part.count,
+            "parallelism": part.parallelism,
             # One attempt per episode, like the guide's backoffLimit 0, but per index (one
             # failed episode no longer stops the others), plus the batch's retry budget for
             # infrastructure failures (podFailurePolicy says which failures those are).
             "backoffLimitPerIndex": spec.infra_retries,
-            "maxFailedIndexes": spec.count,
+            "maxFailedIndexes": part.count,
             # Set explicitly, as the ceiling per-index limits can never reach (each index fails
             # at most 1 + infra_retries times): 0 here would fail the whole Job, and stop every
             # other episode, at the first failed one (seen on 1.34). A cluster that drops the
             # per-index fields may rerun a failed episode; its collector then sees a Pod the
             # budget does not explain and reports the episode failed (restarted), never
             # counted twice.
-            "backoffLimit": spec.count * (spec.infra_retries + 1),
+            "backoffLimit": part.count * (spec.infra_retries + 1),
             "podReplacementPolicy": "Failed",
             "activeDeadlineSeconds": spec.deadline_seconds,
             "ttlSecondsAfterFinished": ttl_seconds_after_finished,
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
         },
     }
     if spec.infra_retries:

@@ -84,8 +84,9 @@ PERMISSIONS: tuple[Permission, ...] = (
         "jobs",
         ("create", "get", "list", "watch", "patch"),
         BATCH_NAMESPACES,
-        "start_run creates the Indexed Job; _settled_job lists/watches it; "
-        "_recent_job, run_status and delete_run read it (UID check); cancel_run suspends it",
+        "start_run creates the Indexed Jobs (one per image); _settled_jobs lists/watches "
+        "them; _recent_jobs and run_status list them, delete_run reads them (UID check); "
+        "cancel_run suspends them",
     ),
     Permission(
         "",

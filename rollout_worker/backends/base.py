@@ -33,8 +33,9 @@ class RunHandle:
     # kubernetes
     namespace: str | None = None
     namespace_uid: str | None = None
-    job_name: str | None = None
+    job_name: str | None = None  # the first (usually only) Job
     job_uid: str | None = None
+    jobs: dict[str, str] = field(default_factory=dict)  # every Job of the run: name -> UID
     # local
     run_dir: str | None = None
     run_uid: str | None = None
@@ -43,6 +44,12 @@ class RunHandle:
 
     def episode_id(self, index: int) -> str:
         return f"{self.episode_prefix}-{index}"
+
+    def job_uids(self) -> dict[str, str | None]:
+        """Every Job of the run by name (a run recorded before `jobs` existed has one)."""
+        if self.jobs:
+            return dict(self.jobs)
+        return {self.job_name: self.job_uid} if self.job_name else {}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,7 +12,7 @@ import orjson
 
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.manifests import CONTAINER_NAME, INDEX_LABEL, JOB_NAME
+from rollout_worker.manifests import CONTAINER_NAME, FIRST_INDEX_LABEL, INDEX_LABEL, JOB_NAME
 from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
 from rollout_worker.quantities import format_memory, parse_quantity
 
@@ -253,6 +253,32 @@ def job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
     return None, "Running"
 
 
+def jobs_verdict(jobs: list[dict[str, Any]]) -> tuple[float | None, str]:
+    """job_verdict of a run's Jobs together: Running while any runs; Complete when all
+    completed; Suspended when every one not finished is suspended; else Failed."""
+    verdicts = [job_verdict(job) for job in jobs]
+    kinds = {verdict for _, verdict in verdicts}
+    if not verdicts or "Running" in kinds:
+        return None, "Running"
+    when = max((at for at, _ in verdicts if at is not None), default=None)
+    if kinds == {"Complete"}:
+        return when, "Complete"
+    if "Suspended" in kinds:
+        return when, "Suspended"
+    return when, "Failed"
+
+
+def job_of(jobs: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], int] | None:
+    """The Job that runs episode `index`, and the episode's completion index in it."""
+    for job in jobs:
+        spec = job.get("spec") or {}
+        labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+        first = int(labels.get(FIRST_INDEX_LABEL, 0))
+        if first <= index < first + int(spec.get("completions") or 0):
+            return job, index - first
+    return None
+
+
 def pretty_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n"
 
@@ -284,10 +310,11 @@ def events_text(events: list[dict[str, Any]]) -> str:
 
 
 def completion_index(pod: Mapping[str, Any]) -> int | None:
-    """The episode index of a batch Pod (its Job completion index label)."""
-    value = (pod.get("metadata", {}).get("labels") or {}).get(INDEX_LABEL)
+    """The episode index of a batch Pod: its Job's first index + its completion index."""
+    labels = pod.get("metadata", {}).get("labels") or {}
+    value = labels.get(INDEX_LABEL)
     try:
-        return int(value) if value is not None else None
+        return int(value) + int(labels.get(FIRST_INDEX_LABEL, 0)) if value is not None else None
     except ValueError:
         return None
 

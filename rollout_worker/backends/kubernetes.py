@@ -40,7 +40,9 @@ from rollout_worker.backends.kube_read import (
     completion_index,
     events_text,
     index_in,
+    job_of,
     job_verdict,
+    jobs_verdict,
     node_ready,
     observe_pods,
     pretty_json,
@@ -52,6 +54,7 @@ from rollout_worker.manifests import (
     JOB_NAME,
     configmap_manifest,
     job_manifest,
+    job_parts,
     namespace_manifest,
     namespace_name,
     network_policy_manifest,
@@ -116,7 +119,7 @@ class KubernetesBackend:
         self.nodes_api = client.NodeV1Api(self.api)
         self.net = client.NetworkingV1Api(self.api)
         self.watches = PodWatches()
-        self._jobs: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._jobs: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._jobs_lock = threading.Lock()
 
     # -- the edge: every call goes through here ----------------------------------------------
@@ -223,16 +226,25 @@ class KubernetesBackend:
             "deny-all",
             namespace,
         )
-        job = self._create_or_adopt(
-            spec,
-            "job",
-            job_manifest(spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds),
-            self.batch.create_namespaced_job,
-            self.batch.read_namespaced_job,
-            JOB_NAME,
-            namespace,
-        )
-        record({"job_uid": job["metadata"]["uid"]})
+        jobs: dict[str, str] = {}
+        created: list[dict[str, Any]] = []
+        for part in job_parts(spec):  # one Job per image
+            manifest = job_manifest(
+                spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds, part=part
+            )
+            job = self._create_or_adopt(
+                spec,
+                "job",
+                manifest,
+                self.batch.create_namespaced_job,
+                self.batch.read_namespaced_job,
+                part.name,
+                namespace,
+            )
+            jobs[part.name] = job["metadata"]["uid"]
+            created.append(job)
+            record({"job_uid": created[0]["metadata"]["uid"], "jobs": dict(jobs)})
+        job = created[0]
         return RunHandle(
             backend=self.name,
             batch_id=spec.batch_id,
@@ -244,6 +256,7 @@ class KubernetesBackend:
             namespace_uid=ns["metadata"]["uid"],
             job_name=JOB_NAME,
             job_uid=job["metadata"]["uid"],
+            jobs=jobs,
         )
 
     def _create_or_adopt(
@@ -343,18 +356,24 @@ class KubernetesBackend:
     def _no_retry_coming(self, handle: RunHandle, index: int) -> bool:
         """The Job will not replace this index's failed Pod: it ended, or counted the index
         failed (its budget, as the controller counts it, is spent)."""
-        job = self._recent_job(_namespace(handle))
+        found = job_of(self._recent_jobs(handle), index)
+        if found is None:
+            return True
+        job, local = found
         _, verdict = job_verdict(job)
         failed = (job.get("status") or {}).get("failedIndexes") or ""
-        return verdict != "Running" or index_in(failed, index)
+        return verdict != "Running" or index_in(failed, local)
 
     def _ended_without_pod(
         self, handle: RunHandle, index: int, obs: EpisodeObservation
     ) -> EpisodeObservation:
-        """No Pod for this index: if the Job has ended, the episode ended with it."""
-        _, verdict = job_verdict(self._recent_job(_namespace(handle)))
+        """No Pod for this index: if its Job has ended, the episode ended with it."""
+        found = job_of(self._recent_jobs(handle), index)
+        if found is None:
+            return obs
+        job, local = found
+        _, verdict = job_verdict(job)
         if verdict != "Running":
-            job = self._recent_job(_namespace(handle))
             reasons = [
                 c.get("reason")
                 for c in (job.get("status") or {}).get("conditions") or []
@@ -362,7 +381,7 @@ class KubernetesBackend:
             ]
             obs.phase = "Failed"
             status = job.get("status") or {}
-            if index_in(status.get("failedIndexes") or "", index):
+            if index_in(status.get("failedIndexes") or "", local):
                 # The Job counted this index failed: its Pod ended (failed, or was deleted)
                 # before any watch of ours saw it.
                 obs.reason = f"Job {verdict}: its Pod failed or was deleted before it could be read"
@@ -373,15 +392,28 @@ class KubernetesBackend:
                 )
         return obs
 
-    def _recent_job(self, namespace: str) -> dict[str, Any]:
-        """The batch's Job as read at most JOB_CACHE_SECONDS ago: the collectors of episodes
+    def _list_jobs(self, handle: RunHandle) -> list[dict[str, Any]]:
+        """The run's Jobs (one per image), in the order they were created."""
+        listing = self._call(
+            "list jobs",
+            self.batch.list_namespaced_job,
+            _namespace(handle),
+            label_selector=f"{k.LABEL_BATCH}={handle.batch_id}",
+        )
+        order = list(handle.job_uids())
+        items = [j for j in listing.get("items", []) if j["metadata"]["name"] in order]
+        return sorted(items, key=lambda j: order.index(j["metadata"]["name"]))
+
+    def _recent_jobs(self, handle: RunHandle) -> list[dict[str, Any]]:
+        """The run's Jobs as listed at most JOB_CACHE_SECONDS ago: the collectors of episodes
         with no Pod yet share one read instead of one each."""
+        namespace = _namespace(handle)
         with self._jobs_lock:
-            read_at, job = self._jobs.get(namespace, (0.0, {}))
+            read_at, jobs = self._jobs.get(namespace, (0.0, []))
             if time.monotonic() - read_at > JOB_CACHE_SECONDS:
-                job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, namespace)
-                self._jobs[namespace] = (time.monotonic(), job)
-            return job
+                jobs = self._list_jobs(handle)
+                self._jobs[namespace] = (time.monotonic(), jobs)
+            return jobs
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         try:
@@ -402,33 +434,39 @@ class KubernetesBackend:
             text += f"\n[rollout: log read cut at {MAX_LOG_BYTES} bytes]\n"
         return text
 
-    def _settled_job(self, handle: RunHandle) -> dict[str, Any]:
-        """The Job once its controller has marked it Complete or Failed (it does so shortly
-        after the last Pod ends), or as it is after JOB_SETTLE_SECONDS."""
-        namespace, name = _namespace(handle), JOB_NAME
+    def _settled_jobs(self, handle: RunHandle) -> list[dict[str, Any]]:
+        """The run's Jobs once their controller has marked each Complete or Failed (it does
+        so shortly after the last Pod ends), or as they are after JOB_SETTLE_SECONDS."""
+        names = handle.job_uids()
         try:
-            jobs = self._follow(
+            seen = self._follow(
                 "jobs",
                 self.batch.list_namespaced_job,
-                namespace,
-                lambda seen: any(job_verdict(j)[1] != "Running" for j in seen.values()),
+                _namespace(handle),
+                lambda found: (
+                    sum(
+                        1
+                        for j in found.values()
+                        if j["metadata"]["name"] in names and job_verdict(j)[1] != "Running"
+                    )
+                    >= len(names)
+                ),
                 JOB_SETTLE_SECONDS,
-                field_selector=f"metadata.name={name}",
+                label_selector=f"{k.LABEL_BATCH}={handle.batch_id}",
             )
         except BackendError:
-            jobs = {}  # the records then show the Job as it is now
-        if jobs:
-            return next(iter(jobs.values()))
-        return self._call("read job", self.batch.read_namespaced_job, name, namespace)
+            return self._list_jobs(handle)  # the records then show the Jobs as they are now
+        order = list(names)
+        jobs = [j for j in seen.values() if j["metadata"]["name"] in names]
+        return sorted(jobs, key=lambda j: order.index(j["metadata"]["name"]))
 
     def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
-        job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, _namespace(handle))
-        completed_at, verdict = job_verdict(job)
+        completed_at, verdict = jobs_verdict(self._list_jobs(handle))
         return FinishedRun(completed_at=completed_at, verdict=verdict)
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         namespace = _namespace(handle)
-        job = self._settled_job(handle)
+        jobs = self._settled_jobs(handle)
         pods = self._call(
             "list pods",
             self.core.list_namespaced_pod,
@@ -436,29 +474,36 @@ class KubernetesBackend:
             label_selector=f"{k.LABEL_BATCH}={handle.batch_id}",
         )
         events = self._call("list events", self.core.list_namespaced_event, namespace)
-        completed_at, verdict = job_verdict(job)
-        submitted = job_manifest(
-            spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds
-        )
+        completed_at, verdict = jobs_verdict(jobs)
         records = {
-            "job.json": pretty_json(job),
             "pods.json": pretty_json(pods.get("items", [])),
             "events.txt": events_text(events.get("items", [])),
-            "job-submitted.json": pretty_json(submitted),
         }
+        # The guide's job.json and job-submitted.json are the first Job's; a batch of several
+        # images adds job-<name>.json and job-<name>-submitted.json for the others.
+        for part in job_parts(spec):
+            name = "job" if part.name == JOB_NAME else f"job-{part.name}"
+            job = next((j for j in jobs if j["metadata"]["name"] == part.name), None)
+            if job is not None:
+                records[f"{name}.json"] = pretty_json(job)
+            submitted = job_manifest(
+                spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds, part=part
+            )
+            records[f"{name}-submitted.json"] = pretty_json(submitted)
         return FinishedRun(records=records, completed_at=completed_at, verdict=verdict)
 
     def cancel_run(self, handle: RunHandle) -> None:
-        """Suspend the Job: its controller deletes the running Pods and starts no more, and the
-        Job stays (with its records) until the run is deleted."""
-        with contextlib.suppress(ResourceNotFound):
-            self._call(
-                "suspend job",
-                self.batch.patch_namespaced_job,
-                JOB_NAME,
-                _namespace(handle),
-                {"spec": {"suspend": True}},
-            )
+        """Suspend the Jobs: their controller deletes the running Pods and starts no more, and
+        the Jobs stay (with their records) until the run is deleted."""
+        for name in handle.job_uids():
+            with contextlib.suppress(ResourceNotFound):
+                self._call(
+                    "suspend job",
+                    self.batch.patch_namespaced_job,
+                    name,
+                    _namespace(handle),
+                    {"spec": {"suspend": True}},
+                )
 
     def list_runs(self) -> list[str]:
         selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE}"
@@ -490,23 +535,24 @@ class KubernetesBackend:
             )
         if ns["metadata"].get("deletionTimestamp"):
             return False
-        with contextlib.suppress(ResourceNotFound):
-            job = self._call("read job", self.batch.read_namespaced_job, JOB_NAME, namespace)
-            job_labels = job["metadata"].get("labels") or {}
-            # A run cut short before the Job's UID was recorded (a CLI killed mid-run, whose
-            # receipt.json names the namespace UID only): the Job's labels are the proof.
-            if (handle.job_uid is not None and job["metadata"]["uid"] != handle.job_uid) or (
-                handle.job_uid is None
-                and (
-                    job_labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
-                    or job_labels.get(k.LABEL_BATCH) != handle.batch_id
-                )
-            ):
-                raise OwnershipError(
-                    f"Job {namespace}/{JOB_NAME} has uid {job['metadata']['uid']} and labels "
-                    f"{job_labels}, the receipt says uid {handle.job_uid}: refusing to delete "
-                    "its namespace"
-                )
+        for name, uid in (handle.job_uids() or {JOB_NAME: None}).items():
+            with contextlib.suppress(ResourceNotFound):
+                job = self._call("read job", self.batch.read_namespaced_job, name, namespace)
+                job_labels = job["metadata"].get("labels") or {}
+                # A run cut short before the Job's UID was recorded (a CLI killed mid-run, whose
+                # receipt.json names the namespace UID only): the Job's labels are the proof.
+                if (uid is not None and job["metadata"]["uid"] != uid) or (
+                    uid is None
+                    and (
+                        job_labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
+                        or job_labels.get(k.LABEL_BATCH) != handle.batch_id
+                    )
+                ):
+                    raise OwnershipError(
+                        f"Job {namespace}/{name} has uid {job['metadata']['uid']} and labels "
+                        f"{job_labels}, the receipt says uid {uid}: refusing to delete its "
+                        "namespace"
+                    )
         # The precondition makes the server refuse if the namespace was replaced since we
         # checked it. Finalizers are never removed by force.
         body = {"propagationPolicy": "Background", "preconditions": {"uid": ns["metadata"]["uid"]}}

@@ -28,7 +28,8 @@ ROLLOUT_ACTION; for the agent runner ROLLOUT_POLICY (JSON: model, sampling,
 request_timeout_seconds, max_retries), ROLLOUT_POLICY_SOCKET (a unix socket that forwards to
 the policy; the local backend) or ROLLOUT_POLICY_URL (the policy's root URL; Kubernetes),
 ROLLOUT_TASKS_FILE, and either ROLLOUT_TASK_ID / ROLLOUT_SAMPLE / ROLLOUT_GROUP_ID or
-JOB_COMPLETION_INDEX / ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out;
+JOB_COMPLETION_INDEX (+ ROLLOUT_INDEX_OFFSET, the first episode of its Job) /
+ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out;
 ROLLOUT_ATTEMPT (0 for the first run of this episode, n for its n-th retry in a fresh sandbox
 after an infrastructure failure), sent to the policy as X-Rollout-Attempt.
 """
@@ -588,7 +589,8 @@ def episode_identity() -> dict:
     with open(os.environ["ROLLOUT_TASKS_FILE"]) as handle:
         tasks = json.load(handle)
     samples = int(os.environ.get("ROLLOUT_SAMPLES_PER_TASK", "1"))
-    position, sample = divmod(int(os.environ["JOB_COMPLETION_INDEX"]), samples)
+    index = int(os.environ["JOB_COMPLETION_INDEX"]) + int(os.environ.get("ROLLOUT_INDEX_OFFSET", 0))
+    position, sample = divmod(index, samples)
     task_id = tasks[position]["id"]
     return {
         "task_id": task_id,

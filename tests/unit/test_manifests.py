@@ -1,7 +1,12 @@
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.backends.kube_read import DELETED_MARK, capacity_plan, observe_pods
-from rollout_worker.manifests import job_manifest, namespace_manifest
+from rollout_worker.backends.kube_read import (
+    DELETED_MARK,
+    capacity_plan,
+    completion_index,
+    observe_pods,
+)
+from rollout_worker.manifests import INDEX_LABEL, job_manifest, job_parts, namespace_manifest
 
 
 def spec(**changes):
@@ -42,7 +47,7 @@ def test_job_has_the_guides_shape_and_security():
     assert volumes["program"]["configMap"]["name"] == "episode"
     assert "emptyDir" in volumes["workspace"]
     labels = job["metadata"]["labels"]
-    assert labels == js["template"]["metadata"]["labels"]
+    assert js["template"]["metadata"]["labels"] == labels | {"rollout.dev/first-index": "0"}
     assert labels["rollout.dev/owner"] == "rollout"
 
 
@@ -299,3 +304,48 @@ def test_the_runner_and_the_backends_agree_on_the_infrastructure_exit_code():
     from rollout_worker.sandbox import episode
 
     assert episode.EXIT_INFRASTRUCTURE == EXIT_INFRASTRUCTURE
+
+
+def test_a_batch_of_several_images_runs_one_job_per_image_sharing_its_parallelism():
+    def task(name, image=None):
+        return {"id": name, "statement": "s", "files": {"a.py": ""}, "test_command": ["true"]} | (
+            {"image": image} if image else {}
+        )
+
+    tasks = [task("a"), task("b", "img/two:1"), task("c"), task("d", "img/two:1"), task("e")]
+    s = parse_spec(
+        {
+            "backend": "kubernetes",
+            "tasks": tasks,
+            "samples_per_task": 2,
+            "parallelism": 5,
+            "policy": {"url": "http://10.0.0.1:8000"},
+        },
+        max_episodes=100,
+    )
+    # The tasks of an image are grouped, first image first, each image's own order kept.
+    assert s.task_ids() == ["a", "c", "e", "b", "d"]
+    parts = job_parts(s)
+    assert [(p.name, p.image, p.first, p.count) for p in parts] == [
+        ("rollout", "python:3.12-alpine", 0, 6),
+        ("rollout-1", "img/two:1", 6, 4),
+    ]
+    assert sum(p.parallelism for p in parts) == 5 and all(p.parallelism >= 1 for p in parts)
+    second = job_manifest(s, ttl_seconds_after_finished=60, part=parts[1])
+    js = second["spec"]
+    assert (second["metadata"]["name"], js["completions"], js["maxFailedIndexes"]) == (
+        "rollout-1",
+        4,
+        4,
+    )
+    template = js["template"]
+    assert template["metadata"]["labels"]["rollout.dev/first-index"] == "6"
+    container = template["spec"]["containers"][0]
+    assert container["image"] == "img/two:1"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["ROLLOUT_INDEX_OFFSET"] == "6"
+    # Its Pods' episode index is the Job's first index + their completion index.
+    pod = {"metadata": {"labels": template["metadata"]["labels"] | {INDEX_LABEL: "3"}}}
+    assert completion_index(pod) == 9 and s.episode(9).task_id == "d"
+    # One image: one Job, as before.
+    assert [p.name for p in job_parts(spec(parallelism=3))] == ["rollout"]
