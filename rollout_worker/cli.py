@@ -24,6 +24,7 @@ from rollout_wire.errors import RolloutError
 from rollout_wire.request import (
     DEFAULT_RUNTIME,
 )
+from rollout_wire.urls import redacted
 from rollout_worker.settings import SETTINGS_DOC, Settings
 
 if TYPE_CHECKING:
@@ -232,7 +233,9 @@ def sweep(dry_run: bool, redis_url: str | None) -> None:
     except RolloutError as exc:
         raise click.ClickException(str(exc)) from exc
     except redis_lib.RedisError as exc:
-        raise click.ClickException(f"redis at {settings.redis_url} is not usable: {exc}") from exc
+        raise click.ClickException(
+            f"redis at {redacted(settings.redis_url)} is not usable: {exc}"
+        ) from exc
     for item in swept:
         out(f"{item.action:12} {item.batch_id}  {item.reason}", highlight=False)
     if not swept:
@@ -261,10 +264,10 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
     problems = []
     try:
         redis_lib.Redis.from_url(settings.redis_url, socket_timeout=timeout).ping()
-        out(f"redis: ok ({settings.redis_url})")
+        out(f"redis: ok ({redacted(settings.redis_url)})")
     except redis_lib.RedisError as exc:
         raise click.ClickException(
-            f"redis at {settings.redis_url} is not reachable: {exc}"
+            f"redis at {redacted(settings.redis_url)} is not reachable: {exc}"
         ) from exc
     app = create_app(settings, with_tasks=False)
     replies = app.control.inspect(timeout=timeout).active_queues() or {}

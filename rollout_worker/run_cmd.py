@@ -23,6 +23,7 @@ from rollout_wire.request import (
     DEFAULT_IMAGE,
     DEFAULT_RUNTIME,
 )
+from rollout_wire.urls import redacted
 from rollout_worker.cli import _console, _settings, err, out, redis_option
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ def run(
             settings = settings.with_redis(local.redis_url)
             heartbeat = local.check_alive
             err(
-                f"all-in-one: redis {local.redis_url}, 1 control + {collectors} collect "
+                f"all-in-one: redis {redacted(local.redis_url)}, 1 control + {collectors} collect "
                 f"workers (logs in {local.dir})"
             )
         client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))

@@ -22,6 +22,7 @@ from rollout_wire.codec import Entry
 from rollout_wire.errors import BatchTimeout, RedisUnavailable
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.trajectory import trajectory_from_log
+from rollout_wire.urls import redacted
 
 BLOCK_MS = 1000
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -126,7 +127,7 @@ class RolloutClient:
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > self.outage_seconds:
                     raise RedisUnavailable(
-                        f"Redis at {self.redis_url.split('@')[-1]} unreachable for "
+                        f"Redis at {redacted(self.redis_url)} unreachable for "
                         f"{self.outage_seconds:.0f}s while waiting for batch(es) "
                         f"{sorted(names[s] for s in cursors)}: {exc}"
                     ) from exc

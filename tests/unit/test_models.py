@@ -86,3 +86,11 @@ def test_the_retry_budget_is_bounded():
     assert parse_spec({"count": 1, "infra_retries": 3}, max_episodes=10).infra_retries == 3
     with pytest.raises(InvalidSpec, match=r"infra_retries must be within 0..3, got 9"):
         parse_spec({"count": 1, "infra_retries": 9}, max_episodes=10)
+
+
+def test_a_redis_password_is_never_shown():
+    from rollout_wire.urls import redacted
+
+    assert redacted("redis://:s3cret@10.0.0.1:6380/0") == "redis://:***@10.0.0.1:6380/0"
+    assert redacted("rediss://app:s3cret@redis.example/1") == "rediss://app:***@redis.example/1"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
