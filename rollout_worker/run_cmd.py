@@ -305,16 +305,11 @@ def _submit_and_wait(
     if output is not None:
         # The directory and its receipt exist before anything is sent; the receipt then
         # follows the workers' one, so it names every object even if this client dies.
-        start_records(
-            output,
-            {
-                "batch_id": batch_id,
-                "backend": spec.backend,
-                "redis_key": k.receipt_key(batch_id),
-                "state": "submitting",
-            },
-        )
-        beat = _mirror_receipt(client, batch_id, output, beat)
+        # What only this client knows (where the workers' receipt lives) stays in every
+        # version of the file: the mirrored receipt is merged over it, never replaces it.
+        own = {"batch_id": batch_id, "backend": spec.backend, "redis_key": k.receipt_key(batch_id)}
+        start_records(output, own | {"state": "submitting"})
+        beat = _mirror_receipt(client, batch_id, output, beat, own)
     submission = client.send(spec)
     err(f"batch {batch_id}: {spec.count} episodes submitted")
     report = follow(client, [submission], _console(True), timeout, beat)[batch_id]
@@ -328,12 +323,14 @@ def _submit_and_wait(
             client.records(batch_id),
             submission.submit_to_report_seconds,
         )
-        write_receipt(output, client.receipt(batch_id) | {"state": "reported"})
+        write_receipt(output, own | client.receipt(batch_id) | {"state": "reported"})
         err(f"records written to {output}/")
     return submission, report
 
 
-def _mirror_receipt(client: RolloutClient, batch_id: str, output: Path, inner: Any) -> Any:
+def _mirror_receipt(
+    client: RolloutClient, batch_id: str, output: Path, inner: Any, own: dict[str, Any]
+) -> Any:
     """Keep receipt.json in step with the Redis receipt while the run is created, so the
     directory names every object (namespace, UIDs) even if this client dies mid-run."""
     from trainer_stub.records import write_receipt
@@ -345,7 +342,7 @@ def _mirror_receipt(client: RolloutClient, batch_id: str, output: Path, inner: A
         inner()
         receipt = client.receipt(batch_id)
         if receipt and receipt != last:
-            write_receipt(output, receipt | {"state": "running"})
+            write_receipt(output, own | receipt | {"state": "running"})
             last = receipt
 
     return beat

@@ -39,6 +39,8 @@ def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_runn
         assert '"event": "ready"' in log and '"event": "reward"' in log
     receipt = json.loads((out / "receipt.json").read_text())
     assert receipt["batch_id"] == report["batch_id"] and receipt["run"]["run_uid"]
+    # The client's own fields survive the mirroring of the workers' receipt.
+    assert report["batch_id"] in receipt["redis_key"] and receipt["state"] == "reported"
     stack_dir = re.search(r"logs in (\S+)\)", done.stderr).group(1)
     assert not os.path.exists(stack_dir)
     leftovers = subprocess.run(["pgrep", "-f", stack_dir], capture_output=True, text=True)
