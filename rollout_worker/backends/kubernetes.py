@@ -275,10 +275,7 @@ class KubernetesBackend:
         except ResourceConflict:
             existing = self._call(f"read {kind}", read, *read_args)
         labels = existing["metadata"].get("labels") or {}
-        if (
-            labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
-            or labels.get(k.LABEL_BATCH) != spec.batch_id
-        ):
+        if not _labelled_ours(existing, spec.batch_id):
             raise OwnershipError(
                 f"{kind} {'/'.join(read_args)} exists but is not ours "
                 f"(labels {labels}); refusing to use it"
@@ -523,11 +520,7 @@ class KubernetesBackend:
         except ResourceNotFound:
             return True
         labels = ns["metadata"].get("labels") or {}
-        if (
-            ns["metadata"]["uid"] != handle.namespace_uid
-            or labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
-            or labels.get(k.LABEL_BATCH) != handle.batch_id
-        ):
+        if ns["metadata"]["uid"] != handle.namespace_uid or not _labelled_ours(ns, handle.batch_id):
             raise OwnershipError(
                 f"namespace {namespace} has uid {ns['metadata']['uid']} and labels {labels}; "
                 f"the receipt says uid {handle.namespace_uid} and batch "
@@ -542,11 +535,7 @@ class KubernetesBackend:
                 # A run cut short before the Job's UID was recorded (a CLI killed mid-run, whose
                 # receipt.json names the namespace UID only): the Job's labels are the proof.
                 if (uid is not None and job["metadata"]["uid"] != uid) or (
-                    uid is None
-                    and (
-                        job_labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE
-                        or job_labels.get(k.LABEL_BATCH) != handle.batch_id
-                    )
+                    uid is None and not _labelled_ours(job, handle.batch_id)
                 ):
                     raise OwnershipError(
                         f"Job {namespace}/{name} has uid {job['metadata']['uid']} and labels "
@@ -561,6 +550,14 @@ class KubernetesBackend:
         except ResourceNotFound:
             return True
         return False
+
+
+def _labelled_ours(obj: dict[str, Any], batch_id: str) -> bool:
+    """Whether an object carries our owner label and this batch's label."""
+    labels = obj["metadata"].get("labels") or {}
+    return bool(
+        labels.get(k.LABEL_OWNER) == k.LABEL_OWNER_VALUE and labels.get(k.LABEL_BATCH) == batch_id
+    )
 
 
 def _namespace(handle: RunHandle) -> str:
