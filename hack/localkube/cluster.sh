@@ -353,9 +353,11 @@ cmd_node_down() {
   mkdir -p "${LOCALKUBE_CACHE}"
   take_lock
   node_down_locked
-  # Its Pods are gone with it: remove the Node (the Pod GC then deletes their API objects).
+  # Its Pods are gone with it: remove the Node (the Pod GC then deletes their API objects), and
+  # rollout-netpol's RBAC.
   if [[ -f "${LOCALKUBE_KUBECONFIG}" ]]; then
     kctl delete node "${NODE_NAME}" --ignore-not-found --request-timeout=10s >/dev/null 2>&1 || true
+    delete_node_objects
   fi
 }
 

@@ -11,8 +11,12 @@
 #   network     bridge rollout0 (node IP 10.89.0.1/24, the kubelet listens there), host-local
 #               IPAM state under /run/rollout-containerd; no iptables rules (no masquerade, the
 #               kubelet's iptables chains are off): Pods reach the node and nothing else
+#   policies    CNI plugin rollout-netpol (chained after bridge) enforces NetworkPolicy in the
+#               nftables table inet rollout-netpol-<id> (state /run/rollout-containerd/netpol),
+#               reading the API with a client certificate rollout-netpol:<node> (ClusterRole
+#               and ClusterRoleBinding rollout-localkube-netpol: get pods, list networkpolicies)
 #   API objects Node real-node (label rollout.dev/node=real, taint rollout.dev/node=real:
-#               NoSchedule), RuntimeClass runc (handler runc)
+#               NoSchedule), RuntimeClass runc (handler runc), the netpol ClusterRole/Binding
 
 NODE_DIR="${LOCALKUBE_CACHE}/node"
 NODE_NAME="${LOCALKUBE_NODE_NAME}"
@@ -40,8 +44,16 @@ KUBELET_KUBECONFIG="${NODE_DIR}/kubelet.kubeconfig"
 KUBELET_PORT="${LOCALKUBE_KUBELET_PORT:-$((10250 + 10 * NODE_ID))}"
 KUBELET_HEALTHZ_PORT="${LOCALKUBE_KUBELET_HEALTHZ_PORT:-$((10248 + 10 * NODE_ID))}"
 POD_LOGS_DIR="/var/log/rollout-pods${NODE_SUFFIX}"
+# Debian's CNI plugins; containerd's bin_dir is our own directory: links to those, and a copy of
+# rollout-netpol (NetworkPolicy, see that file).
 CNI_BIN_DIR="/usr/lib/cni"
+CNI_PLUGIN_DIR="${NODE_DIR}/cni-bin"
 CNI_CONF_DIR="${NODE_DIR}/cni"
+NETPOL_PLUGIN="${LOCALKUBE_DIR}/rollout-netpol"
+NETPOL_TABLE="rollout-netpol-${NODE_ID}"
+NETPOL_STATE="${CONTAINERD_STATE}/netpol"
+NETPOL_USER="rollout-netpol:${NODE_NAME}"
+NETPOL_RBAC="rollout-localkube-netpol"
 CNI_NETWORK="rollout-pods${NODE_SUFFIX}"
 CNI_IPAM_DIR="${CONTAINERD_STATE}/cni-ipam"
 BRIDGE="rollout${NODE_ID}"
@@ -60,6 +72,7 @@ node_ensure_packages() {
   localkube_ensure_tools containerd:containerd ctr:containerd \
     containerd-shim-runc-v2:containerd runc:runc ip:iproute2 openssl:openssl \
     flock:util-linux pgrep:procps setsid:util-linux debootstrap:debootstrap \
+    nft:nftables /usr/bin/python3:python3 \
     "${CNI_BIN_DIR}/bridge:containernetworking-plugins" \
     "${CNI_BIN_DIR}/host-local:containernetworking-plugins" \
     "${CNI_BIN_DIR}/loopback:containernetworking-plugins"
@@ -109,6 +122,22 @@ start_daemon() { # log exe args...: start detached (own session, no inherited lo
   setsid "$@" </dev/null >>"${log}" 2>&1 7>&- 8>&- 9>&- &
 }
 
+# The API server's address in the cluster's kubeconfig.
+api_server() {
+  local server
+  server="$(kctl config view --raw -o jsonpath='{.clusters[0].cluster.server}')"
+  [[ -n "${server}" ]] || localkube_die "no API server address in ${LOCALKUBE_KUBECONFIG}"
+  echo "${server}"
+}
+
+install_cni_plugins() {
+  local p
+  mkdir -p "${CNI_PLUGIN_DIR}"
+  for p in bridge host-local loopback; do ln -sfn "${CNI_BIN_DIR}/${p}" "${CNI_PLUGIN_DIR}/${p}"; done
+  install -m 0755 "${NETPOL_PLUGIN}" "${CNI_PLUGIN_DIR}/rollout-netpol.tmp"
+  mv -f "${CNI_PLUGIN_DIR}/rollout-netpol.tmp" "${CNI_PLUGIN_DIR}/rollout-netpol"
+}
+
 write_containerd_config() {
   mkdir -p "${NODE_DIR}" "${CNI_CONF_DIR}"
   cat >"${CONTAINERD_CONFIG}.tmp" <<TOML
@@ -155,13 +184,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
           Root = "${RUNC_ROOT}"
           SystemdCgroup = false
     [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "${CNI_BIN_DIR}"
+      bin_dir = "${CNI_PLUGIN_DIR}"
       conf_dir = "${CNI_CONF_DIR}"
       max_conf_num = 1
 TOML
   mv -f "${CONTAINERD_CONFIG}.tmp" "${CONTAINERD_CONFIG}"
 
-  local gateway="${NODE_IP}"
+  local gateway="${NODE_IP}" server
+  server="$(api_server)"
   cat >"${CNI_CONF_DIR}/10-${CNI_NETWORK}.conflist.tmp" <<JSON
 {
   "cniVersion": "1.0.0",
@@ -179,6 +209,17 @@ TOML
         "dataDir": "${CNI_IPAM_DIR}",
         "ranges": [[{"subnet": "${POD_SUBNET}", "gateway": "${gateway}"}]]
       }
+    },
+    {
+      "type": "rollout-netpol",
+      "table": "${NETPOL_TABLE}",
+      "stateDir": "${NETPOL_STATE}",
+      "server": "${server}",
+      "ca": "${NODE_DIR}/pki/ca.crt",
+      "cert": "${NODE_DIR}/pki/netpol-client.crt",
+      "key": "${NODE_DIR}/pki/netpol-client.key",
+      "timeoutSeconds": 10,
+      "log": "${NODE_DIR}/logs/netpol.log"
     }
   ]
 }
@@ -188,21 +229,27 @@ JSON
 
 # The node's identity: a client certificate system:node:<name> (group system:nodes) signed by the
 # cluster's CA, so the API server's Node authorizer gives the kubelet exactly a node's rights.
+issue_client_cert() { # name subject: ${NODE_DIR}/pki/<name>.{crt,key}, signed by the cluster CA
+  local pki="${NODE_DIR}/pki"
+  openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+    -keyout "${pki}/$1.key" -out "${pki}/$1.csr" -subj "$2" 2>/dev/null
+  openssl x509 -req -in "${pki}/$1.csr" -CA "${CLUSTER_DIR}/pki/ca.crt" \
+    -CAkey "${CLUSTER_DIR}/pki/ca.key" -set_serial "0x$(openssl rand -hex 8)" -days 30 \
+    -extfile <(printf 'keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n') \
+    -out "${pki}/$1.crt" 2>/dev/null
+  rm -f "${pki}/$1.csr"
+  chmod 0600 "${pki}/$1.key"
+}
+
 write_kubelet_credentials() {
   local pki="${NODE_DIR}/pki" server
   mkdir -p "${pki}"
   chmod 0700 "${pki}"
-  server="$(kctl config view --raw -o jsonpath='{.clusters[0].cluster.server}')"
-  [[ -n "${server}" ]] || localkube_die "no API server address in ${LOCALKUBE_KUBECONFIG}"
+  server="$(api_server)"
   cp "${CLUSTER_DIR}/pki/ca.crt" "${pki}/ca.crt"
-  openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
-    -keyout "${pki}/kubelet-client.key" -out "${pki}/kubelet-client.csr" \
-    -subj "/O=system:nodes/CN=system:node:${NODE_NAME}" 2>/dev/null
-  openssl x509 -req -in "${pki}/kubelet-client.csr" -CA "${CLUSTER_DIR}/pki/ca.crt" \
-    -CAkey "${CLUSTER_DIR}/pki/ca.key" -set_serial "0x$(openssl rand -hex 8)" -days 30 \
-    -extfile <(printf 'keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n') \
-    -out "${pki}/kubelet-client.crt" 2>/dev/null
-  rm -f "${pki}/kubelet-client.csr"
+  issue_client_cert kubelet-client "/O=system:nodes/CN=system:node:${NODE_NAME}"
+  # rollout-netpol's identity: a user of its own, bound to read-only RBAC (apply_node_objects).
+  issue_client_cert netpol-client "/CN=${NETPOL_USER}"
   cat >"${KUBELET_KUBECONFIG}" <<YAML
 apiVersion: v1
 kind: Config
@@ -283,6 +330,20 @@ ensure_bridge() {
     ip addr add "${NODE_IP}/${prefix}" dev "${BRIDGE}"
   fi
   ip link set "${BRIDGE}" up
+  # Pod-to-Pod traffic is bridged; only br_netfilter shows it to the inet forward hook where
+  # rollout-netpol filters it. Turned on for this bridge only (the machine-wide sysctl
+  # bridge-nf-call-iptables is left as it is; loading the module sets it to 1 if it was not loaded).
+  [[ -d /proc/sys/net/bridge ]] || modprobe br_netfilter 2>/dev/null || true
+  if [[ -d /proc/sys/net/bridge ]]; then
+    ip link set "${BRIDGE}" type bridge nf_call_iptables 1
+  else
+    localkube_log "WARNING: no br_netfilter: NetworkPolicy does not filter Pod-to-Pod traffic" \
+      "on ${BRIDGE} (Pod-to-node traffic is filtered)"
+  fi
+}
+
+netpol_table_exists() {
+  command -v nft >/dev/null 2>&1 && nft list table inet "${NETPOL_TABLE}" >/dev/null 2>&1
 }
 
 # The kubelet requires its cgroup root to exist in every hierarchy (cgroup v1) or in the unified one.
@@ -366,7 +427,7 @@ kubelet_healthy() {
 # Fingerprint of what the running node was started for: the cluster (its CA) and our configs.
 node_fingerprint() {
   cat "${CLUSTER_DIR}/pki/ca.crt" "${LOCALKUBE_KUBECONFIG}" "${LOCALKUBE_DIR}/node.sh" \
-    2>/dev/null | sha256sum | cut -c1-16
+    "${NETPOL_PLUGIN}" 2>/dev/null | sha256sum | cut -c1-16
 }
 
 node_healthy() {
@@ -375,7 +436,9 @@ node_healthy() {
   kubelet_healthy
 }
 
-apply_runtime_class() {
+# The RuntimeClass, and what rollout-netpol may read (the Pod it is called for, its namespace's
+# NetworkPolicies).
+apply_node_objects() {
   kctl apply -f - >/dev/null <<YAML
 apiVersion: node.k8s.io/v1
 kind: RuntimeClass
@@ -383,14 +446,37 @@ metadata:
   name: ${LOCALKUBE_RUNTIME_CLASS}
   labels: {rollout.dev/localkube: "true"}
 handler: runc
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: ${NETPOL_RBAC}
+  labels: {rollout.dev/localkube: "true"}
+rules:
+- {apiGroups: [""], resources: [pods], verbs: [get]}
+- {apiGroups: [networking.k8s.io], resources: [networkpolicies], verbs: [list]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: ${NETPOL_RBAC}
+  labels: {rollout.dev/localkube: "true"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: ${NETPOL_RBAC}}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "${NETPOL_USER}"}
 YAML
+}
+
+delete_node_objects() {
+  kctl delete clusterrolebinding,clusterrole "${NETPOL_RBAC}" --ignore-not-found \
+    --request-timeout=10s >/dev/null 2>&1 || true
 }
 
 node_up_locked() {
   local t0=${SECONDS} t
   [[ "$(id -u)" == 0 ]] || localkube_die "the real node needs root (containerd, kubelet, network)"
   if node_healthy; then
-    apply_runtime_class
+    apply_node_objects
     echo "localkube: node '${NODE_NAME}' already up (checked in $((SECONDS - t0))s)"
     return 0
   fi
@@ -411,6 +497,10 @@ node_up_locked() {
   mkdir -p "${NODE_DIR}/logs" "${POD_LOGS_DIR}" "${KUBELET_ROOT}"
   : >"${NODE_DIR}/logs/kubelet.log"
   : >"${NODE_DIR}/logs/containerd.log"
+  : >"${NODE_DIR}/logs/netpol.log"
+  write_kubelet_credentials
+  apply_node_objects
+  install_cni_plugins
   write_containerd_config
   ensure_bridge
   start_containerd
@@ -418,7 +508,6 @@ node_up_locked() {
   t=${SECONDS}
   import_images
   timings+=", import $((SECONDS - t))s"
-  write_kubelet_credentials
   write_kubelet_config
   ensure_cgroup_root
   t=${SECONDS}
@@ -439,7 +528,6 @@ node_up_locked() {
   local kpid
   kpid="$(kubelet_pids)"
   supervise_register kubelet "${kpid%%$'\n'*}" "${SUP_DIR}/kubelet/pid"
-  apply_runtime_class
   node_fingerprint >"${NODE_DIR}/fingerprint"
   echo "${CLUSTER_DIR}" >"${NODE_DIR}/cluster"
   echo "localkube: node '${NODE_NAME}' up in $((SECONDS - t0))s (${timings})"
@@ -492,7 +580,8 @@ unmount_under() { # dir...: every mount point at or below the given directories,
 # Keeps ${CONTAINERD_ROOT} (the imported images) and ${NODE_DIR} (configs, logs).
 node_exists() {
   [[ -n "$(kubelet_pids)$(containerd_pids)$(shim_pids)" || -d "${KUBELET_ROOT}" \
-    || -d "${CONTAINERD_STATE}" ]] || ip link show "${BRIDGE}" >/dev/null 2>&1
+    || -d "${CONTAINERD_STATE}" ]] || ip link show "${BRIDGE}" >/dev/null 2>&1 \
+    || netpol_table_exists
 }
 
 node_down_locked() {
@@ -555,6 +644,8 @@ node_down_locked() {
     done
   fi
   if ip link show "${BRIDGE}" >/dev/null 2>&1; then ip link delete "${BRIDGE}" || true; fi
+  # rollout-netpol's table (its state went with ${CONTAINERD_STATE}).
+  if netpol_table_exists; then nft delete table inet "${NETPOL_TABLE}" || true; fi
   rm -rf "${NODE_DIR}/pki" "${NODE_DIR}/fingerprint" "${NODE_DIR}/cluster"
   node_release
   [[ -n "${quiet}" ]] || echo "localkube: node '${NODE_NAME}' down ($((SECONDS - t0))s)"

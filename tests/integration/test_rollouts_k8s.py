@@ -4,6 +4,10 @@ listens on the node's bridge address."""
 
 from __future__ import annotations
 
+import json
+import re
+import socket
+
 import pytest
 
 from rollout_wire.tasksets import load_task_set
@@ -20,8 +24,18 @@ def tcp(host, port):
         return "connected"
     except OSError as exc:
         return type(exc).__name__
-print(json.dumps({"other": tcp(HOST, PORT)}))
+with open("/proc/net/if_inet6") as f:
+    ipv6 = sorted({line.split()[-1] for line in f if line.split()[-1] != "lo"})
+print(json.dumps({"policy": tcp(HOST, POLICY_PORT), "other": tcp(HOST, PORT), "ipv6": ipv6}))
 """
+
+
+def tcp(host: str, port: int) -> str:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return "connected"
+    except OSError as exc:
+        return type(exc).__name__
 
 
 def node_address(k8s_cluster, name: str) -> str:
@@ -81,13 +95,16 @@ def test_a_mixed_batch_on_the_real_node_gets_the_scripted_rewards(
     assert calls and all(pods[c["episode_id"]] == c["group_id"] for c in calls)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the real node's bridge CNI enforces no NetworkPolicy: the batch's egress rule "
-    "(policy endpoint only) is created but not applied; see issue 11",
-)
 def test_a_pod_reaches_its_policy_endpoint_and_nothing_else(real_node, real_stack, k8s_cluster):
+    """The batch's NetworkPolicy holds on the real node (hack/localkube/rollout-netpol): from
+    an episode Pod, the policy endpoint answers and the node's kubelet port (same address,
+    open to this machine) is filtered; the Pod has no IPv6 to go around the rules."""
     host = node_address(k8s_cluster, real_node.name)
+    kubelet_port = k8s_cluster.core.read_node(
+        real_node.name
+    ).status.daemon_endpoints.kubelet_endpoint.port
+    # The kubelet listens there: a failed probe from the Pod is the filter, not a closed port.
+    assert tcp(host, kubelet_port) == "connected"
     task = {
         "id": "probe",
         "statement": "Probe the network.",
@@ -100,8 +117,13 @@ def test_a_pod_reaches_its_policy_endpoint_and_nothing_else(real_node, real_stac
         "max_steps": 2,
     }
     with running(host="0.0.0.0") as server:
-        # Another address: the node's own kubelet port, reachable only if nothing filters.
-        probe = PROBE.replace("HOST", repr(host)).replace("PORT", "10250")
+        # The policy endpoint, and another port of the same address (the node's kubelet),
+        # reachable only if nothing filters.
+        probe = (
+            PROBE.replace("HOST", repr(host))
+            .replace("POLICY_PORT", str(server.port))
+            .replace("PORT", str(kubelet_port))
+        )
         server._server.policy.tasks["probe"] = {
             "plans": [
                 [
@@ -116,5 +138,14 @@ def test_a_pod_reaches_its_policy_endpoint_and_nothing_else(real_node, real_stac
         rows = list(client.trajectories(submission.batch_id, timeout=300))
     ((row, trajectory),) = rows
     assert row["status"] == "ok", row["errors"]
+    # The agent's policy calls went through (both steps came from the policy endpoint).
+    assert [s["actions"][0]["tool"] for s in trajectory["steps"]] == ["write_file", "run"]
     observation = trajectory["steps"][1]["actions"][0]["observation"]
-    assert '"other": "connected"' not in observation, observation
+    found = re.search(r'\{"policy".*\}', observation)
+    assert found, observation
+    # Dropped, not refused: the connection attempt times out.
+    assert json.loads(found.group(0)) == {
+        "policy": "connected",
+        "other": "TimeoutError",
+        "ipv6": [],
+    }, observation
