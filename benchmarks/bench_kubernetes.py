@@ -26,6 +26,12 @@ Needs the local cluster (hack/localkube/cluster.sh up; eval "$(hack/localkube/cl
 
     python -m benchmarks.bench_kubernetes [--sizes 10 1000] [--parallelism 200] [--runs 3]
         [--lengths 5 60] [--length-episodes 200] [--long-runs 1] [--deadline 600]
+        [--pod-create-rate R]
+
+Before the runs it prints, per size, the least time the batch needs by arithmetic
+(rollout_worker/schedule.py: Pod creation at ROLLOUT_POD_CREATE_RATE, waves x the episode
+floor); a batch whose deadline is shorter is refused by the workers, with that arithmetic.
+`--pod-create-rate` sets ROLLOUT_POD_CREATE_RATE for the workers (default: theirs, 20/s).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from benchmarks.kwok_bench import (
 from benchmarks.proc import Meter, Stats
 from rollout_wire import constants as k
 from rollout_wire.request import new_batch_id
+from rollout_worker.schedule import deadline_problem, episode_floor, minimum_time
+from rollout_worker.settings import Settings
 from rollout_worker.stack import LocalStack
 from tests.integration.kwok_episodes import StagesMismatch, verify_stages
 from tests.k8s import cluster as kc
@@ -204,6 +212,29 @@ def cell(values: list[float], digits: int = 2, scale: float = 1.0) -> str:
     return Stats(values).fmt(scale=scale, digits=digits)
 
 
+def print_schedule(args: argparse.Namespace, rate: float) -> None:
+    """The least time each size needs by arithmetic, and whether its deadline admits it."""
+    floor = episode_floor("kubernetes", args.seconds or None)
+    for size in args.sizes:
+        par = min(size, args.parallelism)
+        plan = minimum_time(size, par, episode_seconds=floor, create_rate=rate or None)
+        refused = deadline_problem(
+            size,
+            par,
+            args.deadline,
+            backend="kubernetes",
+            create_rate=rate,
+            expected_episode_seconds=args.seconds or None,
+        )
+        print(
+            f"N={size}, parallelism {par}: needs at least {plan.minimum_seconds:.0f} s "
+            f"(creation at {rate:g} Pods/s {plan.creation_seconds:.0f} s, {plan.waves} waves x "
+            f"{floor:g} s); deadline {args.deadline} s: "
+            + ("admitted" if refused is None else f"REFUSED: {refused}"),
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -217,6 +248,12 @@ def main() -> None:
     parser.add_argument("--long-runs", type=int, default=1, help="runs of episodes >= 30 s")
     parser.add_argument("--deadline", type=int, default=600)
     parser.add_argument("--collect-concurrency", type=int, default=64)
+    parser.add_argument(
+        "--pod-create-rate",
+        type=float,
+        default=None,
+        help="ROLLOUT_POD_CREATE_RATE for the workers (default: theirs)",
+    )
     parser.add_argument("--out", default=None, help="JSON lines of every run (default: tmp)")
     args = parser.parse_args()
     assert args.runs >= 3, "a figure is a median of at least 3 runs"
@@ -237,6 +274,10 @@ def main() -> None:
         "KUBECONFIG": str(cluster.kubeconfig),
         "ROLLOUT_MAX_BATCH_EPISODES": str(max(5000, *args.sizes)),
     }
+    rate = Settings().pod_create_rate if args.pod_create_rate is None else args.pod_create_rate
+    if args.pod_create_rate is not None:
+        env["ROLLOUT_POD_CREATE_RATE"] = str(args.pod_create_rate)
+    print_schedule(args, rate)
     out = Path(args.out or tempfile.mkstemp(prefix="bench-kubernetes-", suffix=".jsonl")[1])
     results: dict[tuple[int, float], list[dict[str, Any]]] = {}
     with (
@@ -381,7 +422,8 @@ def print_table(
             )
         print()
     print(
-        "guide's script, seed, 10 parallel on real nodes (not measured here): "
+        "guide's script, seed, 10 parallel on real nodes (side by side on the real node: "
+        "python -m benchmarks.bench_real_node): "
         + ", ".join(f"{key} {value}" for key, value in GUIDE.items())
     )
     print(

@@ -3,9 +3,12 @@
 Two floors bound how fast a batch can run, whatever the workers do:
 
 - Pod creation (Kubernetes): the Job controller creates the batch's Pods through its client,
-  which kube-controller-manager rate-limits (`--kube-api-qps`, default 20, and every Pod costs
-  at least its create; ROLLOUT_POD_CREATE_RATE). The last Pod exists no earlier than
-  count / rate seconds after the Job, and then still has to run.
+  which kube-controller-manager rate-limits (`--kube-api-qps`, default 20 requests/s; each Pod
+  costs a create and, once it ends, a patch that removes the Job's tracking finalizer, so a
+  stock controller manager creates about 10 Pods/s: measured 10.2/s on the local cluster with
+  --kube-api-qps 20, benchmarks/bench_job_create.py). ROLLOUT_POD_CREATE_RATE is that rate.
+  The last Pod exists no earlier than count / rate seconds after the Job, and then still has
+  to run.
 - Waves: at most `parallelism` episodes run at once, so ceil(count / parallelism) episodes run
   one after another in some slot, each taking at least the expected episode time (when the
   caller knows it) or the backend's floor (the shortest episode ever measured on it).
@@ -25,8 +28,6 @@ from dataclasses import dataclass
 # (KWOK's own stages take 1-2.5 s; the real node about 5 s for the demo episode); a local
 # sandbox runs the demo episode in 0.3-0.7 s on this 2-core machine.
 EPISODE_FLOOR_SECONDS = {"kubernetes": 1.0, "local": 0.2}
-# What a stock kube-controller-manager allows its Job controller (--kube-api-qps 20).
-DEFAULT_POD_CREATE_RATE = 20.0
 
 
 @dataclass(frozen=True)

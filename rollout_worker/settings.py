@@ -42,10 +42,10 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_SWEEP_SECONDS": "how often `rollout worker --beat` runs the sweeper (default 300)",
     "ROLLOUT_KUBE_JOB_TTL": "ttlSecondsAfterFinished of batch Jobs, a safety net for runs nobody "
     "cleans up (default 86400)",
-    "ROLLOUT_POD_CREATE_RATE": "Pods per second the cluster's Job controller creates (its "
-    "kube-controller-manager --kube-api-qps); a Kubernetes batch that cannot even be created "
-    "within its deadline at this rate is refused up front, with the arithmetic; 0: do not check "
-    "(default 20, a stock kube-controller-manager)",
+    "ROLLOUT_POD_CREATE_RATE": "Pods per second the cluster's Job controller creates; a "
+    "Kubernetes batch that cannot even be created within its deadline at this rate is refused "
+    "up front, with the arithmetic; 0: do not check (default 10: a stock kube-controller-manager "
+    "allows its controllers 20 requests/s, and each Pod costs a create and a finalizer patch)",
 }
 
 
@@ -67,7 +67,7 @@ class Settings:
     local_python: str = ""
     local_isolation: str = "auto"
     kube_job_ttl_seconds: int = 24 * 3600
-    pod_create_rate: float = 20.0
+    pod_create_rate: float = 10.0
     run_ttl_seconds: int = 7 * 24 * 3600
     sweep_seconds: float = 300.0
     kubeconfig: str | None = None

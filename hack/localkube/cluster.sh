@@ -37,6 +37,11 @@ READY_TIMEOUT="${LOCALKUBE_READY_TIMEOUT:-180}"
 NODE_PODS="${LOCALKUBE_NODE_PODS:-1000}"
 NODE_CPU="${LOCALKUBE_NODE_CPU:-1000}"
 NODE_MEMORY="${LOCALKUBE_NODE_MEMORY:-4Ti}"
+# kube-controller-manager's client rate limit (--kube-api-qps/--kube-api-burst). Empty: kwokctl's
+# disableQPSLimits (5000/10000, never the limit here). ROLLOUT_LOCALKUBE_KCM_QPS=20 and
+# ROLLOUT_LOCALKUBE_KCM_BURST=30 give a stock controller manager (README: "Pod creation rate").
+KCM_QPS="${ROLLOUT_LOCALKUBE_KCM_QPS:-}"
+KCM_BURST="${ROLLOUT_LOCALKUBE_KCM_BURST:-}"
 
 SUP_DIR="${CLUSTER_DIR}/supervisor"
 SUPERVISE="${LOCALKUBE_DIR}/supervise.sh"
@@ -137,6 +142,21 @@ componentsPatches:
   - key: kubelet-preferred-address-types
     value: InternalIP,Hostname
 YAML
+  if [[ -n "${KCM_QPS}${KCM_BURST}" ]]; then
+    [[ "${KCM_QPS:-x}" =~ ^[0-9]+$ && "${KCM_BURST:-x}" =~ ^[0-9]+$ ]] ||
+      localkube_die "ROLLOUT_LOCALKUBE_KCM_QPS and ROLLOUT_LOCALKUBE_KCM_BURST: both, whole numbers"
+    cat >>"${CONFIG}.tmp" <<YAML
+# A controller manager rate-limited as asked (ROLLOUT_LOCALKUBE_KCM_QPS / _BURST).
+- name: kube-controller-manager
+  extraArgs:
+  - key: kube-api-qps
+    value: "${KCM_QPS}"
+    override: true
+  - key: kube-api-burst
+    value: "${KCM_BURST}"
+    override: true
+YAML
+  fi
   # Our Pod and Node lifecycle for KWOK (see the file's header).
   { echo "---"; cat "$(dirname "${BASH_SOURCE[0]}")/kwok-stages.yaml"; } >>"${CONFIG}.tmp"
   mv -f "${CONFIG}.tmp" "${CONFIG}"
