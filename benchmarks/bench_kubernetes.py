@@ -127,6 +127,9 @@ def one_batch(
     terminal.stop()
     after = api_reads()
     delta = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key)}
+    # The next run starts on a clean cluster: a namespace of thousands of Pods being deleted
+    # would load this machine during it (not measured: after the meters stop).
+    gone_after = wait_namespace_gone(ctx["cluster"], namespace, report_at)
     # The harness's and the benchmark watch's own reads are not ours.
     gets, watches = episodes.pod_gets - harness0[0], episodes.pod_watches - harness0[1]
     delta["GET pods resource"] = delta.get("GET pods resource", 0) - gets
@@ -164,17 +167,34 @@ def one_batch(
         "redis_start": memory.redis_start,
         "settled": settled,
         "harness_errors": episodes.errors[-3:],
+        "namespace_gone_after_report": gone_after,
     }
     ctx["log"].write(json.dumps(result) + "\n")
     ctx["log"].flush()
+    gone = "not yet" if gone_after is None else f"+{gone_after:.0f}s after the report"
     print(
         f"  # {size} x {seconds:g}s: ok={result['ok']} {result['reward_sum']}/{size} "
         f"wall {result['wall']:.1f}s report {result['report_latency']:.3f}s rows "
         f"p50 {result['row_median']:.3f}s reads/ep {reads / size:.2f} "
-        f"cpu {usage.ours / size * 1000:.1f} ms/ep ({settled})",
+        f"cpu {usage.ours / size * 1000:.1f} ms/ep ({settled}; namespace gone {gone})",
         flush=True,
     )
     return result
+
+
+def wait_namespace_gone(
+    cluster: kc.Cluster, namespace: str, since: float, timeout: float = 600
+) -> float | None:
+    """Seconds from `since` until the namespace is gone (None: still there after timeout)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            cluster.core.read_namespace(namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return time.time() - since
+        time.sleep(1)
+    return None
 
 
 def noop_floor(ctx: dict[str, Any], n: int, runs: int) -> list[Any]:

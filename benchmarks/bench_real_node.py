@@ -12,6 +12,9 @@
 - Client wall time: the command's process from start to exit (both write their records
   before they exit). Pod-to-ready p50: each run's own results.json (the guide's metric:
   Pod creationTimestamp -> the episode's `ready` event).
+- Last Pod terminal: when the benchmark's own watch (all namespaces, the Jobs' Pods) first saw
+  the run's last Pod Succeeded or Failed. From it: to the client's exit (both), and to the
+  report's `reported_at` (ours; the goal is 0.3 s).
 - One round = one run of each (which goes first alternates); one unmeasured warm-up of each
   first. Each run's namespace is deleted (not timed) before the next.
 
@@ -29,9 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from kubernetes import watch
 
 from benchmarks.guide_script import guide_script
 from benchmarks.proc import Stats
@@ -39,6 +45,7 @@ from rollout_worker.stack import LocalStack
 from tests.k8s import cluster as kc
 
 ROOT = Path(__file__).resolve().parents[1]
+ENDS: PodEnds | None = None  # the benchmark's watch of the Jobs' Pods (started in main)
 # The guide's figures (seed, 10 parallel, two 64-vCPU nodes): SPEC-DIGEST.md.
 GUIDE_SEED = {"Pod created -> ready p50 s": 3.7, "client sees Job complete s": 12.7}
 # Where the placement goes into the guide's Pod template (checked to occur exactly once).
@@ -53,6 +60,50 @@ def placed_guide_script(node: kc.RealNode) -> str:
         f"{TEMPLATE_ANCHOR} nodeSelector={node.node_selector!r}, tolerations={node.tolerations!r},"
     )
     return source.replace(TEMPLATE_ANCHOR, placement)
+
+
+class PodEnds(threading.Thread):
+    """When each Job Pod (label job-name=rollout, any namespace) was first seen terminal."""
+
+    def __init__(self, cluster: kc.Cluster) -> None:
+        super().__init__(daemon=True)
+        self.core = cluster.core
+        self.ended: dict[tuple[str, str], float] = {}
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        version = None
+        while not self.halt.is_set():
+            stream = watch.Watch()
+            kwargs: dict[str, Any] = {
+                "label_selector": "batch.kubernetes.io/job-name=rollout",
+                "timeout_seconds": 30,
+                "deserialize": False,
+            }
+            if version:
+                kwargs["resource_version"] = version
+            try:
+                for event in stream.stream(self.core.list_pod_for_all_namespaces, **kwargs):
+                    now = time.time()
+                    pod = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        version = None
+                        break
+                    meta = pod.get("metadata") or {}
+                    version = meta.get("resourceVersion", version)
+                    if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                        self.ended.setdefault((meta["namespace"], meta["name"]), now)
+                    if self.halt.is_set():
+                        break
+            except Exception:
+                version = None
+                time.sleep(0.2)
+            finally:
+                stream.stop()
+
+    def last(self, namespace: str | None) -> float | None:
+        times = [t for (ns, _), t in list(self.ended.items()) if ns == namespace]
+        return max(times) if times else None
 
 
 def kubectl_dir() -> Path:
@@ -81,8 +132,9 @@ def run_guide(script: Path, node: kc.RealNode, count: int, out: Path, env: dict[
     cmd += ["--image", node.image, "--runtime", node.runtime_class]
     t0 = time.monotonic()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    wall = time.monotonic() - t0
+    wall, exited = time.monotonic() - t0, time.time()
     results = json.loads((out / "results.json").read_text()) if done.returncode == 0 else {}
+    last = ENDS.last(results.get("namespace")) if ENDS else None
     cleanup = subprocess.run(
         [sys.executable, str(script), "cleanup", "--output", str(out)],
         env=env,
@@ -98,6 +150,7 @@ def run_guide(script: Path, node: kc.RealNode, count: int, out: Path, env: dict[
         "all_ready": metric(results, "batch_to_all_ready_seconds"),
         "all_rewards": metric(results, "batch_to_all_rewards_seconds"),
         "job_complete_seen": metric(results, "client_job_complete_seconds"),
+        "terminal_to_exit": exited - last if last else None,
         "error": "" if done.returncode == 0 else done.stderr[-800:],
         "cleanup_rc": cleanup.returncode,
     }
@@ -108,9 +161,11 @@ def run_ours(node: kc.RealNode, count: int, out: Path, env: dict[str, str]) -> d
     cmd += ["--count", str(count), "--output", str(out)]
     t0 = time.monotonic()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    wall = time.monotonic() - t0
+    wall, exited = time.monotonic() - t0, time.time()
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
+    last = ENDS.last(results.get("namespace")) if ENDS else None
+    reported = metric(results, "reported_at")
     cleanup = subprocess.run(
         [str(Path(sys.executable).parent / "rollout"), "cleanup", "--output", str(out)],
         env=env,
@@ -126,6 +181,8 @@ def run_ours(node: kc.RealNode, count: int, out: Path, env: dict[str, str]) -> d
         "all_ready": metric(results, "batch_to_all_ready_seconds"),
         "all_rewards": metric(results, "batch_to_all_rewards_seconds"),
         "submit_to_report": metric(results, "client_submit_to_report_seconds"),
+        "terminal_to_exit": exited - last if last else None,
+        "terminal_to_report": reported - last if last and reported else None,
         "error": "" if done.returncode == 0 else (done.stdout + done.stderr)[-800:],
         "cleanup_rc": cleanup.returncode,
     }
@@ -148,8 +205,11 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON lines of every run (default: tmp)")
     args = parser.parse_args()
+    global ENDS
     cluster = kc.ensure_cluster()
     node = kc.ensure_real_node(cluster)
+    ENDS = PodEnds(cluster)
+    ENDS.start()
     work = Path(tempfile.mkdtemp(prefix="bench-real-node-"))
     script = work / "rl-batch-demo.py"
     script.write_text(placed_guide_script(node))
@@ -227,6 +287,8 @@ def print_table(args: argparse.Namespace, runs: list[dict], node: kc.RealNode) -
     row("Job created -> all rewards s", "all_rewards")
     row("guide: client sees Job complete s", "job_complete_seen")
     row("ours: submit -> report (client) s", "submit_to_report")
+    row("last Pod terminal -> client exits s", "terminal_to_exit")
+    row("last Pod terminal -> report published s", "terminal_to_report", "<= 0.3 s (ours)")
     walls_g = [r["wall"] for r in guide if r["ok"]]
     walls_o = [r["wall"] for r in ours if r["ok"]]
     p50_g = [r["p50"] for r in guide if r["ok"] and r["p50"] is not None]
