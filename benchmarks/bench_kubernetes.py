@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from benchmarks.kwok_bench import (
@@ -63,11 +62,17 @@ from rollout_wire.request import new_batch_id
 from rollout_worker.schedule import deadline_problem, episode_floor, minimum_time
 from rollout_worker.settings import Settings
 from rollout_worker.stack import LocalStack
-from tests.integration.kwok_episodes import StagesMismatch, verify_stages
+from tests.integration.kwok_episodes import (
+    RUNTIME_CLASS as RUNTIME,
+)
+from tests.integration.kwok_episodes import (
+    StagesMismatch,
+    ensure_kwok_runtime,
+    verify_stages,
+)
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 
-RUNTIME = "rollout-kwok"
 MB = 1024 * 1024
 # The guide's script, seed, 10 episodes in parallel on real nodes.
 GUIDE = {"all ready s": 3.7, "all rewards s": 8.4, "client sees Job complete s": 12.7}
@@ -283,13 +288,7 @@ def main() -> None:
         verify_stages(cluster, timeout=120)
     except StagesMismatch as exc:
         print(f"warning: {exc}", flush=True)
-    try:
-        client.NodeV1Api(cluster.api_client).create_runtime_class(
-            {"metadata": {"name": RUNTIME}, "handler": "kwok"}
-        )
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
+    ensure_kwok_runtime(cluster)  # the tests' RuntimeClass (same name, same overhead)
     env = {
         "KUBECONFIG": str(cluster.kubeconfig),
         "ROLLOUT_MAX_BATCH_EPISODES": str(max(5000, *args.sizes)),
