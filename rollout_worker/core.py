@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 # Well under the visibility timeout: a delayed message held longer is restored by kombu even
 # though its worker lives, and the copies would double at every step.
 WATCHDOG_STEP_SECONDS = 10.0
+# How long the watchdog's rescue waits for its first look at the backend (a watch to sync).
+RESCUE_FIRST_BLOCK_SECONDS = 3.0
 WATCHDOG_EXTRA_SECONDS = 30.0
 # What Redis keeps of one episode's log (validation reads all of it, up to the backend's cap).
 STORED_LOG_BYTES = 2**20
@@ -159,10 +161,20 @@ def rescue(
         return False
     batch_id = receipt.spec.batch_id
     missing = [i for i in range(receipt.spec.count) if not store.has_episode(batch_id, i)]
-    for index in missing:
+    for position, index in enumerate(missing):
+        # The first look may wait a little: this process may have no watch of the batch yet,
+        # and one that has not listed the Pods yet sees nothing (it would cost a whole step).
+        block = RESCUE_FIRST_BLOCK_SECONDS if position == 0 else 0
         try:
             collect(
-                store, backend, receipt, index, block=0, final=False, limits=limits, now=lambda: now
+                store,
+                backend,
+                receipt,
+                index,
+                block=block,
+                final=False,
+                limits=limits,
+                now=lambda: now,
             )
         except (NotYet, TransientBackendError):
             continue
