@@ -19,6 +19,7 @@ from rollout_wire.request import BatchSpec, is_batch_id, parse_spec
 from rollout_wire.rows import EpisodeRow
 from rollout_wire.trajectory import trajectory_from_log
 from rollout_worker.backends.base import Backend, FinishedRun, RunHandle
+from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import resource_problems
 from rollout_worker.report import build_report, error_report
 from rollout_worker.schedule import deadline_problem
@@ -349,8 +350,12 @@ def collect(
     cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
     stopped = cancelled and store.has_flag(spec.batch_id, FLAG_STOPPED)
     try:
-        obs = backend.wait_episode(
-            run, index, 0 if stopped else min(block, 1.0) if cancelled else block
+        obs = _wait(
+            store,
+            backend,
+            receipt,
+            index,
+            0 if stopped else min(block, 1.0) if cancelled else block,
         )
         if obs.phase != "Succeeded" and not cancelled:
             # Cancelled while this collector waited: the cancel stopped the sandbox (a Pod
@@ -363,6 +368,8 @@ def collect(
         elif obs.terminal:
             text = backend.read_output(run, obs)
             row = validate_episode(obs, text, run.origin)
+            if row.reward_at is not None:
+                store.publish_state(spec.batch_id, index, "rewarded")
             if spec.policy is not None:
                 # Stored before the row, so a trainer woken by the row finds it.
                 store.record_trajectory(spec.batch_id, index, trajectory_from_log(text))
@@ -386,6 +393,21 @@ def collect(
         row = lost_row(index, episode_id, str(exc), None)
     store.record_episode(spec.batch_id, row, _stored_log(text))
     return row
+
+
+def _wait(
+    store: BatchStore, backend: Backend, receipt: Receipt, index: int, timeout: float
+) -> EpisodeObservation:
+    """Wait for episode `index` to end; on the way, stream that it runs and is ready (for
+    backends whose sandboxes cannot stream it themselves). Each state is published once."""
+    assert receipt.run is not None
+    batch_id, end = receipt.spec.batch_id, time.monotonic() + timeout
+    obs = backend.wait_episode(receipt.run, index, timeout, until_ready=True)
+    if obs.ready and not obs.terminal:
+        store.publish_state(batch_id, index, "running")
+        store.publish_state(batch_id, index, "ready")
+        obs = backend.wait_episode(receipt.run, index, max(0.0, end - time.monotonic()))
+    return obs
 
 
 def _stored_log(text: str) -> str:

@@ -24,6 +24,8 @@ JOB_NAME = "rollout"
 CONFIGMAP_NAME = "episode"
 CONTAINER_NAME = "episode"
 PROGRAM_DIR = "/demo"
+# The runner's `ready` marker, on the Pod's own /tmp (see ready_probe).
+READY_FILE = "/tmp/rollout-ready"
 PROGRAM_KEY = "episode.py"
 TASKS_KEY = "tasks.json"
 # The API server refuses an object above 1 MiB (etcd's request limit is 1.5 MiB, the ConfigMap
@@ -171,6 +173,20 @@ def pod_failure_policy(spec: BatchSpec) -> dict[str, Any]:
     }
 
 
+def ready_probe(spec: BatchSpec) -> dict[str, Any]:
+    """The startup probe that turns the runner's `ready` event into Pod status: the runner
+    creates READY_FILE when it emits the event, and the container counts as started once the
+    kubelet sees the file. Collectors learn of it from the Pod watch they already hold, so
+    progress costs no log read. The probe runs about once a second only until it passes, and
+    its failure threshold outlasts the episode's own deadline, so it never stops an episode."""
+    return {
+        "exec": {"command": ["python", "-S", "-c", f"import os; os.stat({READY_FILE!r})"]},
+        "periodSeconds": 1,
+        "timeoutSeconds": 1,
+        "failureThreshold": spec.episode_timeout_seconds + 10,
+    }
+
+
 @dataclass(frozen=True)
 class JobPart:
     """One Job of a batch: the episodes [first, first + count) that run one image."""
@@ -247,8 +263,10 @@ def job_manifest(
                     {"name": "ROLLOUT_ACTION", "value": spec.action},
                     {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
                     {"name": "ROLLOUT_INDEX_OFFSET", "value": str(part.first)},
+                    {"name": "ROLLOUT_READY_FILE", "value": READY_FILE},
                     *agent_env(spec),
                 ],
+                "startupProbe": ready_probe(spec),
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "capabilities": {"drop": ["ALL"]},

@@ -33,6 +33,9 @@ class EpisodeObservation:
     # Earlier attempts of this episode, each ended by an infrastructure failure and run again
     # in a fresh sandbox under the retry budget (see `attempt_summary`); oldest first.
     retried: list[dict[str, Any]] = field(default_factory=list)
+    # The runner said its episode is ready (Kubernetes: the startup probe on its ready marker
+    # passed). Progress only: validation reads the events themselves.
+    ready: bool = False
 
     @property
     def terminal(self) -> bool:

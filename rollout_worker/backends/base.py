@@ -78,8 +78,12 @@ class Backend(Protocol):
     def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
         """Create the run, or find and verify the one already created for this batch id."""
 
-    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
-        """Observe episode `index`, waiting up to `timeout` seconds for it to be terminal."""
+    def wait_episode(
+        self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
+    ) -> EpisodeObservation:
+        """Observe episode `index`, waiting up to `timeout` seconds for it to be terminal (or,
+        with `until_ready`, for `obs.ready` too: progress, where the backend does not stream
+        it itself)."""
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         """The episode's log (its stdout)."""

@@ -228,6 +228,7 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         restart_count=int(container.get("restartCount", 0)),
         reason=reason,
         termination_message=terminated.get("message") or None,
+        ready=phase == "Running" and container.get("started") is True,
         timing={
             "scheduled_at": scheduled,
             "initialized_at": conditions.get("Initialized"),

@@ -339,10 +339,14 @@ class KubernetesBackend:
 
         return self.watches.get(namespace, make)
 
-    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
-        pods = self._pod_watch(handle).wait(
-            index, timeout, lambda seen: observe_pods(handle, index, seen).terminal
-        )
+    def wait_episode(
+        self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
+    ) -> EpisodeObservation:
+        def done(seen: dict[str, dict[str, Any]]) -> bool:
+            obs = observe_pods(handle, index, seen)
+            return obs.terminal or (until_ready and obs.ready)
+
+        pods = self._pod_watch(handle).wait(index, timeout, done)
         obs = observe_pods(handle, index, pods)
         if not obs.terminal and not pods:
             obs = self._ended_without_pod(handle, index, obs)

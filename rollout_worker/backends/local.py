@@ -228,7 +228,10 @@ class LocalBackend:
             self._signal = DoneSignal.from_url(self.settings.redis_url)
         return self._signal
 
-    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
+    def wait_episode(
+        self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
+    ) -> EpisodeObservation:
+        # `until_ready` is moot here: the supervisor streams ready/rewarded from the output.
         run_dir = self._dir(handle)
         end = time.monotonic() + timeout
         while True:

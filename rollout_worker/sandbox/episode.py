@@ -144,7 +144,19 @@ def emit(event: str, **data: object) -> dict[str, object]:
     record.update(data)
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()
+    if event == "ready" and os.environ.get("ROLLOUT_READY_FILE"):
+        mark_ready(os.environ["ROLLOUT_READY_FILE"])
     return record
+
+
+def mark_ready(path: str) -> None:
+    # Kubernetes: the Pod's startup probe looks for this file, so the Pod status (which the
+    # workers already watch) says the episode is ready without anyone reading its log.
+    try:
+        with open(path, "w"):
+            pass
+    except OSError:
+        pass  # progress only: the event in the log is what validation reads
 
 
 def truncate(text: str, limit: int = MAX_OBSERVATION_BYTES) -> tuple[str, bool]:

@@ -11,7 +11,10 @@ import sys
 
 import pytest
 
+from rollout_wire import constants as k
+from rollout_wire.codec import decode_entry
 from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
+from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
 
@@ -69,3 +72,45 @@ def test_guide_run_on_the_real_node(real_node, real_stack, k8s_cluster, tmp_path
             assert after["created_at"] >= before["finished_at"] - 1.0
     for name in ("job.json", "pods.json", "events.txt", "receipt.json", "job-submitted.json"):
         assert (out / name).exists()
+
+
+def _states_by_time(client, batch_id: str) -> dict[tuple[int, str], float]:
+    """When (the stream entry's own time, in seconds) each episode's progress state and row
+    were published: the workers wrote these, the test only reads them."""
+    seen: dict[tuple[int, str], float] = {}
+    for entry_id, data in client.redis.xrange(k.stream_key(batch_id)):
+        entry = decode_entry(data)
+        if entry.index is None:
+            continue
+        what = entry.status if entry.type == k.ENTRY_STATE else entry.type
+        seen[(entry.index, str(what))] = int(entry_id.split(b"-")[0]) / 1000
+    return seen
+
+
+def test_progress_on_the_real_node_shows_ready_from_the_runner_and_rewarded_before_the_row(
+    real_node, real_stack
+):
+    client = RolloutClient(real_stack.redis_url)
+    fields = real_node.batch_fields() | {"backend": "kubernetes", "parallelism": 2}
+    # Episodes that say ready and then hang until their own deadline: "ready" can only come
+    # from the runner's event (there is no row, no reward and no end to learn it from).
+    hung = client.submit(**fields, count=2, action="hang", episode_timeout_seconds=20)
+    fixed = client.submit(**fields, count=2, action="fix")
+    hung_report = client.wait(hung.batch_id, timeout=300)
+    fixed_report = client.wait(fixed.batch_id, timeout=300)
+    assert hung_report["successful_episodes"] == 0 and fixed_report["successful_episodes"] == 2
+    hung_states = _states_by_time(client, hung.batch_id)
+    for row in hung_report["pods"]:
+        index = row["index"]
+        assert row["ready_at"] is not None, row  # the runner did say ready (from its log)
+        ready = hung_states.get((index, "ready"))
+        assert ready is not None, hung_states
+        # Published after the runner's event (same clock: the node is this machine), and
+        # long before the episode ended at its deadline.
+        assert row["ready_at"] - 0.01 <= ready < row["finished_at"] - 5, (row, ready)
+        assert (index, "rewarded") not in hung_states
+    fixed_states = _states_by_time(client, fixed.batch_id)
+    for row in fixed_report["pods"]:
+        index = row["index"]
+        assert fixed_states[(index, "rewarded")] <= fixed_states[(index, "episode")]
+    client.close()

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_wire.constants import STATES
 from rollout_wire.errors import BackendError
 from rollout_wire.request import BatchSpec
 from rollout_wire.rows import EpisodeRow
@@ -65,7 +66,9 @@ class MemoryStore:
         return list(self.rows.get(batch_id, {}).values())
 
     def publish_state(self, batch_id: str, index: int, state: str) -> bool:
-        if self.states.setdefault(batch_id, {}).get(index) == state:
+        # Like the store's script: a state is published once, and never after a later one.
+        old = self.states.setdefault(batch_id, {}).get(index)
+        if old is not None and STATES.index(state) <= STATES.index(old):
             return False
         self.states[batch_id][index] = state
         self.stream.append((batch_id, "state", (index, state)))
@@ -131,6 +134,7 @@ class StubBackend:
     deleting_for: int = 0  # delete_run answers "still deleting" this many times
     fail_start: BackendError | None = None
     verdict: str = "Complete"
+    ready: set[int] = field(default_factory=set)  # running episodes whose sandbox said ready
 
     def preflight(self, spec: BatchSpec) -> list[str]:
         return []
@@ -148,10 +152,12 @@ class StubBackend:
             context="stub",
         )
 
-    def wait_episode(self, handle: RunHandle, index: int, timeout: float) -> EpisodeObservation:
+    def wait_episode(
+        self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
+    ) -> EpisodeObservation:
         episode_id = handle.episode_id(index)
         if index not in self.ended:
-            return EpisodeObservation(index, episode_id, "Running")
+            return EpisodeObservation(index, episode_id, "Running", ready=index in self.ready)
         phase, _ = self.ended[index]
         return EpisodeObservation(
             index,

@@ -100,6 +100,25 @@ def test_collect_waits_then_validates_and_counts_each_episode_once(store, backen
     assert [e for e in store.stream if e[1] == "episode"] == [("b1", "episode", 0)]
 
 
+def test_collect_streams_ready_from_the_sandbox_and_rewarded_from_the_row(store, backend):
+    receipt = started(store, backend)
+    with pytest.raises(core.NotYet):
+        collect(store, backend, receipt, 1, now=1001.0)
+    assert store.states["b1"][1] == "running"
+    backend.ready.add(1)
+    with pytest.raises(core.NotYet):
+        collect(store, backend, receipt, 1, now=1001.5)
+    assert store.states["b1"][1] == "ready"
+    backend.ended[1] = ("Succeeded", good_log("ep-b1-1", 1000.5))
+    collect(store, backend, receipt, 1, now=1002.0)
+    states = [e[2] for e in store.stream if e[1] == "state" and e[2][0] == 1]
+    assert states == [(1, "running"), (1, "ready"), (1, "rewarded")]
+    # An episode that ended without a reward event never shows as rewarded.
+    backend.ended[2] = ("Failed", "")
+    collect(store, backend, receipt, 2, now=1002.0)
+    assert (2, "rewarded") not in [e[2] for e in store.stream if e[1] == "state"]
+
+
 def test_an_episode_still_running_after_the_deadline_and_grace_is_lost(store, backend):
     receipt = started(store, backend, deadline_seconds=60)
     give_up = core.give_up_at(receipt.spec, receipt.run, LIMITS)

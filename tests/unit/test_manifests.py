@@ -349,3 +349,29 @@ def test_a_batch_of_several_images_runs_one_job_per_image_sharing_its_parallelis
     assert completion_index(pod) == 9 and s.episode(9).task_id == "d"
     # One image: one Job, as before.
     assert [p.name for p in job_parts(spec(parallelism=3))] == ["rollout"]
+
+
+def test_ready_reaches_the_pod_status_through_a_startup_probe_that_never_ends_an_episode():
+    s = spec(episode_timeout_seconds=90)
+    container = job_manifest(s, ttl_seconds_after_finished=60)["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    probe = container["startupProbe"]
+    # The probe looks for the very file the runner is told to create when it says ready.
+    assert env["ROLLOUT_READY_FILE"] in " ".join(probe["exec"]["command"])
+    # The kubelet kills a container whose startup probe fails failureThreshold times: that must
+    # come after the episode's own deadline, so a slow or never-ready episode ends as itself.
+    assert probe["failureThreshold"] * probe["periodSeconds"] > s.episode_timeout_seconds
+    handle = RunHandle(
+        backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
+    )
+    running = pod("rollout-3-x", "2026-11-30T10:00:00Z", phase="Running")
+    status = running["status"]["containerStatuses"][0]
+    status["state"] = {"running": {"startedAt": "2026-11-30T10:00:03Z"}}
+    status["started"] = False
+    assert observe_pods(handle, 3, {"a": running}).ready is False
+    status["started"] = True
+    assert observe_pods(handle, 3, {"a": running}).ready is True
+    # A Pod that ended is no longer "ready": it is collected.
+    assert observe_pods(handle, 3, {"a": pod("rollout-3-x", "2026-11-30T10:00:00Z")}).ready is False
