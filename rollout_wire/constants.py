@@ -78,6 +78,17 @@ def done_key(batch_id: str, index: int) -> str:
     return batch_key(batch_id, f"done:{index}")
 
 
+def collecting_key(batch_id: str, index: int) -> str:
+    """Held (with a TTL) by the one copy of episode `index`'s collect task that is collecting
+    it; a redelivered copy waits instead of watching and reading the same episode again."""
+    return batch_key(batch_id, f"collecting:{index}")
+
+
+def collect_copies_key(batch_id: str) -> str:
+    """How many times a copy of a collect task found another copy collecting its episode."""
+    return batch_key(batch_id, "collect-copies")
+
+
 def flag_key(batch_id: str, name: str) -> str:
     return batch_key(batch_id, f"flag:{name}")
 

@@ -54,6 +54,13 @@ return 1
 """
 
 
+# Delete a claim only if this copy still holds it (it may have expired and been taken since).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class Store:
     """The workers' view of Redis. Every method is safe to repeat."""
 
@@ -64,6 +71,7 @@ class Store:
         self._record_episode = client.register_script(_RECORD_EPISODE)
         self._publish_report = client.register_script(_PUBLISH_REPORT)
         self._publish_state = client.register_script(_PUBLISH_STATE)
+        self._release = client.register_script(_RELEASE)
 
     @classmethod
     def from_url(cls, url: str, ttl: int) -> Store:
@@ -133,6 +141,25 @@ class Store:
     def episode_rows(self, batch_id: str) -> list[EpisodeRow]:
         raw = self.redis.hgetall(k.episodes_key(batch_id))
         return [EpisodeRow.from_dict(codec.loads(value)) for value in raw.values()]
+
+    # -- one collecting copy per episode -----------------------------------------------------
+    def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool:
+        """Take episode `index`'s collecting claim for `ttl` seconds; False if another copy
+        holds it."""
+        key = k.collecting_key(batch_id, index)
+        return bool(self.redis.set(key, token, nx=True, px=int(ttl * 1000)))
+
+    def count_collect_copy(self, batch_id: str) -> None:
+        pipe = self.redis.pipeline()
+        pipe.incr(k.collect_copies_key(batch_id))
+        pipe.expire(k.collect_copies_key(batch_id), self.ttl)
+        pipe.execute()
+
+    def release_collect(self, batch_id: str, index: int, token: str) -> None:
+        self._release(keys=[k.collecting_key(batch_id, index)], args=[token])
+
+    def collect_copies(self, batch_id: str) -> int:
+        return int(self.redis.get(k.collect_copies_key(batch_id)) or 0)
 
     def publish_state(self, batch_id: str, index: int, state: str) -> bool:
         """Stream an episode's progress (running, ready, rewarded) once per state."""

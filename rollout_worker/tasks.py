@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +31,7 @@ from rollout_worker.settings import Settings
 from rollout_worker.store import Store
 
 SUBMIT_RETRIES = 5
+CLAIM_POLL_SECONDS = 0.5
 CLEANUP_RETRIES = 300  # x CLEANUP_RECHECK_SECONDS: ten minutes of a namespace terminating
 _SAFE_ID = re.compile(r"[^a-z0-9-]")
 
@@ -136,13 +138,19 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
     receipt = c.started(batch_id)
     if receipt is None or receipt.run is None:
         return {"index": index, "error": "no receipt or run for this batch"}
+    block = c.settings.collect_block_seconds
+    token = uuid.uuid4().hex
+    if not _claim(c.store, batch_id, index, token, block, c.settings.visibility_timeout):
+        if c.store.has_episode(batch_id, index):
+            return {"index": index, "recorded": False}
+        raise self.retry(countdown=0)
     try:
         row = core.collect(
             c.store,
             c.backend(receipt.run.backend),
             receipt,
             index,
-            block=c.settings.collect_block_seconds,
+            block=block,
             final=False,
             limits=c.limits,
         )
@@ -150,8 +158,30 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
         # Free the slot and queue again behind the others (bounded by the batch deadline).
         raise self.retry(countdown=0) from None
     except TransientBackendError as exc:
-        raise self.retry(countdown=1, exc=exc) from exc
+        # Pause here, not with a countdown: a worker holds ETA messages beyond its prefetch
+        # limit, and a pile of them outlives the visibility timeout and is delivered twice.
+        time.sleep(1)
+        raise self.retry(countdown=0, exc=exc) from exc
+    finally:
+        c.store.release_collect(batch_id, index, token)
     return {"index": index, "status": row.status}
+
+
+def _claim(store: Store, batch_id: str, index: int, token: str, block: float, ttl: int) -> bool:
+    """Be the one copy collecting episode `index`. A second copy (a message redelivered while
+    the first still runs) waits up to `block` for the claim or the row instead of watching and
+    reading the episode again; it must not return before the row exists either, or the chord
+    would count the episode before it is recorded. The claim lasts one visibility timeout: a
+    killed holder's claim has expired by the time its message is delivered again."""
+    if store.claim_collect(batch_id, index, token, ttl):
+        return True
+    store.count_collect_copy(batch_id)
+    end = time.monotonic() + block
+    while time.monotonic() < end and not store.has_episode(batch_id, index):
+        time.sleep(CLAIM_POLL_SECONDS)
+        if store.claim_collect(batch_id, index, token, ttl):
+            return True
+    return False
 
 
 def _finalize(self: Task, batch_id: str, finalized_by: str) -> dict[str, Any]:

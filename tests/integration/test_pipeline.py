@@ -149,6 +149,9 @@ def test_redelivered_submit_and_collect_tasks_never_double_count(client):
     finished = [finished_result(app, t, 120) for t in copies]
     assert sorted(f["index"] for f in finished) == list(range(12)), finished
     assert not [f for f in finished if "error" in f], finished
+    # Copies that arrived while their episode's first collector waited on it stood aside
+    # (one collecting copy per episode), instead of watching and reading it a second time.
+    assert int(client.redis.get(k.collect_copies_key(batch_id)) or 0) >= 1
     # Copies re-sent after the report: they run, find the row / the report, and do nothing.
     late_collect = app.signature(k.TASK_COLLECT, args=(batch_id, 3), queue=k.QUEUE_COLLECT)
     late_aggregate = app.signature(k.TASK_AGGREGATE, args=([], batch_id), queue=k.QUEUE_CONTROL)
