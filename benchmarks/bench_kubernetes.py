@@ -162,6 +162,8 @@ def one_batch(
         "row_p95": percentile(row_lat, 0.95) if row_lat else float("nan"),
         "reads": reads,
         "reads_by_kind": {key: v for key, v in sorted(delta.items()) if v},
+        # Copies of collect tasks that found their episode being collected (redeliveries).
+        "collect_copies": int(rollout.redis.get(k.collect_copies_key(batch_id)) or 0),
         "cpu_ours": usage.ours,
         "cpu_control": usage.control,
         "cpu_collectors": usage.collectors,
@@ -181,7 +183,8 @@ def one_batch(
         f"  # {size} x {seconds:g}s: ok={result['ok']} {result['reward_sum']}/{size} "
         f"wall {result['wall']:.1f}s report {result['report_latency']:.3f}s rows "
         f"p50 {result['row_median']:.3f}s reads/ep {reads / size:.2f} "
-        f"cpu {usage.ours / size * 1000:.1f} ms/ep ({settled}; namespace gone {gone})",
+        f"cpu {usage.ours / size * 1000:.1f} ms/ep collect copies {result['collect_copies']} "
+        f"({settled}; namespace gone {gone}) reads {result['reads_by_kind']}",
         flush=True,
     )
     return result
@@ -388,6 +391,7 @@ def print_table(
         2,
         "<= 1.5 at 1000 and 5000",
     )
+    row("collect task copies that stood aside", lambda r: r["collect_copies"], 0)
     row("worker CPU ms/episode (all ours)", lambda r: r["cpu_ours"] / r["size"] * 1000, 1)
     row("  control + children", lambda r: r["cpu_control"] / r["size"] * 1000, 1)
     row("  collectors", lambda r: r["cpu_collectors"] / r["size"] * 1000, 1)
