@@ -144,6 +144,7 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
         if c.store.has_episode(batch_id, index):
             return {"index": index, "recorded": False}
         raise self.retry(countdown=0)
+    again: Exception | None = None
     try:
         row = core.collect(
             c.store,
@@ -154,16 +155,19 @@ def collect_episode(self: Task, batch_id: str, index: int) -> dict[str, Any]:
             final=False,
             limits=c.limits,
         )
-    except core.NotYet:
-        # Free the slot and queue again behind the others (bounded by the batch deadline).
-        raise self.retry(countdown=0) from None
-    except TransientBackendError as exc:
+    except (core.NotYet, TransientBackendError) as exc:
+        again = exc
+    finally:
+        # Released before the retry is sent: the next copy may start at once.
+        c.store.release_collect(batch_id, index, token)
+    if isinstance(again, TransientBackendError):
         # Pause here, not with a countdown: a worker holds ETA messages beyond its prefetch
         # limit, and a pile of them outlives the visibility timeout and is delivered twice.
         time.sleep(1)
-        raise self.retry(countdown=0, exc=exc) from exc
-    finally:
-        c.store.release_collect(batch_id, index, token)
+        raise self.retry(countdown=0, exc=again) from again
+    if again is not None:
+        # Free the slot and queue again behind the others (bounded by the batch deadline).
+        raise self.retry(countdown=0) from None
     return {"index": index, "status": row.status}
 
 
