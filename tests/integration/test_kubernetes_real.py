@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -113,4 +114,11 @@ def test_progress_on_the_real_node_shows_ready_from_the_runner_and_rewarded_befo
     for row in fixed_report["pods"]:
         index = row["index"]
         assert fixed_states[(index, "rewarded")] <= fixed_states[(index, "episode")]
+    # Leave nothing behind on the shared cluster: the workers' cleanup of both runs ends
+    # before this stack stops.
+    deadline = time.monotonic() + 180
+    for batch_id in (hung.batch_id, fixed.batch_id):
+        while client.receipt(batch_id).get("cleanup") != "deleted":
+            assert time.monotonic() < deadline, client.receipt(batch_id)
+            time.sleep(0.5)
     client.close()
