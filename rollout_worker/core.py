@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 WATCHDOG_STEP_SECONDS = 10.0
 # How long the watchdog's rescue waits for its first look at the backend (a watch to sync).
 RESCUE_FIRST_BLOCK_SECONDS = 3.0
+# The rescue leaves an episode that ended less than this long ago to its own collector: a busy
+# collector records it within seconds, and a rescue racing it reads the episode's log twice.
+RESCUE_ENDED_SECONDS = 10.0
 WATCHDOG_EXTRA_SECONDS = 30.0
 # What Redis keeps of one episode's log (validation reads all of it, up to the backend's cap).
 STORED_LOG_BYTES = 2**20
@@ -154,9 +157,9 @@ def rescue(
     store: BatchStore, backend: Backend, receipt: Receipt, limits: Limits, now: float
 ) -> bool:
     """The watchdog's look at a running batch: once its collection could have stalled, record
-    every episode that has ended but has no row (first writer wins, so a live collector's copy
-    is harmless). True when every episode has its row: the batch can be reported now, whether
-    or not the chord's callback ever comes."""
+    every episode that ended a while ago (RESCUE_ENDED_SECONDS) but has no row (first writer
+    wins, so a live collector's copy is harmless). True when every episode has its row: the
+    batch can be reported now, whether or not the chord's callback ever comes."""
     run = receipt.run
     if run is None or now - run.origin < limits.rescue_after_seconds:
         return False
@@ -167,12 +170,23 @@ def rescue(
         # and one that has not listed the Pods yet sees nothing (it would cost a whole step).
         block = RESCUE_FIRST_BLOCK_SECONDS if position == 0 else 0
         try:
+            obs: EpisodeObservation | None = backend.wait_episode(run, index, block)
+        except TransientBackendError:
+            continue
+        except BackendError:
+            obs = None  # collect records the episode lost, and why
+        if obs is not None and (
+            not obs.terminal
+            or (obs.finished_at is not None and now - obs.finished_at < RESCUE_ENDED_SECONDS)
+        ):
+            continue
+        try:
             collect(
                 store,
                 backend,
                 receipt,
                 index,
-                block=block,
+                block=0,
                 final=False,
                 limits=limits,
                 now=lambda: now,

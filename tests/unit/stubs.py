@@ -135,6 +135,7 @@ class StubBackend:
     fail_start: BackendError | None = None
     verdict: str = "Complete"
     ready: set[int] = field(default_factory=set)  # running episodes whose sandbox said ready
+    finished_at: dict[int, float] = field(default_factory=dict)  # default: origin + 2
 
     def preflight(self, spec: BatchSpec) -> list[str]:
         return []
@@ -164,7 +165,7 @@ class StubBackend:
             episode_id,
             phase,
             created_at=self.origin + 0.1,
-            finished_at=self.origin + 2,
+            finished_at=self.finished_at.get(index, self.origin + 2),
             exit_code=0 if phase == "Succeeded" else 1,
         )
 

@@ -275,3 +275,11 @@ def test_the_watchdog_rescues_a_batch_whose_collect_task_was_lost(store, backend
     backend.ended.pop(2)
     store.rows["b1"].pop(2)  # an episode still running: not yet
     assert not core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 61)
+    # One that ended a moment ago is left to its own collector (a rescue racing it would read
+    # its log a second time); once it has been over for a while, it is rescued.
+    backend.ended[2] = ("Succeeded", good_log("ep-b1-2", 1000.5))
+    backend.finished_at[2] = 1000.0 + 60
+    assert not core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 61)
+    assert not store.has_episode("b1", 2)
+    assert core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 60 + core.RESCUE_ENDED_SECONDS)
+    assert store.rows["b1"][2].status == "ok"
