@@ -8,6 +8,7 @@ the same codec the trainer's client reads them with.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -156,7 +157,10 @@ class Store:
         pipe.execute()
 
     def release_collect(self, batch_id: str, index: int, token: str) -> None:
-        self._release(keys=[k.collecting_key(batch_id, index)], args=[token])
+        """Best effort: a claim not released (Redis away for a moment) expires on its own,
+        and the error must not replace the task's own outcome."""
+        with contextlib.suppress(redis.RedisError):
+            self._release(keys=[k.collecting_key(batch_id, index)], args=[token])
 
     def collect_copies(self, batch_id: str) -> int:
         return int(self.redis.get(k.collect_copies_key(batch_id)) or 0)
