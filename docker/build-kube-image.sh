@@ -70,8 +70,12 @@ fi
 docker tag "$base" "$redis_tag"
 
 if [[ -n "$import" ]]; then
-  # The node's containerd (hack/localkube/node.sh); never Docker's or the system's.
-  sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd}/containerd.sock"
+  # The node's containerd (hack/localkube/node.sh); never Docker's or the system's. A node with
+  # ROLLOUT_LOCALKUBE_NODE_ID=N (N > 0, as hack/with-caches.sh sets) has its own, suffixed -N.
+  node_id="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
+  suffix=""
+  [[ "${node_id}" == 0 ]] || suffix="-${node_id}"
+  sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd${suffix}}/containerd.sock"
   [[ -S "$sock" ]] || { say "no node containerd at $sock (hack/localkube/cluster.sh node-up)"; exit 1; }
   for image in "$tag" "$redis_tag"; do
     id=$(docker image inspect -f '{{.Id}}' "$image" | cut -c8-19)
