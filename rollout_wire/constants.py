@@ -19,6 +19,7 @@ TASK_WATCHDOG = "rollout.batch_watchdog"
 TASK_CLEANUP = "rollout.cleanup_run"
 TASK_CANCEL = "rollout.cancel_batch"
 TASK_SWEEP = "rollout.sweep"
+TASK_FILL_POOL = "rollout.fill_pool"
 
 KEY_PREFIX = "rollout"
 
@@ -133,3 +134,13 @@ def states_key(batch_id: str) -> str:
 LABEL_OWNER = "rollout.dev/owner"
 LABEL_OWNER_VALUE = "rollout"
 LABEL_BATCH = "rollout.dev/batch"
+# Warm pools (rollout_worker/pool.py): a pool's namespace and Pods carry LABEL_POOL (the shape
+# key); a pool Pod is idle until a batch claims it (LABEL_BATCH and the episode index added).
+LABEL_POOL = "rollout.dev/pool"
+LABEL_POOL_STATE = "rollout.dev/pool-state"
+LABEL_EPISODE_INDEX = "rollout.dev/episode-index"
+ANNOTATION_CLAIMED_AT = "rollout.dev/claimed-at"
+
+# Hash pool key -> JSON proof of what the pool created (namespace name, then its UID) and when
+# a batch last asked for it; written before the pool's first mutation.
+POOLS_KEY = f"{KEY_PREFIX}:pools"

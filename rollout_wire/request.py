@@ -94,6 +94,10 @@ class BatchSpec:
     # runner's exit code 4: policy endpoint unreachable, no task; or its sandbox disrupted) is
     # run again, each time in a fresh sandbox. Episode failures and deadlines are never retried.
     infra_retries: int = 0
+    # Kubernetes: after this batch has taken what it can from the warm pool of its shape,
+    # refill that pool to this many waiting sandboxes for the next batch (0: no refill). Every
+    # batch takes from an existing pool of its shape, whether or not it asks for a refill.
+    warm_pool: int = 0
 
     def episode(self, index: int) -> EpisodeTask:
         """Which task and sample episode `index` runs, and its group."""
@@ -259,6 +263,13 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append(f"infra_retries must be within 0..{MAX_INFRA_RETRIES}, got {retries}")
         retries = 0
 
+    warm = _int_field(data, "warm_pool", 0, problems)
+    if not 0 <= warm <= MAX_WARM_POOL:
+        problems.append(f"warm_pool must be within 0..{MAX_WARM_POOL}, got {warm}")
+        warm = 0
+    elif warm and backend != "kubernetes":
+        problems.append("warm_pool needs backend 'kubernetes' (the local backend has no pool)")
+
     placement = _parse_placement(data, problems)
     policy = _parse_policy(data.get("policy"), problems)
     if backend == "kubernetes" and policy is not None:
@@ -277,6 +288,10 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         first_seen = {t.get("image") or image: None for t in tasks}
         order = {name: position for position, name in enumerate(first_seen)}
         tasks = sorted(tasks, key=lambda t: order[t.get("image") or image])
+    if warm and retries:
+        problems.append("warm_pool cannot go with infra_retries: a warm episode has no retry")
+    if warm and len({t.get("image") or image for t in tasks}) > 1:
+        problems.append("warm_pool needs one image for all tasks (a pool has one shape)")
     if tasks and policy is None:
         problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
     for task in tasks:
@@ -306,6 +321,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         samples_per_task=samples,
         policy=policy,
         infra_retries=retries,
+        warm_pool=warm,
         **placement,
     )
 
@@ -380,6 +396,7 @@ def _parse_resources(data: Any, problems: list[str]) -> Resources:
 DEMO_TASK_ID = "shipping-demo"
 MAX_SAMPLES_PER_TASK = 256
 MAX_INFRA_RETRIES = 3
+MAX_WARM_POOL = 256
 # A batch's tasks travel in the request, the receipt and (on Kubernetes) the batch's ConfigMap,
 # whose whole object the API server caps at 1 MiB: the encoded tasks must stay below this.
 MAX_TASKS_BYTES = 900 * 1024

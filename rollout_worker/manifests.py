@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import urllib.parse
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,12 @@ def policy_endpoint(url: str) -> tuple[str, int]:
     return host, parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
-def network_policy_manifest(spec: BatchSpec) -> dict[str, Any]:
+def network_policy_manifest(
+    spec: BatchSpec, namespace: str | None = None, labels: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Sandboxes get no network: no ingress, no egress, except (real rollouts) TCP to the
-    batch's policy endpoint. Enforced where the CNI supports NetworkPolicy."""
+    batch's policy endpoint. Enforced where the CNI supports NetworkPolicy. Default: the
+    batch's namespace; a warm pool passes its own."""
     policy_spec: dict[str, Any] = {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     if spec.policy is not None:
         host, port = policy_endpoint(spec.policy["url"])
@@ -112,8 +116,8 @@ def network_policy_manifest(spec: BatchSpec) -> dict[str, Any]:
         "kind": "NetworkPolicy",
         "metadata": {
             "name": "deny-all",
-            "namespace": namespace_name(spec.batch_id),
-            "labels": owner_labels(spec),
+            "namespace": namespace or namespace_name(spec.batch_id),
+            "labels": labels or owner_labels(spec),
         },
         "spec": policy_spec,
     }
@@ -198,21 +202,27 @@ class JobPart:
     parallelism: int
 
 
-def job_parts(spec: BatchSpec) -> list[JobPart]:
-    """One Job per image, in episode order (parse_spec keeps a batch's tasks grouped by image,
-    so each image's episodes are one range). The batch's parallelism is shared among them in
-    proportion to their episodes, at least 1 each: with more images than `parallelism`, up to
-    one sandbox per image runs at a time."""
+def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
+    """One Job per image and run of cold episodes, in episode order (parse_spec keeps a batch's
+    tasks grouped by image, so each image's episodes are one range; the `warm` episodes, taken
+    from a pool, cut ranges). The batch's parallelism is shared among them in proportion to
+    their episodes, at least 1 each: with more parts than `parallelism`, up to one sandbox per
+    part runs at a time."""
     ranges: list[tuple[str, int, int]] = []
+    previous: tuple[str, int] | None = None  # (image, index) of the last cold episode
     for index in range(spec.count):
+        if index in warm:
+            continue
         episode = spec.episode(index)
         task = spec.tasks[episode.task_index] if episode.task_index is not None else {}
         image = task.get("image") or spec.image
-        if ranges and ranges[-1][0] == image:
+        if ranges and previous == (image, index - 1):
             ranges[-1] = (image, ranges[-1][1], ranges[-1][2] + 1)
         else:
             ranges.append((image, index, 1))
-    shares = [max(1, min(count, spec.parallelism * count // spec.count)) for _, _, count in ranges]
+        previous = (image, index)
+    cold = sum(count for _, _, count in ranges)
+    shares = [max(1, min(count, spec.parallelism * count // cold)) for _, _, count in ranges]
     spare = spec.parallelism - sum(shares)
     for number, (_, _, count) in enumerate(ranges):  # what rounding down left over
         extra = max(0, min(spare, count - shares[number]))
@@ -224,22 +234,19 @@ def job_parts(spec: BatchSpec) -> list[JobPart]:
     ]
 
 
-def job_manifest(
-    spec: BatchSpec, *, ttl_seconds_after_finished: int, part: JobPart | None = None
+def sandbox_pod_spec(
+    spec: BatchSpec, image: str, env: list[dict[str, Any]], active_deadline: int
 ) -> dict[str, Any]:
-    """The Job of `part` (default: the batch's first, and usually only, Job)."""
-    part = part or job_parts(spec)[0]
+    """The Pod spec of one sandbox, cold (a Job's template) or warm (a pool Pod): the same
+    isolation either way (non-root, no capabilities, no token, read-only root)."""
     res = spec.resources
-    labels = owner_labels(spec)
-    # Pods say which episodes their completion indexes count from (episode = first + index).
-    pod_labels = labels | {FIRST_INDEX_LABEL: str(part.first)}
     pod_spec: dict[str, Any] = {
         "runtimeClassName": spec.runtime,
         "restartPolicy": "Never",
         # Nothing in a sandbox needs a graceful stop: a deadline or a deletion ends it at once
         # instead of 30 s later (Python as PID 1 ignores SIGTERM).
         "terminationGracePeriodSeconds": 1,
-        "activeDeadlineSeconds": spec.episode_timeout_seconds,
+        "activeDeadlineSeconds": active_deadline,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {
@@ -252,7 +259,7 @@ def job_manifest(
         "containers": [
             {
                 "name": CONTAINER_NAME,
-                "image": part.image,
+                "image": image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["python", "-B", f"{PROGRAM_DIR}/{PROGRAM_KEY}"],
                 "env": [
@@ -260,13 +267,10 @@ def job_manifest(
                         "name": "EPISODE_ID",
                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
                     },
-                    {"name": "ROLLOUT_ACTION", "value": spec.action},
                     {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
-                    {"name": "ROLLOUT_INDEX_OFFSET", "value": str(part.first)},
                     {"name": "ROLLOUT_READY_FILE", "value": READY_FILE},
-                    *agent_env(spec),
+                    *env,
                 ],
-                "startupProbe": ready_probe(spec),
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "capabilities": {"drop": ["ALL"]},
@@ -295,6 +299,24 @@ def job_manifest(
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return pod_spec
+
+
+def job_manifest(
+    spec: BatchSpec, *, ttl_seconds_after_finished: int, part: JobPart | None = None
+) -> dict[str, Any]:
+    """The Job of `part` (default: the batch's first, and usually only, Job)."""
+    part = part or job_parts(spec)[0]
+    labels = owner_labels(spec)
+    # Pods say which episodes their completion indexes count from (episode = first + index).
+    pod_labels = labels | {FIRST_INDEX_LABEL: str(part.first)}
+    env = [
+        {"name": "ROLLOUT_ACTION", "value": spec.action},
+        {"name": "ROLLOUT_INDEX_OFFSET", "value": str(part.first)},
+        *agent_env(spec),
+    ]
+    pod_spec = sandbox_pod_spec(spec, part.image, env, spec.episode_timeout_seconds)
+    pod_spec["containers"][0]["startupProbe"] = ready_probe(spec)
     job: dict[str, Any] = {
         "apiVersion": "batch/v1",
         "kind": "Job",

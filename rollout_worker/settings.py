@@ -46,6 +46,10 @@ SETTINGS_DOC: dict[str, str] = {
     "Kubernetes batch that cannot even be created within its deadline at this rate is refused "
     "up front, with the arithmetic; 0: do not check (default 10: a stock kube-controller-manager "
     "allows its controllers 20 requests/s, and each Pod costs a create and a finalizer patch)",
+    "ROLLOUT_WARM_POOL_BUDGET": "most warm sandboxes waiting in all pools together; a batch's "
+    "warm_pool refill stops there (default 64)",
+    "ROLLOUT_WARM_POOL_IDLE_SECONDS": "a warm pool no batch asked to refill for this long is "
+    "emptied by the sweeper (default 900)",
 }
 
 
@@ -72,6 +76,8 @@ class Settings:
     sweep_seconds: float = 300.0
     kubeconfig: str | None = None
     kube_context: str | None = None
+    warm_pool_budget: int = 64
+    warm_pool_idle_seconds: float = 900.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -100,6 +106,10 @@ class Settings:
             )
         if not self.pod_create_rate >= 0:  # also refuses NaN
             problems.append("ROLLOUT_POD_CREATE_RATE must be >= 0 (0: do not check)")
+        if self.warm_pool_budget < 0 or not self.warm_pool_idle_seconds > 0:
+            problems.append(
+                "ROLLOUT_WARM_POOL_BUDGET must be >= 0 and ROLLOUT_WARM_POOL_IDLE_SECONDS > 0"
+            )
         if self.local_isolation not in ("auto", "bwrap", "none"):
             problems.append(
                 f"ROLLOUT_LOCAL_ISOLATION {self.local_isolation!r} is not one of auto, bwrap, none"
@@ -145,6 +155,8 @@ class Settings:
         number("ROLLOUT_POD_CREATE_RATE", "pod_create_rate", float)
         number("ROLLOUT_RUN_TTL", "run_ttl_seconds", int)
         number("ROLLOUT_SWEEP_SECONDS", "sweep_seconds", float)
+        number("ROLLOUT_WARM_POOL_BUDGET", "warm_pool_budget", int)
+        number("ROLLOUT_WARM_POOL_IDLE_SECONDS", "warm_pool_idle_seconds", float)
         values["kubeconfig"] = env.get("KUBECONFIG") or None
         values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
         values.update(overrides)

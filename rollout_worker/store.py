@@ -116,6 +116,21 @@ class Store:
         self.redis.hdel(k.RUNS_KEY, batch_id)
 
     # -- episodes ----------------------------------------------------------------------------
+    def register_pool(self, key: str, fields: Mapping[str, Any]) -> None:
+        """Merge `fields` into a warm pool's registry entry (what it created, when used)."""
+        raw = self.redis.hget(k.POOLS_KEY, key)
+        entry = {} if raw is None else codec.loads(raw)
+        self.redis.hset(k.POOLS_KEY, key, codec.dumps(entry | dict(fields)))
+
+    def registered_pools(self) -> dict[str, dict[str, Any]]:
+        return {
+            name.decode(): codec.loads(value)
+            for name, value in self.redis.hgetall(k.POOLS_KEY).items()
+        }
+
+    def forget_pool(self, key: str) -> None:
+        self.redis.hdel(k.POOLS_KEY, key)
+
     def record_episode(self, batch_id: str, row: EpisodeRow, log: str) -> bool:
         """Store the row and log of an episode; False if this episode was recorded before."""
         row_json = codec.dumps(row.to_dict())

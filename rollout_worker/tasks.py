@@ -108,6 +108,11 @@ def submit_batch(self: Task, request: Any) -> dict[str, Any]:
         countdown = core.watchdog_countdown(done.spec, done.run, c.limits, time.time())
         _dispatch(self.app, done.spec.batch_id, done.spec.count, countdown)
         c.store.set_flag(done.spec.batch_id, "chord")
+    if done.status == "started" and done.spec is not None and done.spec.warm_pool:
+        # Behind the batch, not before it: the batch has taken what the pool had.
+        self.app.signature(
+            k.TASK_FILL_POOL, args=(done.spec.batch_id,), queue=k.QUEUE_CONTROL
+        ).apply_async()
     return done.as_result()
 
 
@@ -248,6 +253,27 @@ def cancel_batch(self: Task, batch_id: str) -> dict[str, Any]:
     return {"batch_id": batch_id, "cancel": state}
 
 
+def fill_pool(self: Task, batch_id: str) -> dict[str, Any]:
+    """Refill the warm pool of a batch's shape (its `warm_pool` field). Idempotent: a pool
+    that has its size creates nothing."""
+    c = clients(self.app)
+    receipt = core.load_receipt(c.store, batch_id)
+    if receipt is None:
+        return {"batch_id": batch_id, "pool": None, "reason": "no receipt"}
+    try:
+        filled = core.fill_pool(
+            c.store,
+            c.backend(receipt.spec.backend),
+            receipt.spec,
+            budget=c.settings.warm_pool_budget,
+            idle_seconds=c.settings.warm_pool_idle_seconds,
+            now=time.time(),
+        )
+    except TransientBackendError as exc:
+        raise self.retry(countdown=2, exc=exc) from exc
+    return {"batch_id": batch_id, **filled}
+
+
 def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
     c = clients(self.app)
     swept = core.sweep(
@@ -259,6 +285,13 @@ def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
         dry_run=dry_run,
         backend_for_run=c.backend_for_run,
     )
+    if not dry_run and "kubernetes" in sweep_backends(c.settings):
+        swept += core.drain_pools(
+            c.store,
+            c.backend("kubernetes"),
+            idle_seconds=c.settings.warm_pool_idle_seconds,
+            now=time.time(),
+        )
     return [{"batch_id": s.batch_id, "action": s.action, "reason": s.reason} for s in swept]
 
 
@@ -292,3 +325,4 @@ def register(app: Celery) -> None:
     app.task(name=k.TASK_CLEANUP, **common, max_retries=CLEANUP_RETRIES)(cleanup_run)
     app.task(name=k.TASK_CANCEL, **common, max_retries=SUBMIT_RETRIES)(cancel_batch)
     app.task(name=k.TASK_SWEEP, **common)(sweep)
+    app.task(name=k.TASK_FILL_POOL, **common, max_retries=SUBMIT_RETRIES)(fill_pool)

@@ -146,7 +146,10 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     if row.ready_at is not None and row.created_at is not None:
         row.pod_to_ready_seconds = row.ready_at - row.created_at
     started = row.timing.get("container_started_at")
-    if row.ready_at is not None and started is not None:
+    if row.ready_at is not None and "pool_created_at" in row.timing:
+        # A warm sandbox started long before its episode: from its claim to ready instead.
+        row.timing["handover_seconds"] = row.pod_to_ready_seconds
+    elif row.ready_at is not None and started is not None:
         # Runtime and interpreter start-up until the episode could begin work.
         row.timing["runtime_init_seconds"] = row.ready_at - started
     if row.ready_at is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rollout_wire.request import BatchSpec
 from rollout_worker.observation import EpisodeObservation
@@ -36,6 +36,9 @@ class RunHandle:
     job_name: str | None = None  # the first (usually only) Job
     job_uid: str | None = None
     jobs: dict[str, str] = field(default_factory=dict)  # every Job of the run: name -> UID
+    # Episodes taken from a warm pool: [index, Pod name, Pod UID] each, in the pool's namespace.
+    pool_namespace: str | None = None
+    warm: list[list[Any]] = field(default_factory=list)
     # local
     run_dir: str | None = None
     run_uid: str | None = None
@@ -50,6 +53,13 @@ class RunHandle:
         if self.jobs:
             return dict(self.jobs)
         return {self.job_name: self.job_uid} if self.job_name else {}
+
+    def warm_pod(self, index: int) -> tuple[str, str] | None:
+        """(name, UID) of the warm Pod that runs episode `index`, if one does."""
+        for number, name, uid in self.warm:
+            if number == index:
+                return str(name), str(uid)
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,3 +114,27 @@ class Backend(Protocol):
     def delete_run(self, handle: RunHandle) -> bool:
         """Delete everything the run created, after proving it is ours. Never waits for a slow
         deletion: True once the run is gone, False while it is still being deleted."""
+
+
+@runtime_checkable
+class PoolBackend(Protocol):
+    """A backend with warm pools (Kubernetes): sandboxes started ahead of demand that a batch
+    takes in `start_run` before it creates cold ones."""
+
+    name: str
+
+    def pool_key(self, spec: BatchSpec) -> str | None:
+        """The pool a batch of this shape takes from (None: its shape cannot have one)."""
+
+    def fill_pool(
+        self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate
+    ) -> dict[str, int]:
+        """Make the pool of the spec's shape hold `size` waiting sandboxes, within `budget`
+        waiting over all pools; `record` names what is created before it is."""
+
+    def drain_pool(self, key: str, namespace_uid: str | None) -> bool:
+        """Delete the pool's waiting sandboxes, then (once no episode runs in it) the pool,
+        after proving it is ours. True once it is gone."""
+
+    def list_pools(self) -> dict[str, dict[str, Any]]:
+        """The pools of ours this backend can see, by key."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.manifests import CONTAINER_NAME, FIRST_INDEX_LABEL, INDEX_LABEL, JOB_NAME
@@ -194,6 +195,12 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         c["type"]: ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
     }
     created = ts(meta["creationTimestamp"])
+    claimed = (meta.get("annotations") or {}).get(k.ANNOTATION_CLAIMED_AT)
+    pool_created = None
+    if claimed is not None:
+        # A warm Pod became this episode's sandbox when a batch claimed it: that is its
+        # "sandbox created" (the claim is after the run's origin; the Pod itself is older).
+        pool_created, created = created, float(claimed)
     scheduled = conditions.get("PodScheduled")
     started = ts(terminated.get("startedAt") or running.get("startedAt"))
     finished = ts(terminated.get("finishedAt"))
@@ -235,8 +242,9 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
             "containers_ready_at": conditions.get("ContainersReady"),
             "container_started_at": started,
             "container_finished_at": finished,
-            "scheduling_seconds": _diff(scheduled, created),
+            "scheduling_seconds": _diff(scheduled, pool_created or created),
             "container_start_seconds": _diff(started, scheduled),
+            **({"pool_created_at": pool_created} if pool_created is not None else {}),
         },
     )
 
@@ -311,10 +319,13 @@ def events_text(events: list[dict[str, Any]]) -> str:
 
 
 def completion_index(pod: Mapping[str, Any]) -> int | None:
-    """The episode index of a batch Pod: its Job's first index + its completion index."""
+    """The episode index of a batch Pod: its Job's first index + its completion index, or the
+    index its claim gave a warm Pod."""
     labels = pod.get("metadata", {}).get("labels") or {}
     value = labels.get(INDEX_LABEL)
     try:
+        if k.LABEL_EPISODE_INDEX in labels:
+            return int(labels[k.LABEL_EPISODE_INDEX])
         return int(value) + int(labels.get(FIRST_INDEX_LABEL, 0)) if value is not None else None
     except ValueError:
         return None

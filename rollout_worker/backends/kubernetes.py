@@ -33,7 +33,9 @@ from rollout_wire.errors import (
     TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
+from rollout_worker import pool
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.backends.kube_pool import WarmPools
 from rollout_worker.backends.kube_read import (
     RETRYING,
     capacity_plan,
@@ -119,6 +121,8 @@ class KubernetesBackend:
         self.nodes_api = client.NodeV1Api(self.api)
         self.net = client.NetworkingV1Api(self.api)
         self.watches = PodWatches()
+        self.pools = WarmPools(self._call, self.core, self.net)
+        self.program = episode_program_text()
         self._jobs: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._jobs_lock = threading.Lock()
 
@@ -195,6 +199,15 @@ class KubernetesBackend:
         namespace = namespace_name(spec.batch_id)
         # The receipt names everything before the first mutation.
         record({"context": self.context, "namespace": namespace, "run_id": spec.batch_id})
+        # Warm sandboxes first: their episodes start while the cold part is being created.
+        started = time.time()
+        key = pool.pool_key(spec, self.program)
+        claimed = self.pools.claim(spec, key, record, time.time) if key else []
+        if claimed:
+            assert key is not None
+            record({"warm": [[c.index, c.name, c.uid] for c in claimed]})
+            self.pools.hand_over(spec, key, claimed)
+            started = min(started, *(c.claimed_at for c in claimed))
         ns = self._create_or_adopt(
             spec,
             "namespace",
@@ -228,7 +241,8 @@ class KubernetesBackend:
         )
         jobs: dict[str, str] = {}
         created: list[dict[str, Any]] = []
-        for part in job_parts(spec):  # one Job per image
+        warm = {c.index for c in claimed}
+        for part in job_parts(spec, warm):  # one Job per image and run of cold episodes
             manifest = job_manifest(
                 spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds, part=part
             )
@@ -244,19 +258,26 @@ class KubernetesBackend:
             jobs[part.name] = job["metadata"]["uid"]
             created.append(job)
             record({"job_uid": created[0]["metadata"]["uid"], "jobs": dict(jobs)})
-        job = created[0]
+        if not claimed:
+            origin = ts(created[0]["metadata"]["creationTimestamp"]) or 0.0
+        else:
+            # The first claim, or (with cold Pods too, whose creation times are whole seconds)
+            # the second it falls in: no sandbox of the run is created before its origin.
+            origin = math.floor(started) if created else started
         return RunHandle(
             backend=self.name,
             batch_id=spec.batch_id,
-            origin=ts(job["metadata"]["creationTimestamp"]) or 0.0,
+            origin=origin,
             episode_prefix=JOB_NAME,  # Pod names add a random suffix once created
             context=self.context,
             infra_retries=spec.infra_retries,
             namespace=namespace,
             namespace_uid=ns["metadata"]["uid"],
-            job_name=JOB_NAME,
-            job_uid=job["metadata"]["uid"],
+            job_name=JOB_NAME if created else None,
+            job_uid=created[0]["metadata"]["uid"] if created else None,
             jobs=jobs,
+            pool_namespace=pool.pool_namespace(key) if claimed and key else None,
+            warm=[[c.index, c.name, c.uid] for c in claimed],
         )
 
     def _create_or_adopt(
@@ -339,13 +360,43 @@ class KubernetesBackend:
 
         return self.watches.get(namespace, make)
 
+    def _warm_watch(self, handle: RunHandle) -> PodWatch:
+        """The batch's warm Pods, in their pool's namespace."""
+        namespace = handle.pool_namespace or ""
+        selector = f"{k.LABEL_BATCH}={handle.batch_id}"
+
+        def make() -> PodWatch:
+            return PodWatch(
+                f"{namespace}/{handle.batch_id}",
+                lambda: self._call(
+                    "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector
+                ),
+                (self.core.list_namespaced_pod, (namespace,), {"label_selector": selector}),
+                completion_index,
+            )
+
+        return self.watches.get(f"{namespace}/{handle.batch_id}", make)
+
     def wait_episode(
         self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
     ) -> EpisodeObservation:
+        warm = handle.warm_pod(index) is not None
+
         def done(seen: dict[str, dict[str, Any]]) -> bool:
-            obs = observe_pods(handle, index, seen)
+            if warm and not seen:
+                return True  # claimed before the run existed, so a synced watch has it: gone
+            obs = observe_pods(handle, index, seen, final=warm)
             return obs.terminal or (until_ready and obs.ready)
 
+        if warm:
+            pods = self._warm_watch(handle).wait(index, timeout, done)
+            obs = observe_pods(handle, index, pods, final=True)
+            if not pods:
+                # The watch has listed the pool: the Pod this episode claimed is gone (its
+                # hand-over failed, or it was deleted before any watch of ours saw it end).
+                obs.phase = "Failed"
+                obs.reason = "its warm Pod was deleted before it could be read"
+            return obs
         pods = self._pod_watch(handle).wait(index, timeout, done)
         obs = observe_pods(handle, index, pods)
         if not obs.terminal and not pods:
@@ -422,7 +473,7 @@ class KubernetesBackend:
                 f"log of {obs.episode_id}",
                 self.core.read_namespaced_pod_log,
                 obs.episode_id,
-                _namespace(handle),
+                handle.pool_namespace if handle.warm_pod(obs.index) else _namespace(handle),
                 container=CONTAINER_NAME,
                 limit_bytes=MAX_LOG_BYTES,
             )
@@ -461,28 +512,69 @@ class KubernetesBackend:
         jobs = [j for j in seen.values() if j["metadata"]["name"] in names]
         return sorted(jobs, key=lambda j: order.index(j["metadata"]["name"]))
 
+    def _warm_pods(self, handle: RunHandle) -> list[dict[str, Any]]:
+        if not handle.warm or not handle.pool_namespace:
+            return []
+        listing = self._call(
+            "list warm pods",
+            self.core.list_namespaced_pod,
+            handle.pool_namespace,
+            label_selector=f"{k.LABEL_BATCH}={handle.batch_id}",
+        )
+        return list(listing.get("items", []))
+
+    def _verdict(
+        self, handle: RunHandle, jobs: list[dict[str, Any]], warm: list[dict[str, Any]]
+    ) -> tuple[float | None, str]:
+        """How the run ended: its Jobs' verdict, and its warm Pods' (Complete when every one
+        succeeded; Running while one has not ended or has not been seen)."""
+        if not handle.warm:
+            return jobs_verdict(jobs)
+        phases = [(p.get("status") or {}).get("phase") for p in warm]
+        ended = [
+            ts(s.get("state", {}).get("terminated", {}).get("finishedAt"))
+            for p in warm
+            for s in (p.get("status") or {}).get("containerStatuses") or []
+        ]
+        if len(warm) < len(handle.warm) or any(ph not in ("Succeeded", "Failed") for ph in phases):
+            warm_verdict: tuple[float | None, str] = (None, "Running")
+        else:
+            when = max((t for t in ended if t is not None), default=None)
+            warm_verdict = (when, "Complete" if set(phases) == {"Succeeded"} else "Failed")
+        if not handle.job_uids():
+            return warm_verdict
+        at, verdict = jobs_verdict(jobs)
+        if "Running" in (verdict, warm_verdict[1]):
+            return None, "Running"
+        when = max((t for t in (at, warm_verdict[0]) if t is not None), default=None)
+        both = {verdict, warm_verdict[1]}
+        return when, "Complete" if both == {"Complete"} else sorted(both - {"Complete"})[0]
+
     def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
-        completed_at, verdict = jobs_verdict(self._list_jobs(handle))
+        jobs = self._list_jobs(handle) if handle.job_uids() else []
+        completed_at, verdict = self._verdict(handle, jobs, self._warm_pods(handle))
         return FinishedRun(completed_at=completed_at, verdict=verdict)
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         namespace = _namespace(handle)
-        jobs = self._settled_jobs(handle)
+        jobs = self._settled_jobs(handle) if handle.job_uids() else []
         pods = self._call(
             "list pods",
             self.core.list_namespaced_pod,
             namespace,
             label_selector=f"{k.LABEL_BATCH}={handle.batch_id}",
         )
+        warm = self._warm_pods(handle)
         events = self._call("list events", self.core.list_namespaced_event, namespace)
-        completed_at, verdict = jobs_verdict(jobs)
+        completed_at, verdict = self._verdict(handle, jobs, warm)
         records = {
-            "pods.json": pretty_json(pods.get("items", [])),
+            "pods.json": pretty_json([*warm, *pods.get("items", [])]),
             "events.txt": events_text(events.get("items", [])),
         }
         # The guide's job.json and job-submitted.json are the first Job's; a batch of several
-        # images adds job-<name>.json and job-<name>-submitted.json for the others.
-        for part in job_parts(spec):
+        # images (or warm episodes between cold ones) adds job-<name>.json and
+        # job-<name>-submitted.json for the others.
+        for part in job_parts(spec, {index for index, _, _ in handle.warm}):
             name = "job" if part.name == JOB_NAME else f"job-{part.name}"
             job = next((j for j in jobs if j["metadata"]["name"] == part.name), None)
             if job is not None:
@@ -495,7 +587,17 @@ class KubernetesBackend:
 
     def cancel_run(self, handle: RunHandle) -> None:
         """Suspend the Jobs: their controller deletes the running Pods and starts no more, and
-        the Jobs stay (with their records) until the run is deleted."""
+        the Jobs stay (with their records) until the run is deleted. Warm Pods get a deadline
+        that has passed: the kubelet stops them, and they stay as records too."""
+        for _index, name, uid in handle.warm:
+            with contextlib.suppress(ResourceNotFound, ResourceConflict):
+                self._call(
+                    "stop warm pod",
+                    self.core.patch_namespaced_pod,
+                    name,
+                    handle.pool_namespace,
+                    {"metadata": {"uid": uid}, "spec": {"activeDeadlineSeconds": 1}},
+                )
         for name in handle.job_uids():
             with contextlib.suppress(ResourceNotFound):
                 self._call(
@@ -507,7 +609,7 @@ class KubernetesBackend:
                 )
 
     def list_runs(self) -> list[str]:
-        selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE}"
+        selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},!{k.LABEL_POOL}"  # not the pools
         found = self._call("list namespaces", self.core.list_namespace, label_selector=selector)
         return [
             (ns["metadata"].get("labels") or {}).get(k.LABEL_BATCH, ns["metadata"]["name"])
@@ -519,10 +621,15 @@ class KubernetesBackend:
         UID and labels, and the Job's UID, match the receipt. Does not wait: True once the
         namespace is gone, False while Kubernetes is still deleting it."""
         namespace = _namespace(handle)
+        warm_gone = (
+            self.pools.delete_claimed(handle.pool_namespace, handle.batch_id, handle.warm)
+            if handle.warm and handle.pool_namespace
+            else True
+        )
         try:
             ns = self._call("read namespace", self.core.read_namespace, namespace)
         except ResourceNotFound:
-            return True
+            return warm_gone
         labels = ns["metadata"].get("labels") or {}
         if ns["metadata"]["uid"] != handle.namespace_uid or not _labelled_ours(ns, handle.batch_id):
             raise OwnershipError(
@@ -552,8 +659,46 @@ class KubernetesBackend:
         try:
             self._call("delete namespace", self.core.delete_namespace, namespace, body=body)
         except ResourceNotFound:
-            return True
+            return warm_gone
         return False
+
+    # -- warm pools (rollout_worker/pool.py) -------------------------------------------------
+    def pool_key(self, spec: BatchSpec) -> str | None:
+        return pool.pool_key(spec, self.program)
+
+    def fill_pool(
+        self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate
+    ) -> dict[str, int]:
+        """Make the pool of the batch's shape hold `size` waiting Pods (within `budget` waiting
+        Pods over all pools); `record` gets the pool's namespace before it is created."""
+        key = self.pool_key(spec)
+        if key is None:
+            raise BackendError("this batch's shape has no pool (several images or retries)")
+        self.pools.ensure(spec, key, self.program, record)
+        return self.pools.fill(spec, key, size, budget, idle_seconds)
+
+    def drain_pool(self, key: str, namespace_uid: str | None) -> bool:
+        return self.pools.drain(key, namespace_uid)
+
+    def list_pools(self) -> dict[str, dict[str, Any]]:
+        """Pool key -> {namespace, uid, waiting, claimed} of every pool namespace of ours."""
+        selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}"
+        found = self._call("list namespaces", self.core.list_namespace, label_selector=selector)
+        pools: dict[str, dict[str, Any]] = {}
+        for ns in found.get("items", []):
+            key = ns["metadata"]["labels"][k.LABEL_POOL]
+            pods = self.pools.pods(key)
+            running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+            pools[key] = {
+                "namespace": ns["metadata"]["name"],
+                "uid": ns["metadata"]["uid"],
+                "waiting": sum(1 for p in pods if pool.waiting(p)),
+                "claimed_running": sum(
+                    1 for p in running if k.LABEL_BATCH in (p["metadata"].get("labels") or {})
+                ),
+                "pods": len(pods),
+            }
+        return pools
 
 
 def _labelled_ours(obj: dict[str, Any], batch_id: str) -> bool:

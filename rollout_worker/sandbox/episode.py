@@ -32,6 +32,8 @@ JOB_COMPLETION_INDEX (+ ROLLOUT_INDEX_OFFSET, the first episode of its Job) /
 ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out;
 ROLLOUT_ATTEMPT (0 for the first run of this episode, n for its n-th retry in a fresh sandbox
 after an infrastructure failure), sent to the policy as X-Rollout-Attempt.
+A warm sandbox (ROLLOUT_HANDOVER=stdin) gets the episode's variables on stdin instead (see
+take_handover).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import urllib.parse
 
 BUGGY = "def shipping(total):\n    return 0 if total > 99 else 10\n"
@@ -671,7 +674,27 @@ def agent(workspace: str) -> int:
     return 0
 
 
+def take_handover(stream: typing.TextIO) -> bool:
+    """A warm sandbox (ROLLOUT_HANDOVER=stdin) was started before its episode existed: it
+    waits here, interpreter and imports done, for the one line that makes it an episode
+    (written through the API server's attach, so the sandbox's network stays closed). The line
+    is JSON: `env` (the variables a cold sandbox gets from its Pod spec) and, for real rollouts,
+    `tasks` (this episode's task, written to ROLLOUT_TASKS_FILE). False when stdin closed
+    without a line (the pool was drained): there is no episode to run."""
+    line = stream.readline()
+    if not line.strip():
+        return False
+    handover = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in handover["env"].items()})
+    if "tasks" in handover:
+        with open(os.environ["ROLLOUT_TASKS_FILE"], "w") as handle:
+            json.dump(handover["tasks"], handle)
+    return True
+
+
 def main() -> int:
+    if os.environ.get("ROLLOUT_HANDOVER") == "stdin" and not take_handover(sys.stdin):
+        return 0
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")
     os.chdir(workspace)
     if os.environ.get("ROLLOUT_POLICY"):

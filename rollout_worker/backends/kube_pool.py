@@ -1,0 +1,331 @@
+"""Warm pools on Kubernetes: the API calls (the objects and rules are in `rollout_worker/pool.py`).
+
+- `fill`: a pool's namespace (program ConfigMap, NetworkPolicy), then Pods up to a size within
+  a budget of waiting Pods over all pools.
+- `claim`: take waiting Pods for a batch's first episodes, each by a patch the server refuses if
+  another batch got there first; the receipt names each Pod (and its UID) before its patch.
+- `hand_over`: write each claimed Pod's episode to its stdin (attach), confirmed by its first
+  event on stdout; a Pod the line cannot reach is deleted (its episode fails, it is not lost).
+- `drain`: delete a pool's waiting Pods and, once no claimed Pod is left in it, its namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.stream import stream
+
+from rollout_wire import constants as k
+from rollout_wire.errors import (
+    BackendError,
+    OwnershipError,
+    ResourceConflict,
+    ResourceNotFound,
+)
+from rollout_wire.request import BatchSpec
+from rollout_worker import pool
+from rollout_worker.backends.base import ReceiptUpdate
+from rollout_worker.manifests import CONTAINER_NAME
+
+log = logging.getLogger(__name__)
+
+# How long a hand-over waits for the episode's first event on the attached stdout.
+CONFIRM_SECONDS = 10.0
+# Claims, hand-overs and Pod creations of one call run on at most this many threads.
+THREADS = 16
+
+Call = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    index: int
+    name: str
+    uid: str
+    claimed_at: float
+
+
+class WarmPools:
+    def __init__(self, call: Call, core: client.CoreV1Api, net: client.NetworkingV1Api) -> None:
+        self._call = call
+        self.core = core
+        self.net = net
+
+    # -- a pool's objects --------------------------------------------------------------------
+    def ensure(self, spec: BatchSpec, key: str, program: str, record: ReceiptUpdate) -> str:
+        """The pool's namespace (created, or adopted when its labels say it is this pool),
+        with its program and network policy. Returns the namespace's UID."""
+        namespace = pool.pool_namespace(key)
+        record({"namespace": namespace})
+        try:
+            ns = self._call(
+                "create pool namespace", self.core.create_namespace, pool.namespace_manifest(key)
+            )
+        except ResourceConflict:
+            ns = self._call("read pool namespace", self.core.read_namespace, namespace)
+            self._check_ours(ns, key)
+        record({"uid": ns["metadata"]["uid"]})
+        for what, create, manifest in (
+            ("configmap", self.core.create_namespaced_config_map, pool.configmap_manifest),
+            ("networkpolicy", self.net.create_namespaced_network_policy, None),
+        ):
+            body = manifest(key, program) if manifest else pool.network_policy(spec, key)
+            with contextlib.suppress(ResourceConflict):  # made by an earlier fill (ours: ns)
+                self._call(f"create pool {what}", create, namespace, body)
+        return str(ns["metadata"]["uid"])
+
+    def _check_ours(self, obj: dict[str, Any], key: str) -> None:
+        labels = obj["metadata"].get("labels") or {}
+        if labels.get(k.LABEL_OWNER) != k.LABEL_OWNER_VALUE or labels.get(k.LABEL_POOL) != key:
+            raise OwnershipError(
+                f"{obj['metadata']['name']} exists but is not pool {key} (labels {labels}); "
+                "refusing to use it"
+            )
+
+    def pods(self, key: str, selector: str = "") -> list[dict[str, Any]]:
+        labels = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}={key}"
+        try:
+            found = self._call(
+                "list pool pods",
+                self.core.list_namespaced_pod,
+                pool.pool_namespace(key),
+                label_selector=f"{labels},{selector}" if selector else labels,
+            )
+        except ResourceNotFound:
+            return []
+        return list(found.get("items", []))
+
+    def idle_total(self) -> int:
+        """Pool Pods of every pool that wait (or are starting) for a batch: the budget's count."""
+        found = self._call(
+            "list pool pods",
+            self.core.list_pod_for_all_namespaces,
+            label_selector=f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},"
+            f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}",
+            field_selector="status.phase!=Succeeded,status.phase!=Failed",
+        )
+        return len(found.get("items", []))
+
+    def fill(
+        self, spec: BatchSpec, key: str, size: int, budget: int, idle_seconds: float
+    ) -> dict[str, int]:
+        """Create Pods until the pool has `size` idle ones, without more than `budget` idle Pods
+        in all pools together. Pods that ended while idle (their lifetime ran out) are deleted."""
+        idle = self.pods(key, f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}")
+        ended = [p for p in idle if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed")]
+        for pod in ended:
+            self._delete_pod(pod)
+        have = len(idle) - len(ended)
+        room = max(0, budget - self.idle_total())
+        wanted = max(0, min(size - have, room))
+        manifest = pool.pod_manifest(spec, key, idle_seconds)
+        namespace = pool.pool_namespace(key)
+        created = list(
+            _threads(
+                lambda _: self._call(
+                    "create pool pod", self.core.create_namespaced_pod, namespace, manifest
+                ),
+                range(wanted),
+            )
+        )
+        return {"waiting": have, "created": len(created), "budget_left": room - len(created)}
+
+    # -- a batch takes Pods ------------------------------------------------------------------
+    def claim(
+        self, spec: BatchSpec, key: str, record: ReceiptUpdate, now: Callable[[], float]
+    ) -> list[Claimed]:
+        """Claim up to `spec.count` waiting Pods for episodes 0, 1, ... A redelivered start
+        finds the Pods an earlier delivery claimed (by the batch label) and claims no more."""
+        pods = self.pods(key)
+        mine = [
+            p
+            for p in pods
+            if (p["metadata"].get("labels") or {}).get(k.LABEL_BATCH) == spec.batch_id
+        ]
+        if mine:
+            return sorted((_claimed(p) for p in mine), key=lambda c: c.index)
+        waiting = sorted(
+            (p for p in pods if pool.waiting(p)), key=lambda p: p["metadata"]["creationTimestamp"]
+        )[: spec.count]
+        if not waiting:
+            return []
+        # The receipt names every Pod a patch may touch before the first patch.
+        planned = [
+            [index, p["metadata"]["name"], p["metadata"]["uid"]] for index, p in enumerate(waiting)
+        ]
+        record({"pool_namespace": pool.pool_namespace(key), "warm_planned": planned})
+
+        def take(item: tuple[int, dict[str, Any]]) -> Claimed | None:
+            index, pod = item
+            at = now()
+            patch = pool.claim_patch(pod, spec.batch_id, index, spec.episode_timeout_seconds, at)
+            if patch is None:
+                return None
+            try:
+                done = self._call(
+                    "claim pool pod",
+                    self.core.patch_namespaced_pod,
+                    pod["metadata"]["name"],
+                    pool.pool_namespace(key),
+                    patch,
+                )
+            except (ResourceConflict, ResourceNotFound):
+                return None  # another batch claimed it, or it is gone: this episode runs cold
+            return _claimed(done)
+
+        return [c for c in _threads(take, list(enumerate(waiting))) if c is not None]
+
+    def hand_over(self, spec: BatchSpec, key: str, claimed: list[Claimed]) -> list[str]:
+        """Write each claimed Pod's episode to its stdin. Returns what went wrong (a Pod the
+        line could not reach is deleted: its collector then records why its episode failed)."""
+        namespace = pool.pool_namespace(key)
+
+        def one(c: Claimed) -> str | None:
+            try:
+                _attach_and_write(
+                    self.core.api_client.configuration,
+                    namespace,
+                    c.name,
+                    pool.handover_line(spec, c.index),
+                )
+            except Exception as exc:
+                problem = f"hand-over to warm Pod {c.name} (episode {c.index}) failed: {exc}"
+                log.warning("%s; deleting the Pod", problem)
+                with contextlib.suppress(BackendError):
+                    self._call(
+                        "delete pool pod",
+                        self.core.delete_namespaced_pod,
+                        c.name,
+                        namespace,
+                        body={"preconditions": {"uid": c.uid}, "gracePeriodSeconds": 0},
+                    )
+                return problem
+            return None
+
+        return [p for p in _threads(one, claimed) if p is not None]
+
+    # -- deletion ----------------------------------------------------------------------------
+    def delete_claimed(self, namespace: str, batch_id: str, warm: list[list[Any]]) -> bool:
+        """Delete a batch's warm Pods after proving each is the one it claimed (UID, batch
+        label). True once all are gone."""
+        gone = True
+        for _index, name, uid in warm:
+            try:
+                found = self._call("read pool pod", self.core.read_namespaced_pod, name, namespace)
+            except ResourceNotFound:
+                continue
+            labels = found["metadata"].get("labels") or {}
+            if found["metadata"]["uid"] != uid or labels.get(k.LABEL_BATCH) != batch_id:
+                raise OwnershipError(
+                    f"Pod {namespace}/{name} has uid {found['metadata']['uid']} and labels "
+                    f"{labels}; the receipt says uid {uid} of batch {batch_id}: refusing to "
+                    "delete it"
+                )
+            gone = False
+            if not found["metadata"].get("deletionTimestamp"):
+                self._delete_pod(found)
+        return gone
+
+    def _delete_pod(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        with contextlib.suppress(ResourceNotFound, ResourceConflict):
+            self._call(
+                "delete pool pod",
+                self.core.delete_namespaced_pod,
+                meta["name"],
+                meta["namespace"],
+                body={"preconditions": {"uid": meta["uid"]}, "gracePeriodSeconds": 0},
+            )
+
+    def drain(self, key: str, namespace_uid: str | None) -> bool:
+        """Delete the pool's idle Pods; once none of its Pods is claimed by a batch that still
+        runs, delete its namespace too (after proving it by UID and labels). True once gone."""
+        namespace = pool.pool_namespace(key)
+        try:
+            ns = self._call("read pool namespace", self.core.read_namespace, namespace)
+        except ResourceNotFound:
+            return True
+        self._check_ours(ns, key)
+        if namespace_uid is not None and ns["metadata"]["uid"] != namespace_uid:
+            raise OwnershipError(
+                f"namespace {namespace} has uid {ns['metadata']['uid']}, the pool registry says "
+                f"{namespace_uid}: refusing to delete it"
+            )
+        if ns["metadata"].get("deletionTimestamp"):
+            return False
+        busy = False
+        for pod in self.pods(key):
+            labels = pod["metadata"].get("labels") or {}
+            if labels.get(k.LABEL_POOL_STATE) == pool.STATE_IDLE:
+                self._delete_pod(pod)
+            elif (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                busy = True  # a batch's episode runs here: its own cleanup deletes it
+        if busy or namespace_uid is None:
+            return False
+        with contextlib.suppress(ResourceNotFound):
+            self._call(
+                "delete pool namespace",
+                self.core.delete_namespace,
+                namespace,
+                body={"propagationPolicy": "Background", "preconditions": {"uid": namespace_uid}},
+            )
+        return False
+
+
+def _claimed(pod: dict[str, Any]) -> Claimed:
+    meta = pod["metadata"]
+    return Claimed(
+        index=int(meta["labels"][k.LABEL_EPISODE_INDEX]),
+        name=meta["name"],
+        uid=meta["uid"],
+        claimed_at=float((meta.get("annotations") or {}).get(k.ANNOTATION_CLAIMED_AT) or 0),
+    )
+
+
+def _threads(fn: Callable[[Any], Any], items: Any) -> Iterator[Any]:
+    items = list(items)
+    if len(items) <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(max_workers=min(THREADS, len(items))) as executor:
+        yield from executor.map(fn, items)
+
+
+def _attach_and_write(
+    configuration: client.Configuration, namespace: str, name: str, line: bytes
+) -> None:
+    """Attach to the Pod's waiting program, write its line and wait for its first event.
+
+    A client of its own: `stream` swaps the ApiClient's transport while it connects, which
+    would break any other thread using the same client."""
+    with client.ApiClient(configuration) as api:
+        ws = stream(
+            client.CoreV1Api(api).connect_get_namespaced_pod_attach,
+            name,
+            namespace,
+            container=CONTAINER_NAME,
+            stdin=True,
+            stdout=True,
+            stderr=False,
+            tty=False,
+            _preload_content=False,
+        )
+        try:
+            ws.write_stdin(line.decode())
+            end = time.monotonic() + CONFIRM_SECONDS
+            seen = ""
+            while '"event"' not in seen and ws.is_open():
+                if time.monotonic() > end:
+                    raise BackendError(f"no event on stdout {CONFIRM_SECONDS:.0f} s after the line")
+                ws.update(timeout=0.5)
+                if ws.peek_stdout():
+                    seen += ws.read_stdout()
+        finally:
+            ws.close()
