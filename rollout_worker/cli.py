@@ -243,6 +243,37 @@ def sweep(dry_run: bool, redis_url: str | None) -> None:
 
 
 @cli.command()
+@click.option("--drain", is_flag=True, help="Empty every warm pool (waiting Pods, then the pool).")
+@redis_option
+def pools(drain: bool, redis_url: str | None) -> None:
+    """List the warm pools on Kubernetes, or empty them (--drain)."""
+    from rollout_worker import core
+    from rollout_worker.backends import get_backend
+    from rollout_worker.backends.base import PoolBackend
+    from rollout_worker.store import Store
+
+    settings = _settings(redis_url)
+    store = Store.from_url(settings.redis_url, settings.record_ttl)
+    try:
+        backend = get_backend("kubernetes", settings)
+        assert isinstance(backend, PoolBackend)
+        if drain:
+            for item in core.drain_pools(store, backend, idle_seconds=None, now=time.time()):
+                out(f"{item.action:12} {item.batch_id}  {item.reason}", highlight=False)
+        registry = store.registered_pools()
+        for key, found in backend.list_pools().items():
+            used = registry.get(key, {}).get("used_at")
+            idle = f"{time.time() - used:.0f}s" if used else "unregistered"
+            out(
+                f"pool {key}  {found['namespace']}  waiting {found['waiting']}  running "
+                f"episodes {found['claimed_running']}  pods {found['pods']}  idle {idle}",
+                highlight=False,
+            )
+    except RolloutError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@cli.command()
 @redis_option
 @click.option("--timeout", type=float, default=3.0, show_default=True)
 @click.option(

@@ -1,0 +1,159 @@
+"""Warm pools on the local cluster's real node (issue 15): a batch refills the pool of its shape
+behind itself, the next batches take their first episodes from it, and every guarantee of the
+cold path holds (one Pod per episode, validation, counted once, isolation, records, cleanup)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from kubernetes.client import NetworkingV1Api
+
+from rollout_wire import constants as k
+from rollout_wire.request import parse_spec
+from rollout_worker import pool
+from rollout_worker.sandbox import episode_program_text
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
+
+SIZE = 3
+
+
+def _waiting(cluster, namespace: str) -> list:
+    pods = cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}"
+    ).items
+    return [
+        p
+        for p in pods
+        if p.status.phase == "Running"
+        and any(c.state.running for c in p.status.container_statuses or [])
+    ]
+
+
+def _wait_for_pool(cluster, namespace: str, size: int) -> list:
+    deadline = time.monotonic() + 120
+    while len(found := _waiting(cluster, namespace)) < size:
+        assert time.monotonic() < deadline, f"{len(found)} of {size} pool Pods waiting"
+        time.sleep(0.5)
+    return found
+
+
+def _wait_cleanup(client: RolloutClient, batch_id: str) -> None:
+    deadline = time.monotonic() + 180
+    while client.receipt(batch_id).get("cleanup") != "deleted":
+        assert time.monotonic() < deadline, client.receipt(batch_id)
+        time.sleep(0.5)
+
+
+def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
+    real_node, real_stack, k8s_cluster
+):
+    client = RolloutClient(real_stack.redis_url)
+    fields = real_node.batch_fields() | {"backend": "kubernetes"}
+    key = pool.pool_key(
+        parse_spec(fields | {"count": 1}, max_episodes=None), episode_program_text()
+    )
+    assert key is not None
+    namespace = pool.pool_namespace(key)
+
+    # A first batch finds no pool: all cold. It asks for a pool of SIZE behind it.
+    first = client.submit(**fields, count=2, parallelism=2, warm_pool=SIZE)
+    report = client.wait(first.batch_id, timeout=300)
+    assert report["successful_episodes"] == 2, report
+    assert not client.receipt(first.batch_id)["run"]["warm"]
+    waiting = _wait_for_pool(k8s_cluster, namespace, SIZE)
+    pool_names = {p.metadata.name for p in waiting}
+
+    # Pool Pods are isolated like cold ones, and carry our labels.
+    for pod in waiting:
+        assert pod.metadata.labels[k.LABEL_OWNER] == k.LABEL_OWNER_VALUE
+        assert pod.metadata.labels[k.LABEL_POOL] == key
+        assert k.LABEL_BATCH not in pod.metadata.labels  # no batch owns it yet
+        assert pod.spec.automount_service_account_token is False
+        assert pod.spec.security_context.run_as_non_root is True
+        container = pod.spec.containers[0]
+        assert container.security_context.capabilities.drop == ["ALL"]
+        assert container.security_context.allow_privilege_escalation is False
+        assert container.stdin and container.stdin_once
+        assert not container.env or not any(e.name == "ROLLOUT_ACTION" for e in container.env)
+    policies = (
+        NetworkingV1Api(k8s_cluster.api_client).list_namespaced_network_policy(namespace).items
+    )
+    assert [p.spec.policy_types for p in policies] == [["Ingress", "Egress"]]
+    assert not policies[0].spec.egress and not policies[0].spec.ingress  # deny all
+
+    # The next batch takes SIZE episodes from the pool and runs the rest cold.
+    second = client.submit(**fields, count=SIZE + 1, parallelism=SIZE + 1)
+    report = client.wait(second.batch_id, timeout=300)
+    run = client.receipt(second.batch_id)["run"]
+    assert [index for index, _, _ in run["warm"]] == list(range(SIZE))
+    assert {name for _, name, _ in run["warm"]} == pool_names
+    assert report["episodes"] == SIZE + 1 and report["successful_episodes"] == SIZE + 1, report
+    rows = {row["index"]: row for row in report["pods"]}
+    assert sorted(rows) == list(range(SIZE + 1))  # each episode counted once
+    for index, name, _uid in run["warm"]:
+        row = rows[index]
+        assert row["pod"] == name and row["reward"] == 1, row
+        # The sandbox became this episode at its claim, after the run's origin; its own Pod
+        # is older (it waited in the pool).
+        assert row["timing"]["pool_created_at"] < row["created_at"] <= row["ready_at"]
+        assert 0 < row["timing"]["handover_seconds"] < 5, row
+        log = client.redis.hget(k.logs_key(second.batch_id), str(index)).decode()
+        events = [json.loads(line) for line in log.splitlines() if line.strip()]
+        assert [e["event"] for e in events] == ["ready", "reward"]
+        assert all(e["episode_id"] == name for e in events)
+    assert rows[SIZE]["pod"] not in pool_names and "handover_seconds" not in rows[SIZE]["timing"]
+    deadline = time.monotonic() + 60
+    while client.receipt(second.batch_id).get("records") != "complete":
+        assert time.monotonic() < deadline, client.receipt(second.batch_id)
+        time.sleep(0.2)
+    pods_record = json.loads(client.redis.hget(k.artifacts_key(second.batch_id), "pods.json"))
+    assert pool_names <= {p["metadata"]["name"] for p in pods_record}
+
+    # Cleanup deletes the batch's warm Pods (proved by UID and batch label) with its namespace.
+    _wait_cleanup(client, second.batch_id)
+    left = k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"{k.LABEL_BATCH}={second.batch_id}"
+    ).items
+    assert not [p.metadata.name for p in left if not p.metadata.deletion_timestamp]
+
+    # Two batches at once, one refill: a pool Pod goes to at most one batch.
+    third = client.submit(**fields, count=1, parallelism=1, warm_pool=SIZE)
+    client.wait(third.batch_id, timeout=300)
+    _wait_for_pool(k8s_cluster, namespace, SIZE)
+    racing = [client.submit(**fields, count=SIZE, parallelism=SIZE) for _ in range(2)]
+    reports = [client.wait(s.batch_id, timeout=300) for s in racing]
+    assert all(r["successful_episodes"] == SIZE for r in reports), reports
+    taken = [name for s in racing for _, name, _ in client.receipt(s.batch_id)["run"]["warm"]]
+    assert len(taken) == len(set(taken)) and 0 < len(taken) <= SIZE, taken
+
+    # Draining on demand empties the pool and deletes its namespace (registry UID + labels).
+    for s in (first, third, *racing):
+        _wait_cleanup(client, s.batch_id)
+    env = {
+        **os.environ,
+        "ROLLOUT_REDIS_URL": real_stack.redis_url,
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+    }
+    deadline = time.monotonic() + 120
+    while True:
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        if key not in done.stdout:
+            break  # drained, forgotten and its namespace gone
+        assert time.monotonic() < deadline, done.stdout
+        time.sleep(1)
+    assert not any(ns.metadata.name == namespace for ns in k8s_cluster.core.list_namespace().items)
+    client.close()
