@@ -4,8 +4,9 @@
   a budget of waiting Pods over all pools.
 - `claim`: take waiting Pods for a batch's first episodes, each by a patch the server refuses if
   another batch got there first; the receipt names each Pod (and its UID) before its patch.
-- `hand_over`: write each claimed Pod's episode to its stdin (attach), confirmed by its first
-  event on stdout; a Pod the line cannot reach is deleted (its episode fails, it is not lost).
+- hand-over (in `claim`, right after each Pod's own claim): write the episode to the Pod's stdin
+  (attach), confirmed by its first event on stdout; a Pod the line cannot reach is deleted (its
+  episode fails, it is not lost).
 - `drain`: delete a pool's waiting Pods and, once no claimed Pod is left in it, its namespace.
 """
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 # How long a hand-over waits for the episode's first event on the attached stdout.
 CONFIRM_SECONDS = 10.0
 # Claims, hand-overs and Pod creations of one call run on at most this many threads.
-THREADS = 16
+THREADS = 4
 
 Call = Callable[..., Any]
 
@@ -141,8 +142,11 @@ class WarmPools:
     def claim(
         self, spec: BatchSpec, key: str, record: ReceiptUpdate, now: Callable[[], float]
     ) -> list[Claimed]:
-        """Claim up to `spec.count` waiting Pods for episodes 0, 1, ... A redelivered start
-        finds the Pods an earlier delivery claimed (by the batch label) and claims no more."""
+        """Claim up to `spec.count` waiting Pods for episodes 0, 1, ... and hand each its
+        episode right after its own claim (one thread per Pod: no episode waits for another's
+        claim). A redelivered start finds the Pods an earlier delivery claimed (by the batch
+        label), claims no more and hands them over again (a runner reads one line only)."""
+        namespace = pool.pool_namespace(key)
         pods = self.pods(key)
         mine = [
             p
@@ -150,7 +154,9 @@ class WarmPools:
             if (p["metadata"].get("labels") or {}).get(k.LABEL_BATCH) == spec.batch_id
         ]
         if mine:
-            return sorted((_claimed(p) for p in mine), key=lambda c: c.index)
+            claimed = sorted((_claimed(p) for p in mine), key=lambda c: c.index)
+            list(_threads(lambda c: self._hand_over(spec, namespace, c), claimed))
+            return claimed
         waiting = sorted(
             (p for p in pods if pool.waiting(p)), key=lambda p: p["metadata"]["creationTimestamp"]
         )[: spec.count]
@@ -160,7 +166,7 @@ class WarmPools:
         planned = [
             [index, p["metadata"]["name"], p["metadata"]["uid"]] for index, p in enumerate(waiting)
         ]
-        record({"pool_namespace": pool.pool_namespace(key), "warm_planned": planned})
+        record({"pool_namespace": namespace, "warm_planned": planned})
 
         def take(item: tuple[int, dict[str, Any]]) -> Claimed | None:
             index, pod = item
@@ -173,43 +179,42 @@ class WarmPools:
                     "claim pool pod",
                     self.core.patch_namespaced_pod,
                     pod["metadata"]["name"],
-                    pool.pool_namespace(key),
+                    namespace,
                     patch,
                 )
             except (ResourceConflict, ResourceNotFound):
                 return None  # another batch claimed it, or it is gone: this episode runs cold
-            return _claimed(done)
+            claimed = _claimed(done)
+            self._hand_over(spec, namespace, claimed)
+            return claimed
 
         return [c for c in _threads(take, list(enumerate(waiting))) if c is not None]
 
-    def hand_over(self, spec: BatchSpec, key: str, claimed: list[Claimed]) -> list[str]:
-        """Write each claimed Pod's episode to its stdin. Returns what went wrong (a Pod the
-        line could not reach is deleted: its collector then records why its episode failed)."""
-        namespace = pool.pool_namespace(key)
-
-        def one(c: Claimed) -> str | None:
-            try:
-                _attach_and_write(
-                    self.core.api_client.configuration,
-                    namespace,
+    def _hand_over(self, spec: BatchSpec, namespace: str, c: Claimed) -> None:
+        """Write a claimed Pod's episode to its stdin. A Pod the line cannot reach is deleted:
+        its collector then records why its episode failed (never lost, never silent)."""
+        try:
+            _attach_and_write(
+                self.core.api_client.configuration,
+                namespace,
+                c.name,
+                pool.handover_line(spec, c.index),
+            )
+        except Exception as exc:  # any failure: the episode never got its line
+            log.warning(
+                "hand-over to warm Pod %s (episode %d) failed: %s; deleting the Pod",
+                c.name,
+                c.index,
+                exc,
+            )
+            with contextlib.suppress(BackendError):
+                self._call(
+                    "delete pool pod",
+                    self.core.delete_namespaced_pod,
                     c.name,
-                    pool.handover_line(spec, c.index),
+                    namespace,
+                    body={"preconditions": {"uid": c.uid}, "gracePeriodSeconds": 0},
                 )
-            except Exception as exc:
-                problem = f"hand-over to warm Pod {c.name} (episode {c.index}) failed: {exc}"
-                log.warning("%s; deleting the Pod", problem)
-                with contextlib.suppress(BackendError):
-                    self._call(
-                        "delete pool pod",
-                        self.core.delete_namespaced_pod,
-                        c.name,
-                        namespace,
-                        body={"preconditions": {"uid": c.uid}, "gracePeriodSeconds": 0},
-                    )
-                return problem
-            return None
-
-        return [p for p in _threads(one, claimed) if p is not None]
 
     # -- deletion ----------------------------------------------------------------------------
     def delete_claimed(self, namespace: str, batch_id: str, warm: list[list[Any]]) -> bool:

@@ -209,7 +209,19 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
     # after the kill that enforced it).
     reason = status.get("reason") or terminated.get("reason")
     waiting = state.get("waiting") or {}
-    if phase == "Pending" and waiting.get("reason") in NEVER_STARTS:
+    if (
+        phase in ("Pending", "Running")
+        and state.get("terminated")
+        and (pod.get("spec") or {}).get("restartPolicy") == "Never"
+        and len(status.get("containerStatuses") or []) == 1
+        and not meta.get("deletionTimestamp")
+    ):
+        # The one container exited and can never run again: the episode has ended. The kubelet
+        # reports the container's end (exit code, termination message) about a second before
+        # the Pod's phase, which it holds until the sandbox is torn down (seen on 1.34; a short
+        # container the kubelet never saw running is still Pending then).
+        phase = "Succeeded" if state["terminated"].get("exitCode") == 0 else "Failed"
+    elif phase == "Pending" and waiting.get("reason") in NEVER_STARTS:
         # The container can never start: the episode has ended, whatever the Pod waits for.
         phase = "Failed"
         reason = f"{waiting['reason']}: {waiting.get('message') or ''}".strip(": ")

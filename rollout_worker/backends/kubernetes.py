@@ -199,14 +199,14 @@ class KubernetesBackend:
         namespace = namespace_name(spec.batch_id)
         # The receipt names everything before the first mutation.
         record({"context": self.context, "namespace": namespace, "run_id": spec.batch_id})
-        # Warm sandboxes first: their episodes start while the cold part is being created.
+        # Warm sandboxes first (claimed and handed their episodes): they run while the cold
+        # part is being created.
         started = time.time()
         key = pool.pool_key(spec, self.program)
         claimed = self.pools.claim(spec, key, record, time.time) if key else []
         if claimed:
             assert key is not None
             record({"warm": [[c.index, c.name, c.uid] for c in claimed]})
-            self.pools.hand_over(spec, key, claimed)
             started = min(started, *(c.claimed_at for c in claimed))
         ns = self._create_or_adopt(
             spec,

@@ -375,3 +375,48 @@ def test_ready_reaches_the_pod_status_through_a_startup_probe_that_never_ends_an
     assert observe_pods(handle, 3, {"a": running}).ready is True
     # A Pod that ended is no longer "ready": it is collected.
     assert observe_pods(handle, 3, {"a": pod("rollout-3-x", "2026-11-30T10:00:00Z")}).ready is False
+
+
+def _exited_pod(exit_code: int, **meta) -> dict:
+    return {
+        "metadata": {
+            "name": "rollout-0-abcde",
+            "uid": "u",
+            "creationTimestamp": "2026-12-01T10:00:00Z",
+            "labels": {INDEX_LABEL: "0"},
+            **meta,
+        },
+        "spec": {"restartPolicy": "Never"},
+        "status": {
+            "phase": "Running",  # the kubelet holds the phase until the sandbox is torn down
+            "containerStatuses": [
+                {
+                    "name": "episode",
+                    "state": {
+                        "terminated": {
+                            "exitCode": exit_code,
+                            "finishedAt": "2026-12-01T10:00:05Z",
+                            "message": '{"reward": 1}',
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_an_episode_ends_when_its_container_exits_not_when_the_pod_phase_follows():
+    handle = RunHandle("kubernetes", "b", 0.0, "rollout", "ctx")
+    done = observe_pods(handle, 0, {"u": _exited_pod(0)})
+    assert (done.phase, done.exit_code, done.termination_message) == (
+        "Succeeded",
+        0,
+        '{"reward": 1}',
+    )
+    assert observe_pods(handle, 0, {"u": _exited_pod(2)}).phase == "Failed"
+    never_seen_running = _exited_pod(0)
+    never_seen_running["status"]["phase"] = "Pending"
+    assert observe_pods(handle, 0, {"u": never_seen_running}).phase == "Succeeded"
+    # Being deleted: wait for its final state (how it ended is the deletion's to say).
+    deleting = _exited_pod(0, deletionTimestamp="2026-12-01T10:00:04Z")
+    assert observe_pods(handle, 0, {"u": deleting}).phase == "Running"

@@ -1,0 +1,149 @@
+"""Warm vs cold on the real node (issue 15), side by side in one run.
+
+Each round runs, with the same workers (a control worker and two collectors, started once):
+- cold: a batch of `--count` episodes while the pool of its shape has no waiting Pod;
+- fill: a one-episode batch with warm_pool=`--count` (the refill behind it is what a trainer's
+  previous round leaves), then the benchmark waits until that many pool Pods wait;
+- warm: a batch of `--count` episodes, which takes them all from the pool.
+Figures per batch: submit -> report (the client's `submit` call to its `wait` returning), and
+per episode: cold, Pod created -> `ready` event (the guide's metric); warm, claim -> `ready`
+event (the row's `handover_seconds`: the claim patch's time to the runner's own event); per
+batch also submit -> the last episode's `ready` event (the runner's clock: same machine). Each
+batch's cleanup ends before the next batch starts. Printed: median [min-max] over rounds of
+each round's p50 / p95 / wall, and the warm/cold wall ratio of each round.
+
+Needs the local cluster with the real node: `hack/localkube/cluster.sh node-up`.
+
+    python -m benchmarks.bench_warm [--rounds 3] [--count 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks.proc import Stats
+from rollout_wire import constants as k
+from rollout_wire.request import parse_spec
+from rollout_worker import pool
+from rollout_worker.sandbox import episode_program_text
+from rollout_worker.stack import LocalStack
+from tests.k8s import cluster as kc
+from trainer_stub.client import RolloutClient
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def waiting_pods(cluster: kc.Cluster, namespace: str) -> int:
+    pods = cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}"
+    ).items
+    return sum(
+        1
+        for p in pods
+        if p.status.phase == "Running"
+        and any(c.state.running for c in p.status.container_statuses or [])
+    )
+
+
+def run_batch(
+    client: RolloutClient, fields: dict[str, Any], **extra: Any
+) -> tuple[dict, float, float]:
+    """(report, submit -> report seconds, submit -> last `ready` event seconds)."""
+    start, clock = time.perf_counter(), time.time()
+    submission = client.submit(**fields, **extra)
+    report = client.wait(submission.batch_id, timeout=600)
+    wall = time.perf_counter() - start
+    all_ready = max(row["ready_at"] for row in report["pods"]) - clock
+    deadline = time.monotonic() + 300
+    while client.receipt(submission.batch_id).get("cleanup") != "deleted":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cleanup of {submission.batch_id} did not end")
+        time.sleep(0.5)
+    if report["successful_episodes"] != report["episodes"]:
+        raise RuntimeError(f"batch {submission.batch_id} failed: {report['status']}")
+    return report, wall, all_ready
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--count", type=int, default=10)
+    args = parser.parse_args()
+    if args.rounds < 3:
+        parser.error("--rounds must be at least 3 (figures are medians of rounds)")
+    cluster = kc.ensure_cluster()
+    node = kc.ensure_real_node(cluster)
+    fields = node.batch_fields() | {"backend": "kubernetes"}
+    key = pool.pool_key(
+        parse_spec(fields | {"count": 1}, max_episodes=None), episode_program_text()
+    )
+    assert key is not None
+    namespace = pool.pool_namespace(key)
+    env = {"KUBECONFIG": str(cluster.kubeconfig)}
+    figures: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        figures.setdefault(name, []).append(value)
+
+    with LocalStack(collectors=2, extra_env=env) as stack:
+        stack.wait_ready()
+        client = RolloutClient(stack.redis_url)
+        drain = [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"]
+        drain_env = {**env, "ROLLOUT_REDIS_URL": stack.redis_url}
+        run_batch(client, fields, count=2, parallelism=2)  # warm-up, not measured
+        for number in range(args.rounds):
+            subprocess.run(drain, env=drain_env, check=True, capture_output=True)
+            while waiting_pods(cluster, namespace) if _exists(cluster, namespace) else False:
+                time.sleep(0.5)
+            cold, cold_wall, cold_ready = run_batch(
+                client, fields, count=args.count, parallelism=args.count
+            )
+            run_batch(client, fields, count=1, parallelism=1, warm_pool=args.count)
+            deadline = time.monotonic() + 180
+            while waiting_pods(cluster, namespace) < args.count:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the pool did not fill")
+                time.sleep(0.5)
+            warm, warm_wall, warm_ready = run_batch(
+                client, fields, count=args.count, parallelism=args.count
+            )
+            handover = [r["timing"]["handover_seconds"] for r in warm["pods"]]
+            if len(handover) != args.count or None in handover:
+                raise RuntimeError("the warm batch did not take every episode from the pool")
+            pod_ready = [r["pod_to_ready_seconds"] for r in cold["pods"]]
+            add("cold Pod created -> ready p50 ms", statistics.median(pod_ready) * 1000)
+            add("cold Pod created -> ready p95 ms", p95(pod_ready) * 1000)
+            add("warm claim -> ready p50 ms", statistics.median(handover) * 1000)
+            add("warm claim -> ready p95 ms", p95(handover) * 1000)
+            add("cold submit -> last ready s", cold_ready)
+            add("warm submit -> last ready s", warm_ready)
+            add("cold submit -> report s", cold_wall)
+            add("warm submit -> report s", warm_wall)
+            add("warm / cold submit -> report", warm_wall / cold_wall)
+            print(
+                f"round {number + 1}: cold {cold_wall:.2f} s, warm {warm_wall:.2f} s, claim -> "
+                f"ready ms {[round(h * 1000) for h in handover]}",
+                flush=True,
+            )
+        subprocess.run(drain, env=drain_env, check=True, capture_output=True)
+        client.close()
+    print(f"\n{args.count} episodes on {node.name}, {args.rounds} rounds: median [min-max]")
+    for name, values in figures.items():
+        digits = 0 if name.endswith("ms") else 2
+        print(f"  {name:34} {Stats(values).fmt(digits=digits)}")
+
+
+def _exists(cluster: kc.Cluster, namespace: str) -> bool:
+    return any(ns.metadata.name == namespace for ns in cluster.core.list_namespace().items)
+
+
+if __name__ == "__main__":
+    main()
