@@ -94,7 +94,7 @@ class BatchSpec:
     # runner's exit code 4: policy endpoint unreachable, no task; or its sandbox disrupted) is
     # run again, each time in a fresh sandbox. Episode failures and deadlines are never retried.
     infra_retries: int = 0
-    # Kubernetes: after this batch has taken what it can from the warm pool of its shape,
+    # After this batch has taken what it can from the warm pool of its shape,
     # refill that pool to this many waiting sandboxes for the next batch (0: no refill). Every
     # batch takes from an existing pool of its shape, whether or not it asks for a refill.
     warm_pool: int = 0
@@ -267,8 +267,6 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
     if not 0 <= warm <= MAX_WARM_POOL:
         problems.append(f"warm_pool must be within 0..{MAX_WARM_POOL}, got {warm}")
         warm = 0
-    elif warm and backend != "kubernetes":
-        problems.append("warm_pool needs backend 'kubernetes' (the local backend has no pool)")
 
     placement = _parse_placement(data, problems)
     policy = _parse_policy(data.get("policy"), problems)

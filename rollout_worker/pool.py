@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -177,19 +178,28 @@ def claim_patch(
     }
 
 
-def handover_line(spec: BatchSpec, index: int) -> bytes:
-    """What a claimed Pod reads on its stdin: the variables a cold Pod of episode `index`
-    gets from its spec, and a real rollout's task (the runner's take_handover)."""
-    env: dict[str, str] = {"ROLLOUT_ACTION": spec.action, "ROLLOUT_BATCH_ID": spec.batch_id}
-    line: dict[str, Any] = {"env": env}
+def handover_line(
+    spec: BatchSpec,
+    index: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    policy_access: Mapping[str, str] | None = None,
+) -> bytes:
+    """What a claimed sandbox reads on its stdin: the variables a cold sandbox of episode
+    `index` gets when it starts, and a real rollout's task (the runner's take_handover).
+    `env` adds backend variables (the local backend's episode id); `policy_access` says how the
+    policy is reached (default: ROLLOUT_POLICY_URL, Kubernetes)."""
+    values: dict[str, str] = {"ROLLOUT_ACTION": spec.action, "ROLLOUT_BATCH_ID": spec.batch_id}
+    values |= dict(env or {})
+    line: dict[str, Any] = {"env": values}
     if spec.policy is not None:
         episode = spec.episode(index)
         task = spec.tasks[episode.task_index] if episode.task_index is not None else demo_task()
-        env |= {
+        values |= dict(policy_access or {"ROLLOUT_POLICY_URL": spec.policy["url"]})
+        values |= {
             "ROLLOUT_POLICY": orjson.dumps(
                 {name: value for name, value in spec.policy.items() if name != "url"}
             ).decode(),
-            "ROLLOUT_POLICY_URL": spec.policy["url"],
             "ROLLOUT_TASKS_FILE": TASKS_FILE,
             "ROLLOUT_TASK_ID": episode.task_id,
             "ROLLOUT_SAMPLE": str(episode.sample),

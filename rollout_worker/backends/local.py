@@ -21,11 +21,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
+from rollout_worker import pool
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.local_files import (
     LOG_CUT_MARK,
@@ -33,7 +35,9 @@ from rollout_worker.backends.local_files import (
     OWNER,
     RunDir,
     create_json_exclusive,
+    write_json_atomic,
 )
+from rollout_worker.backends.local_pool import PoolDir, ask
 from rollout_worker.backends.local_signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits
@@ -163,6 +167,9 @@ class LocalBackend:
                 "ttl": self.settings.record_ttl,
             },
         }
+        key = self.pool_key(spec)
+        if key is not None and self._pool_dir(key).socket.exists():
+            run["pool_dir"] = str(self._pool_dir(key).path)  # its supervisor takes from it
         run_dir.program.parent.mkdir(parents=True, exist_ok=True)
         if not run_dir.program.exists():
             tmp = run_dir.program.with_suffix(f".{os.getpid()}.tmp")
@@ -366,3 +373,116 @@ class LocalBackend:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
                 time.sleep(0.05)
+
+    # -- warm pools (backends/local_pool.py) -------------------------------------------------
+    def _pool_dir(self, key: str) -> PoolDir:
+        # "_pools" can never be a batch id (no underscore in those): no run folder collides.
+        return PoolDir(self.root / "_pools" / key)
+
+    def pool_key(self, spec: BatchSpec) -> str | None:
+        """Pools need bwrap: only bwrap reports the exit code of a sandbox whose parent is the
+        pool process, not the run's supervisor."""
+        if self._isolation() != "bwrap":
+            return None
+        python = self.settings.local_python
+        return pool.pool_key(spec, f"{episode_program_text()}|bwrap|{python}")
+
+    def fill_pool(
+        self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate
+    ) -> dict[str, int]:
+        key = self.pool_key(spec)
+        if key is None:
+            raise BackendError(
+                "no local warm pool for this batch: it needs bwrap isolation, one image and "
+                "no retry budget"
+            )
+        pool_dir = self._pool_dir(key)
+        record({"pool_dir": str(pool_dir.path)})
+        pool_dir.path.mkdir(parents=True, exist_ok=True)
+        for path in (self.root, pool_dir.path.parent, pool_dir.path):
+            path.chmod(0o755)  # the sandboxes' host user passes through to their own folders
+        others = sum(
+            (pool_dir.read(other.state) or {}).get("waiting", 0)
+            for other in map(PoolDir, pool_dir.path.parent.iterdir())
+            if other.path != pool_dir.path
+        )
+        size = max(0, min(size, budget - others))
+        existing = pool_dir.read(pool_dir.config) or {}
+        uid = existing.get("uid") or uuid.uuid4().hex
+        python = self.settings.local_python
+        prefix, _ = describe_python(python)
+        memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
+        if not pool_dir.program.exists():
+            tmp = pool_dir.program.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(episode_program_text())
+            tmp.chmod(0o644)
+            os.replace(tmp, pool_dir.program)
+        write_json_atomic(
+            pool_dir.config,
+            {
+                "owner": OWNER,
+                "key": key,
+                "uid": uid,
+                "size": size,
+                "idle_seconds": idle_seconds,
+                "python": python,
+                "python_prefix": prefix,
+                "limits": {"memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds},
+            },
+        )
+        record({"uid": uid})
+        if pool_dir.alive():
+            with contextlib.suppress(OSError):
+                ask(pool_dir, {"fill": True})
+                return {"size": size, "started": 0}
+        try:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "rollout_worker.backends.local_pool",
+                    "--daemonize",
+                    str(pool_dir.path),
+                ],
+                check=True,
+                timeout=60,
+                stdin=subprocess.DEVNULL,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise BackendError(f"could not start the local pool: {exc}") from exc
+        return {"size": size, "started": 1}
+
+    def drain_pool(self, key: str, namespace_uid: str | None) -> bool:
+        pool_dir = self._pool_dir(key)
+        config = pool_dir.read(pool_dir.config)
+        if config is None:
+            return True
+        if config.get("owner") != OWNER or (namespace_uid and config.get("uid") != namespace_uid):
+            raise OwnershipError(
+                f"{pool_dir.path} holds pool uid {config.get('uid')}, the registry says "
+                f"{namespace_uid}: refusing to delete it"
+            )
+        if pool_dir.alive():
+            with contextlib.suppress(OSError):
+                ask(pool_dir, {"drain": True})
+            return False
+        shutil.rmtree(pool_dir.path, ignore_errors=True)
+        return True
+
+    def list_pools(self) -> dict[str, dict[str, Any]]:
+        root = self.root / "_pools"
+        pools: dict[str, dict[str, Any]] = {}
+        for path in sorted(root.iterdir()) if root.is_dir() else []:
+            pool_dir = PoolDir(path)
+            config = pool_dir.read(pool_dir.config)
+            if not config or config.get("owner") != OWNER:
+                continue
+            state = pool_dir.read(pool_dir.state) or {} if pool_dir.alive() else {}
+            pools[path.name] = {
+                "namespace": str(path),
+                "uid": config.get("uid"),
+                "waiting": state.get("waiting", 0),
+                "claimed_running": state.get("handed", 0),
+                "pods": state.get("waiting", 0) + state.get("handed", 0),
+            }
+        return pools

@@ -147,14 +147,16 @@ class PolicyProxy:
         # Short paths: a unix socket path has at most 107 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="rollout-policy-"))
         self.dir.chmod(0o755)
-        self.servers: dict[int, tuple[_EpisodeServer, threading.Thread]] = {}
+        self.servers: dict[int, tuple[_EpisodeServer, threading.Thread, Path]] = {}
         self.refused: list[str] = []
 
     def socket_path(self, index: int) -> Path:
         return self.dir / f"{index}.sock"
 
-    def open(self, index: int, identity: EpisodeIdentity) -> Path:
-        path = self.socket_path(index)
+    def open(self, index: int, identity: EpisodeIdentity, path: Path | None = None) -> Path:
+        """Serve episode `index` on a socket at `path` (default: in this proxy's folder; a warm
+        sandbox brings a folder of its own that it sees already)."""
+        path = path or self.socket_path(index)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         server = _EpisodeServer(str(path), identity, self)
@@ -162,7 +164,7 @@ class PolicyProxy:
         os.chmod(path, 0o666)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
-        self.servers[index] = (server, thread)
+        self.servers[index] = (server, thread, path)
         return path
 
     def close(self, index: int, wait: bool = False) -> None:
@@ -171,8 +173,7 @@ class PolicyProxy:
         entry = self.servers.pop(index, None)
         if entry is None:
             return
-        server, _ = entry
-        path = self.socket_path(index)
+        server, _, path = entry
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # no new connection from now on
 

@@ -36,9 +36,11 @@ from rollout_worker.backends.local_files import (
     write_json_atomic,
 )
 from rollout_worker.backends.local_policy_proxy import EpisodeIdentity, PolicyProxy
+from rollout_worker.backends.local_pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
 from rollout_worker.backends.local_signal import DoneSignal
 from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
+from rollout_worker.pool import handover_line
 from rollout_worker.store import Store
 
 FILE_SIZE_LIMIT = 64 * 2**20
@@ -49,7 +51,7 @@ OPEN_FILES_LIMIT = 256
 @dataclass
 class Running:
     index: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None  # None: a warm sandbox (the pool is its parent)
     pidfd: int
     out: int  # read end of the sandbox's stdout
     log: BinaryIO
@@ -60,6 +62,11 @@ class Running:
     pending: bytes = b""
     done: bool = False
     written: int = 0  # bytes of its log so far (capped at MAX_LOG_BYTES)
+    warm: Taken | None = None  # taken from a warm pool (local_pool)
+
+    @property
+    def pid(self) -> int:
+        return self.warm.pid if self.warm is not None else self.proc.pid  # type: ignore[union-attr]
 
 
 class Reporter:
@@ -257,6 +264,56 @@ class Supervisor:
         self.selector.register(out, selectors.EVENT_READ, ("out", item))
         self.progress(index, "running")
 
+    def take_warm(self) -> None:
+        """At the run's start: hand the first pending episodes (up to its parallelism) to
+        sandboxes of its warm pool, if it has one; the rest start cold."""
+        pool_path = self.run.get("pool_dir")
+        if not pool_path or not self.pending:
+            return
+        wanted = min(len(self.pending), self.parallelism)
+        for sandbox in take(PoolDir(Path(pool_path)), wanted):
+            self.start_warm(self.pending.popleft(), sandbox)
+
+    def start_warm(self, index: int, sandbox: Taken) -> None:
+        claimed_at = time.time()
+        access = None
+        if self.proxy is not None:
+            episode = self.spec.episode(index)
+            identity = EpisodeIdentity(
+                self.episode_id(index), episode.group_id, episode.task_id, episode.sample, 0
+            )
+            self.proxy.open(index, identity, path=sandbox.io / "policy.sock")
+            access = {"ROLLOUT_POLICY_SOCKET": POLICY_SOCKET}
+        line = memoryview(
+            handover_line(
+                self.spec, index, env={"EPISODE_ID": self.episode_id(index)}, policy_access=access
+            )
+        )
+        try:
+            while line:
+                line = line[os.write(sandbox.stdin, line) :]
+        except OSError:
+            # The sandbox ended while it waited: this episode starts cold instead.
+            for fd in (sandbox.out, sandbox.status, sandbox.pidfd):
+                os.close(fd)
+            if self.proxy is not None:
+                self.proxy.close(index)
+            self.pending.appendleft(index)
+            return
+        finally:
+            os.close(sandbox.stdin)
+        self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.dir.log(index), "wb")  # noqa: SIM115 - closed in finish()
+        os.set_blocking(sandbox.out, False)
+        deadline = min(claimed_at + self.episode_timeout, self.run_deadline)
+        item = Running(
+            index, None, sandbox.pidfd, sandbox.out, log, claimed_at, 0, deadline, warm=sandbox
+        )
+        self.running[sandbox.pidfd] = item
+        self.selector.register(sandbox.pidfd, selectors.EVENT_READ, ("exit", item))
+        self.selector.register(sandbox.out, selectors.EVENT_READ, ("out", item))
+        self.progress(index, "running")
+
     def read_output(self, item: Running) -> bool:
         """Copy what the sandbox printed into its log; stream progress. False at EOF."""
         try:
@@ -297,12 +354,21 @@ class Supervisor:
         os.set_blocking(item.out, True)
         while self.read_output(item):
             pass
-        assert item.proc.stdout is not None
-        item.proc.stdout.close()
         item.log.close()
         if self.proxy is not None:
             self.proxy.close(item.index)
-        code = item.proc.wait()
+        if item.warm is not None:
+            os.close(item.out)
+            with contextlib.suppress(OSError):  # the sandbox's stderr, kept with the run's
+                shutil.copyfile(item.warm.workspace.parent / "stderr", self.dir.stderr(item.index))
+            warm_code = exit_code(item.warm.status)
+            os.close(item.warm.status)
+            # No status from bwrap: bwrap itself was killed (by us, or with its pool).
+            code = warm_code if warm_code is not None else -signal.SIGKILL
+        else:
+            assert item.proc is not None and item.proc.stdout is not None
+            item.proc.stdout.close()
+            code = item.proc.wait()
         finished_at = time.time()
         if self.retry(item, code, finished_at):
             return
@@ -322,9 +388,14 @@ class Supervisor:
             timing={
                 "queue_seconds": item.created_at - self.origin,
                 "run_seconds": finished_at - item.created_at,
+                **({"pool_created_at": item.warm.created_at} if item.warm else {}),
             },
+            **({"sandbox": item.warm.name} if item.warm else {}),
         )
-        shutil.rmtree(self.dir.workspace(index=item.index), ignore_errors=True)
+        shutil.rmtree(
+            item.warm.workspace.parent if item.warm else self.dir.workspace(index=item.index),
+            ignore_errors=True,
+        )
 
     def retry(self, item: Running, code: int, finished_at: float) -> bool:
         """Run the episode again in a fresh sandbox when its runner failed for infrastructure
@@ -358,10 +429,11 @@ class Supervisor:
         if item.killed_for is None:
             item.killed_for = why
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(item.proc.pid, signal.SIGKILL)
+                os.killpg(item.pid, signal.SIGKILL)
 
     def loop(self) -> None:
         pending = self.todo()
+        self.take_warm()
         while pending or self.running:
             now = time.time()
             if self.stopping or now >= self.run_deadline:

@@ -56,9 +56,12 @@ def plan_sandbox(
     running_as_root: bool,
     extra_env: Mapping[str, str] | None = None,
     mounts: Sequence[Mount] = (),
+    status_fd: int | None = None,
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
+    `status_fd` (bwrap only): bwrap writes the sandbox's exit code there, as JSON, for a
+    process that is not its parent (a warm sandbox's supervisor).
     """
     base_env = {
         "EPISODE_ID": episode_id,
@@ -76,6 +79,7 @@ def plan_sandbox(
         raise ValueError(f"unknown isolation {isolation!r}")
     argv = [
         "bwrap",
+        *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
         "--unshare-all",
         "--die-with-parent",
         "--new-session",

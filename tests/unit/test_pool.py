@@ -56,7 +56,6 @@ def test_batches_of_one_shape_share_a_pool_and_any_difference_in_shape_splits_it
 def test_warm_pool_requests_are_refused_when_no_pool_can_serve_them():
     for bad, word in (
         ({"warm_pool": -1}, "warm_pool must be within"),
-        ({"warm_pool": 2, "backend": "local"}, "needs backend 'kubernetes'"),
         ({"warm_pool": 2, "infra_retries": 1}, "infra_retries"),
     ):
         with pytest.raises(InvalidSpec, match=word):
