@@ -243,10 +243,17 @@ def sweep(dry_run: bool, redis_url: str | None) -> None:
 
 
 @cli.command()
-@click.option("--drain", is_flag=True, help="Empty every warm pool (waiting Pods, then the pool).")
+@click.option("--drain", is_flag=True, help="Empty every warm pool (waiting sandboxes, then it).")
+@click.option(
+    "--backend",
+    "backend_name",
+    type=click.Choice(["local", "kubernetes"]),
+    default="kubernetes",
+    show_default=True,
+)
 @redis_option
-def pools(drain: bool, redis_url: str | None) -> None:
-    """List the warm pools on Kubernetes, or empty them (--drain)."""
+def pools(drain: bool, backend_name: str, redis_url: str | None) -> None:
+    """List the warm pools of a backend, or empty them (--drain)."""
     from rollout_worker import core
     from rollout_worker.backends import get_backend
     from rollout_worker.backends.base import PoolBackend
@@ -255,7 +262,7 @@ def pools(drain: bool, redis_url: str | None) -> None:
     settings = _settings(redis_url)
     store = Store.from_url(settings.redis_url, settings.record_ttl)
     try:
-        backend = get_backend("kubernetes", settings)
+        backend = get_backend(backend_name, settings)
         assert isinstance(backend, PoolBackend)
         if drain:
             for item in core.drain_pools(store, backend, idle_seconds=None, now=time.time()):

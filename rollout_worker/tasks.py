@@ -285,10 +285,10 @@ def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
         dry_run=dry_run,
         backend_for_run=c.backend_for_run,
     )
-    if not dry_run and "kubernetes" in sweep_backends(c.settings):
+    for name in [] if dry_run else sweep_backends(c.settings):
         swept += core.drain_pools(
             c.store,
-            c.backend("kubernetes"),
+            c.backend(name),
             idle_seconds=c.settings.warm_pool_idle_seconds,
             now=time.time(),
         )
