@@ -1,4 +1,4 @@
-"""Warm vs cold on the real node (issue 15), side by side in one run.
+"""Warm vs cold (issue 15), side by side in one run: the real node, or the local backend.
 
 Each round runs, with the same workers (a control worker and two collectors, started once):
 - cold: a batch of `--count` episodes while the pool of its shape has no waiting Pod;
@@ -12,18 +12,25 @@ batch also submit -> the last episode's `ready` event (the runner's clock: same 
 batch's cleanup ends before the next batch starts. Printed: median [min-max] over rounds of
 each round's p50 / p95 / wall, and the warm/cold wall ratio of each round.
 
-Needs the local cluster with the real node: `hack/localkube/cluster.sh node-up`.
+`--backend local`: the same on this machine's bwrap sandboxes (a private ROLLOUT_LOCAL_ROOT),
+where "Pod created" is the sandbox process started. Kubernetes (the default) needs the local
+cluster with the real node: `hack/localkube/cluster.sh node-up`.
 
-    python -m benchmarks.bench_warm [--rounds 3] [--count 10]
+    python -m benchmarks.bench_warm [--backend kubernetes|local] [--rounds 3] [--count 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.proc import Stats
@@ -72,46 +79,85 @@ def run_batch(
     return report, wall, all_ready
 
 
+class KubeTarget:
+    """The real node: batches of its shape; the pool's waiting Pods read from the API."""
+
+    def __init__(self) -> None:
+        self.cluster = kc.ensure_cluster()
+        self.node = kc.ensure_real_node(self.cluster)
+        self.fields = self.node.batch_fields() | {"backend": "kubernetes"}
+        spec = parse_spec(self.fields | {"count": 1}, max_episodes=None)
+        key = pool.pool_key(spec, episode_program_text())
+        assert key is not None
+        self.namespace = pool.pool_namespace(key)
+        self.env = {"KUBECONFIG": str(self.cluster.kubeconfig)}
+        self.where = f"the real node {self.node.name}"
+
+    def waiting(self) -> int:
+        names = {ns.metadata.name for ns in self.cluster.core.list_namespace().items}
+        return waiting_pods(self.cluster, self.namespace) if self.namespace in names else 0
+
+
+class LocalTarget:
+    """This machine's bwrap sandboxes: the pool's waiting count from its state file."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="rollout-bench-warm-"))
+        self.root.chmod(0o755)
+        self.fields = {"backend": "local"}
+        self.env = {"ROLLOUT_LOCAL_ROOT": str(self.root), "ROLLOUT_LOCAL_ISOLATION": "bwrap"}
+        self.where = "the local backend (bwrap)"
+
+    def waiting(self) -> int:
+        total = 0
+        for state in self.root.glob("_pools/*/state.json"):
+            with contextlib.suppress(OSError, ValueError):
+                total += json.loads(state.read_text())["waiting"]
+        return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=10)
+    parser.add_argument("--backend", choices=["kubernetes", "local"], default="kubernetes")
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (figures are medians of rounds)")
-    cluster = kc.ensure_cluster()
-    node = kc.ensure_real_node(cluster)
-    fields = node.batch_fields() | {"backend": "kubernetes"}
-    key = pool.pool_key(
-        parse_spec(fields | {"count": 1}, max_episodes=None), episode_program_text()
-    )
-    assert key is not None
-    namespace = pool.pool_namespace(key)
-    env = {"KUBECONFIG": str(cluster.kubeconfig)}
+    target = KubeTarget() if args.backend == "kubernetes" else LocalTarget()
+    fields = target.fields
     figures: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
         figures.setdefault(name, []).append(value)
 
-    with LocalStack(collectors=2, extra_env=env) as stack:
+    with LocalStack(collectors=2, extra_env=target.env) as stack:
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
-        drain = [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"]
-        drain_env = {**env, "ROLLOUT_REDIS_URL": stack.redis_url}
+        drain = [
+            sys.executable,
+            "-m",
+            "rollout_worker.cli",
+            "pools",
+            "--backend",
+            args.backend,
+            "--drain",
+        ]
+        drain_env = {**os.environ, **target.env, "ROLLOUT_REDIS_URL": stack.redis_url}
         run_batch(client, fields, count=2, parallelism=2)  # warm-up, not measured
         for number in range(args.rounds):
             subprocess.run(drain, env=drain_env, check=True, capture_output=True)
-            while waiting_pods(cluster, namespace) if _exists(cluster, namespace) else False:
-                time.sleep(0.5)
+            while target.waiting():
+                time.sleep(0.2)
             cold, cold_wall, cold_ready = run_batch(
                 client, fields, count=args.count, parallelism=args.count
             )
             run_batch(client, fields, count=1, parallelism=1, warm_pool=args.count)
             deadline = time.monotonic() + 180
-            while waiting_pods(cluster, namespace) < args.count:
+            while target.waiting() < args.count:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pool did not fill")
-                time.sleep(0.5)
+                time.sleep(0.2)
             warm, warm_wall, warm_ready = run_batch(
                 client, fields, count=args.count, parallelism=args.count
             )
@@ -135,14 +181,10 @@ def main() -> None:
             )
         subprocess.run(drain, env=drain_env, check=True, capture_output=True)
         client.close()
-    print(f"\n{args.count} episodes on {node.name}, {args.rounds} rounds: median [min-max]")
+    print(f"\n{args.count} episodes on {target.where}, {args.rounds} rounds: median [min-max]")
     for name, values in figures.items():
         digits = 0 if name.endswith("ms") else 2
         print(f"  {name:34} {Stats(values).fmt(digits=digits)}")
-
-
-def _exists(cluster: kc.Cluster, namespace: str) -> bool:
-    return any(ns.metadata.name == namespace for ns in cluster.core.list_namespace().items)
 
 
 if __name__ == "__main__":

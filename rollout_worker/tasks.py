@@ -108,11 +108,6 @@ def submit_batch(self: Task, request: Any) -> dict[str, Any]:
         countdown = core.watchdog_countdown(done.spec, done.run, c.limits, time.time())
         _dispatch(self.app, done.spec.batch_id, done.spec.count, countdown)
         c.store.set_flag(done.spec.batch_id, "chord")
-    if done.status == "started" and done.spec is not None and done.spec.warm_pool:
-        # Behind the batch, not before it: the batch has taken what the pool had.
-        self.app.signature(
-            k.TASK_FILL_POOL, args=(done.spec.batch_id,), queue=k.QUEUE_CONTROL
-        ).apply_async()
     return done.as_result()
 
 
@@ -202,6 +197,11 @@ def _finalize(self: Task, batch_id: str, finalized_by: str) -> dict[str, Any]:
         return {"batch_id": batch_id, "status": "already-reported"}
     if done.cleanup == core.CLEANUP_SCHEDULED:
         _schedule_cleanup(self.app, batch_id)
+    receipt = c.started(batch_id)
+    if receipt is not None and receipt.spec.warm_pool:
+        # Behind the batch: new sandboxes starting while its episodes run would take their
+        # CPU; after its report, they are ready for the next round.
+        self.app.signature(k.TASK_FILL_POOL, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async()
     return {"batch_id": batch_id, "status": done.report["status"]}
 
 

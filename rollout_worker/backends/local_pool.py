@@ -9,7 +9,8 @@ folder of its own at /sandbox/io (where the supervisor later puts the episode's 
 and bwrap's `--json-status-fd` (the exit code, for a supervisor that is not the sandbox's
 parent). A supervisor connects to the pool's SOCK_SEQPACKET socket and asks for n sandboxes;
 each comes back as one message with its stdin, stdout, status pipe and pidfd (SCM_RIGHTS). The
-pool keeps only the right to reap it, starts a replacement, and never hands a sandbox out twice.
+pool keeps only the right to reap it and never hands a sandbox out twice; it starts replacements
+when asked to fill (behind a batch, after its report: not while the batch's episodes run).
 The pool stops its waiting sandboxes and exits when drained or idle (no request for its idle
 time), once no sandbox it handed out still runs.
 
@@ -280,11 +281,12 @@ class PoolProcess:
                     self.stopping = True
                 elif request.get("fill"):
                     self.reload()
+                self.refill()
                 with contextlib.suppress(OSError):
                     conn.send(
                         orjson.dumps({"waiting": len(self.waiting), "handed": len(self.handed)})
                     )
-            self.refill()
+            self.write_state()
 
     def stop_waiting(self) -> None:
         for item in self.waiting.values():

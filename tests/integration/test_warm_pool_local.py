@@ -98,7 +98,7 @@ def test_local_batches_take_episodes_from_a_warm_pool(open_tmp_path):
             assert "\nCapEff:\t0000000000000000" in status
             assert os.readlink(f"/proc/{inside[-1]}/ns/net") != os.readlink("/proc/self/ns/net")
 
-        second = client.submit(count=SIZE + 1, parallelism=SIZE + 1)
+        second = client.submit(count=SIZE + 1, parallelism=SIZE + 1, warm_pool=SIZE)
         report = client.wait(second.batch_id, timeout=120)
         assert report["successful_episodes"] == SIZE + 1, report
         rows = {row["index"]: row for row in report["pods"]}
@@ -112,7 +112,7 @@ def test_local_batches_take_episodes_from_a_warm_pool(open_tmp_path):
             events = [json.loads(line) for line in log.splitlines() if line.strip()]
             assert [e["event"] for e in events] == ["ready", "reward"]
             assert all(e["episode_id"] == row["pod"] for e in events)
-        # The sandboxes it took are gone; the pool started new ones (never reused).
+        # The sandboxes it took are gone; the pool refilled behind it (never reused).
         deadline = time.monotonic() + 30
         while set(_sandboxes_of(pool_dir)) & set(bwraps) or _waiting(root) < SIZE:
             assert time.monotonic() < deadline, (_sandboxes_of(pool_dir), bwraps)
