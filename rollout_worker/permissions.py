@@ -104,12 +104,36 @@ PERMISSIONS: tuple[Permission, ...] = (
     ),
 )
 
+POOL_NAMESPACES = "pool namespaces"
+
+# Only with warm pools (the chart's `rbac.warmPools`): the workers then create, claim, hand over
+# to and delete Pods themselves (in rollout-pool-<key> namespaces, labelled and UID-checked as
+# everything else). Without these rules a batch never finds a pool and runs cold.
+POOL_PERMISSIONS: tuple[Permission, ...] = (
+    Permission(
+        "",
+        "pods",
+        ("create", "get", "patch", "delete"),
+        POOL_NAMESPACES,
+        "kube_pool.fill creates pool Pods; claim patches one (labels, deadline; "
+        "resourceVersion-guarded); delete_claimed reads (UID + batch label) and deletes a "
+        "batch's; drain deletes waiting ones; cancel_run shortens a claimed one's deadline",
+    ),
+    Permission(
+        "",
+        "pods/attach",
+        ("create", "get"),
+        POOL_NAMESPACES,
+        "kube_pool hand-over: attach to a claimed Pod's stdin and write its episode",
+    ),
+)
+
 # What the workers must NOT be able to do (the tests check these with the workers' identity;
 # `rollout check` reports them too, as "denied (as it should)").
 MUST_NOT: tuple[tuple[str, str, str], ...] = (
     ("", "secrets", "get"),
     ("", "secrets", "list"),
-    ("", "pods", "create"),  # Pods come only from the Job controller
+    ("", "pods", "create"),  # Pods come only from the Job controller (pools: POOL_PERMISSIONS)
     ("", "pods", "delete"),
     ("", "pods/exec", "create"),
     ("", "namespaces", "update"),
@@ -119,11 +143,11 @@ MUST_NOT: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def rbac_rules() -> list[dict[str, Any]]:
-    """The ClusterRole's rules, in the order of PERMISSIONS."""
+def rbac_rules(warm_pools: bool = False) -> list[dict[str, Any]]:
+    """The ClusterRole's rules, in the order of PERMISSIONS (then POOL_PERMISSIONS)."""
     return [
         {"apiGroups": [p.group], "resources": [p.resource], "verbs": list(p.verbs)}
-        for p in PERMISSIONS
+        for p in PERMISSIONS + (POOL_PERMISSIONS if warm_pools else ())
     ]
 
 
@@ -132,7 +156,7 @@ def markdown_table() -> str:
         "| API group | resource | verbs | scope | needed by |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for p in PERMISSIONS:
+    for p in PERMISSIONS + POOL_PERMISSIONS:
         lines.append(
             f"| {p.api_group} | {p.resource} | {', '.join(p.verbs)} | {p.scope} | {p.why} |"
         )
@@ -177,6 +201,12 @@ def access_review(api_client: Any) -> tuple[list[str], list[str]]:
             lines.append(f"permission {what}: {'granted' if allowed else 'denied'}")
             if not allowed:
                 problems.append(f"permission {what} denied{f': {reason}' if reason else ''}")
+    for p in POOL_PERMISSIONS:
+        for verb in p.verbs:
+            allowed, _ = _review(authz, p.group, p.resource, verb)
+            what = f"{verb} {p.api_group}/{p.resource} ({p.scope})"
+            verdict = "granted" if allowed else "denied (batches run cold)"
+            lines.append(f"warm pools {what}: {verdict}")
     for group, resource, verb in MUST_NOT:
         allowed, _ = _review(authz, group, resource, verb)
         what = f"{verb} {group or 'core'}/{resource}"

@@ -54,6 +54,12 @@ def test_rbac_is_exactly_the_permission_table(render):
     assert all("*" not in r["verbs"] + r["resources"] + r["apiGroups"] for r in role["rules"])
 
 
+def test_warm_pools_add_exactly_the_pool_permissions(render):
+    role = one(render("rbac.warmPools=true"), "ClusterRole")
+    assert role["rules"] == permissions.rbac_rules(warm_pools=True)
+    assert role["rules"][: len(permissions.PERMISSIONS)] == permissions.rbac_rules()
+
+
 def test_readme_table_is_the_generated_one():
     text = (CHART / "README.md").read_text()
     block = re.search(r"<!-- permissions:start -->\n(.*?)\n<!-- permissions:end -->", text, re.S)

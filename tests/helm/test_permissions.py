@@ -34,7 +34,12 @@ NEEDED = {(p.group, p.resource, v) for p in permissions.PERMISSIONS for v in p.v
 def test_all_granted_is_one_line_per_permission(monkeypatch):
     fake, (lines, problems) = review(monkeypatch, NEEDED)
     assert problems == []
-    assert len(lines) == len(NEEDED) + len(permissions.MUST_NOT)
+    pool_verbs = sum(len(p.verbs) for p in permissions.POOL_PERMISSIONS)
+    assert len(lines) == len(NEEDED) + pool_verbs + len(permissions.MUST_NOT)
+    # Warm pools are optional: denied, they are a line, not a problem.
+    assert (
+        "warm pools create core/pods/attach (pool namespaces): denied (batches run cold)" in lines
+    )
     assert "permission get core/pods/log (batch namespaces): granted" in lines
     assert "not needed get core/secrets: denied" in lines
     # Asked for all namespaces (the batch namespaces do not exist yet), subresources split.
@@ -54,6 +59,8 @@ def test_a_missing_permission_is_a_problem_an_extra_one_only_a_line(monkeypatch)
 def test_rules_and_table_cover_the_same_permissions():
     rules = permissions.rbac_rules()
     assert len(rules) == len(permissions.PERMISSIONS)
+    every = permissions.PERMISSIONS + permissions.POOL_PERMISSIONS
+    assert len(permissions.rbac_rules(warm_pools=True)) == len(every)
     table = permissions.markdown_table().splitlines()
-    assert len(table) == 2 + len(permissions.PERMISSIONS)
+    assert len(table) == 2 + len(every)
     assert not NEEDED & set(permissions.MUST_NOT)
