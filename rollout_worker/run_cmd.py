@@ -154,6 +154,14 @@ RECORDS_WAIT_SECONDS = 60.0
     help="Run an episode that failed for infrastructure reasons again, in a fresh sandbox, "
     "at most this many times. [default: 0]",
 )
+@click.option(
+    "--warm-pool",
+    type=int,
+    default=0,
+    show_default=True,
+    help="After this batch, keep this many sandboxes of its shape waiting for the next one "
+    "(README: Warm sandboxes).",
+)
 @redis_option
 def run(
     count: int,
@@ -184,6 +192,7 @@ def run(
     sampling: tuple[str, ...],
     policy_timeout: float | None,
     infra_retries: int | None,
+    warm_pool: int,
     redis_url: str | None,
 ) -> None:
     """Run one batch of episodes through the pipeline and print its report.
@@ -211,6 +220,8 @@ def run(
         "node_selector": dict(_pair(item, "--node-selector") for item in node_selector),
         "tolerations": [_toleration(item) for item in toleration],
     }
+    if warm_pool:
+        request["warm_pool"] = warm_pool
     if episode_timeout_seconds is not None:
         request["episode_timeout_seconds"] = episode_timeout_seconds
     try:
