@@ -54,8 +54,11 @@ class Claimed:
 
 
 class WarmPools:
-    def __init__(self, call: Call, core: client.CoreV1Api, net: client.NetworkingV1Api) -> None:
+    def __init__(
+        self, call: Call, text: Call, core: client.CoreV1Api, net: client.NetworkingV1Api
+    ) -> None:
         self._call = call
+        self._text = text
         self.core = core
         self.net = net
 
@@ -155,7 +158,8 @@ class WarmPools:
         ]
         if mine:
             claimed = sorted((_claimed(p) for p in mine), key=lambda c: c.index)
-            list(_threads(lambda c: self._hand_over(spec, namespace, c), claimed))
+            again = [c for c in claimed if not self._handed_over(namespace, c)]
+            list(_threads(lambda c: self._hand_over(spec, namespace, c), again))
             return claimed
         waiting = sorted(
             (p for p in pods if pool.waiting(p)), key=lambda p: p["metadata"]["creationTimestamp"]
@@ -191,16 +195,17 @@ class WarmPools:
         return [c for c in _threads(take, list(enumerate(waiting))) if c is not None]
 
     def _hand_over(self, spec: BatchSpec, namespace: str, c: Claimed) -> None:
-        """Write a claimed Pod's episode to its stdin. A Pod the line cannot reach is deleted:
-        its collector then records why its episode failed (never lost, never silent)."""
+        """Write a claimed Pod's episode to its stdin. A Pod the line could not reach (no
+        attach, no write) is deleted: its collector then records why its episode failed (never
+        lost, never silent). A Pod that got its line but says nothing yet is left running."""
         try:
-            _attach_and_write(
+            confirmed = _attach_and_write(
                 self.core.api_client.configuration,
                 namespace,
                 c.name,
                 pool.handover_line(spec, c.index),
             )
-        except Exception as exc:  # any failure: the episode never got its line
+        except Exception as exc:  # no attach or no write: the episode never got its line
             log.warning(
                 "hand-over to warm Pod %s (episode %d) failed: %s; deleting the Pod",
                 c.name,
@@ -215,6 +220,29 @@ class WarmPools:
                     namespace,
                     body={"preconditions": {"uid": c.uid}, "gracePeriodSeconds": 0},
                 )
+            return
+        if not confirmed:
+            log.warning(
+                "warm Pod %s (episode %d) printed no event %.0f s after its hand-over",
+                c.name,
+                c.index,
+                CONFIRM_SECONDS,
+            )
+
+    def _handed_over(self, namespace: str, c: Claimed) -> bool:
+        """Whether a claimed Pod's runner already printed an event (it has its episode)."""
+        try:
+            text = self._text(
+                "read pool pod log",
+                self.core.read_namespaced_pod_log,
+                c.name,
+                namespace,
+                container=CONTAINER_NAME,
+                limit_bytes=4096,
+            )
+        except BackendError:
+            return False
+        return '"event"' in text
 
     # -- deletion ----------------------------------------------------------------------------
     def delete_claimed(self, namespace: str, batch_id: str, warm: list[list[Any]]) -> bool:
@@ -305,8 +333,9 @@ def _threads(fn: Callable[[Any], Any], items: Any) -> Iterator[Any]:
 
 def _attach_and_write(
     configuration: client.Configuration, namespace: str, name: str, line: bytes
-) -> None:
-    """Attach to the Pod's waiting program, write its line and wait for its first event.
+) -> bool:
+    """Attach to the Pod's waiting program, write its line and wait for its first event (True
+    once seen; False when none came in time). Raises when the attach or the write fails.
 
     A client of its own: `stream` swaps the ApiClient's transport while it connects, which
     would break any other thread using the same client."""
@@ -328,9 +357,10 @@ def _attach_and_write(
             seen = ""
             while '"event"' not in seen and ws.is_open():
                 if time.monotonic() > end:
-                    raise BackendError(f"no event on stdout {CONFIRM_SECONDS:.0f} s after the line")
+                    return False
                 ws.update(timeout=0.5)
                 if ws.peek_stdout():
                     seen += ws.read_stdout()
         finally:
             ws.close()
+    return True

@@ -121,7 +121,7 @@ class KubernetesBackend:
         self.nodes_api = client.NodeV1Api(self.api)
         self.net = client.NetworkingV1Api(self.api)
         self.watches = PodWatches()
-        self.pools = WarmPools(self._call, self.core, self.net)
+        self.pools = WarmPools(self._call, self._text, self.core, self.net)
         self.program = episode_program_text()
         self._jobs: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._jobs_lock = threading.Lock()

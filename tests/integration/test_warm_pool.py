@@ -157,3 +157,48 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
         time.sleep(1)
     assert not any(ns.metadata.name == namespace for ns in k8s_cluster.core.list_namespace().items)
     client.close()
+
+
+def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real_node, k8s_cluster):
+    """In-process (no workers): the backend's own start_run run twice, as a redelivered submit
+    would, then cancel_run and delete_run."""
+    from rollout_worker.backends.kubernetes import KubernetesBackend
+    from rollout_worker.settings import Settings
+
+    backend = KubernetesBackend(Settings(kubeconfig=str(k8s_cluster.kubeconfig)))
+    fields = real_node.batch_fields() | {"backend": "kubernetes"}
+    spec = parse_spec(fields | {"count": 2, "action": "hang"}, max_episodes=None)
+    key = backend.pool_key(spec)
+    assert key is not None
+    namespace = pool.pool_namespace(key)
+    registry: dict = {}
+    backend.fill_pool(spec, 2, 64, 600, registry.update)
+    _wait_for_pool(k8s_cluster, namespace, 2)
+    receipt: list[dict] = []
+    first = backend.start_run(spec, lambda fields: receipt.append(dict(fields)))
+    again = backend.start_run(spec, lambda fields: receipt.append(dict(fields)))
+    assert first.warm == again.warm and [i for i, _, _ in first.warm] == [0, 1]
+    assert not first.job_uids()  # every episode warm: no Job at all
+    # The receipt named the Pods before the first patch, then what was claimed.
+    names = [list(entry) for entry in receipt]
+    assert names.index(["pool_namespace", "warm_planned"]) < names.index(["warm"])
+    for index in (0, 1):
+        obs = backend.wait_episode(first, index, 30, until_ready=True)
+        assert obs.phase == "Running" and obs.episode_id == first.warm[index][1]
+    backend.cancel_run(first)  # a deadline that has passed: the kubelet stops them
+    for index in (0, 1):
+        obs = backend.wait_episode(first, index, 60)
+        assert obs.phase == "Failed" and "DeadlineExceeded" in (obs.reason or ""), obs
+        log = backend.read_output(first, obs)
+        # Handed over twice, run once: the runner reads one line.
+        assert [json.loads(x)["event"] for x in log.splitlines() if x.strip()] == ["ready"]
+    deadline = time.monotonic() + 120
+    while not backend.delete_run(first):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert not k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"{k.LABEL_BATCH}={spec.batch_id}"
+    ).items
+    while not backend.drain_pool(key, registry["uid"]):
+        assert time.monotonic() < deadline
+        time.sleep(1)
