@@ -17,7 +17,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +34,7 @@ from rollout_worker.backends.local_files import (
     OWNER,
     RunDir,
     create_json_exclusive,
+    spawn_detached,
     write_json_atomic,
 )
 from rollout_worker.backends.local_pool import PoolDir, ask
@@ -215,18 +215,7 @@ class LocalBackend:
                 return  # a supervisor holds the run
             fcntl.flock(lock, fcntl.LOCK_UN)
         try:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "rollout_worker.backends.local_supervisor",
-                    "--daemonize",
-                    str(run_dir.path),
-                ],
-                check=True,
-                timeout=60,
-                stdin=subprocess.DEVNULL,
-            )
+            spawn_detached("rollout_worker.backends.local_supervisor", run_dir.path)
         except (OSError, subprocess.SubprocessError) as exc:
             raise BackendError(f"could not start the local supervisor: {exc}") from exc
 
@@ -436,18 +425,7 @@ class LocalBackend:
                 ask(pool_dir, {"fill": True})
                 return {"size": size, "started": 0}
         try:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "rollout_worker.backends.local_pool",
-                    "--daemonize",
-                    str(pool_dir.path),
-                ],
-                check=True,
-                timeout=60,
-                stdin=subprocess.DEVNULL,
-            )
+            spawn_detached("rollout_worker.backends.local_pool", pool_dir.path)
         except (OSError, subprocess.SubprocessError) as exc:
             raise BackendError(f"could not start the local pool: {exc}") from exc
         return {"size": size, "started": 1}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +77,31 @@ def create_json_exclusive(path: Path, value: Any) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def spawn_detached(module: str, path: Path) -> None:
+    """Start `python -m <module> --daemonize <path>` (a supervisor or a pool process): it
+    outlives the caller. Raises OSError or SubprocessError when it cannot be started."""
+    subprocess.run(
+        [sys.executable, "-m", module, "--daemonize", str(path)],
+        check=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def daemonize(log_path: Path) -> bool:
+    """Detach this process (`--daemonize`): double fork, so the caller reaps the first child
+    at once, the daemon is adopted by init and no zombie is left in a Celery worker; stdout and
+    stderr go to `log_path`. True in the daemon, False in the caller (which returns)."""
+    if os.fork() > 0:
+        return False
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    return True

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from rollout_worker.backends.local_files import write_json_atomic
+from rollout_worker.backends.local_files import daemonize, write_json_atomic
 from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
 
 IO_MOUNT = "/sandbox/io"
@@ -366,18 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--daemonize", action="store_true")
     parser.add_argument("pool_dir", type=Path)
     args = parser.parse_args(argv)
-    if args.daemonize:
-        # As the supervisor: double fork, adopted by init, no zombie in a Celery worker.
-        if os.fork() > 0:
-            return 0
-        os.setsid()
-        if os.fork() > 0:
-            os._exit(0)
-        log = os.open(args.pool_dir / "pool.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+    if args.daemonize and not daemonize(args.pool_dir / "pool.log"):
+        return 0
     return serve(args.pool_dir)
 
 

@@ -33,6 +33,7 @@ from rollout_worker.backends.local_files import (
     LOG_CUT_MARK,
     MAX_LOG_BYTES,
     RunDir,
+    daemonize,
     write_json_atomic,
 )
 from rollout_worker.backends.local_policy_proxy import EpisodeIdentity, PolicyProxy
@@ -506,19 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--daemonize", action="store_true")
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
-    if args.daemonize:
-        # Double fork: the caller reaps the first child at once, the supervisor is adopted by
-        # init, and no zombie is left in a Celery worker.
-        if os.fork() > 0:
-            return 0
-        os.setsid()
-        if os.fork() > 0:
-            os._exit(0)
-        log = os.open(args.run_dir / "supervisor.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+    if args.daemonize and not daemonize(args.run_dir / "supervisor.log"):
+        return 0
     return serve(args.run_dir)
 
 
