@@ -28,6 +28,7 @@ class MemoryStore:
         self.reports: dict[str, dict[str, Any]] = {}
         self.flags: set[tuple[str, str]] = set()
         self.registry: dict[str, dict[str, Any]] = {}
+        self.pools: dict[str, dict[str, Any]] = {}
         self.trajectories: dict[str, dict[int, dict[str, Any]]] = {}
         self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
 
@@ -101,6 +102,15 @@ class MemoryStore:
 
     def forget_run(self, batch_id: str) -> None:
         self.registry.pop(batch_id, None)
+
+    def register_pool(self, key: str, fields: Mapping[str, Any]) -> None:
+        self.pools[key] = self.pools.get(key, {}) | json.loads(json.dumps(fields))
+
+    def registered_pools(self) -> dict[str, dict[str, Any]]:
+        return dict(self.pools)
+
+    def forget_pool(self, key: str) -> None:
+        self.pools.pop(key, None)
 
     def report(self, batch_id: str) -> dict[str, Any] | None:
         return self.reports.get(batch_id)
