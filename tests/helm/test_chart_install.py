@@ -391,6 +391,35 @@ def test_chart_installs_serves_scales_and_uninstalls(
         )
         wait_deleted(rollout, third.batch_id)
 
+        # ---- warm pools in the cluster (rbac.warmPools): attach from a worker Pod ------------
+        helm_(
+            "upgrade", release, str(CHART), "-n", ns, "--reset-then-reuse-values",
+            "--set", "rbac.warmPools=true", "--wait", "--timeout", INSTALL_TIMEOUT,
+        )  # fmt: skip
+        fields = {"backend": "kubernetes", **BATCH, **real_node.batch_fields()}
+        filler = rollout.submit(count=1, parallelism=1, warm_pool=2, **fields)
+        assert rollout.wait(filler.batch_id, timeout=300)["successful_episodes"] == 1
+
+        def pool_waiting():
+            pods = cluster.core.list_pod_for_all_namespaces(
+                label_selector="rollout.dev/pool-state=idle"
+            ).items
+            return len([p for p in pods if p.status.phase == "Running"]) >= 2
+
+        kc.wait_for(pool_waiting, 120, "the warm pool to fill", interval=0.5)
+        warm = rollout.submit(count=2, parallelism=2, **fields)
+        assert_real_report(rollout.wait(warm.batch_id, timeout=300), 2, real_node.name)
+        assert [i for i, _, _ in rollout.receipt(warm.batch_id)["run"]["warm"]] == [0, 1]
+        wait_deleted(rollout, filler.batch_id)
+        wait_deleted(rollout, warm.batch_id)
+
+        def drained():
+            kubectl_("-n", ns, "exec", f"deploy/{full}-control", "--", "rollout", "pools",
+                     "--drain")  # fmt: skip
+            return not cluster.core.list_namespace(label_selector="rollout.dev/pool").items
+
+        kc.wait_for(drained, 120, "the warm pool to be drained", interval=1)
+
         # ---- uninstall: only the Redis PVC stays (README) ------------------------------------
         t = time.monotonic()
         helm_("uninstall", release, "-n", ns, "--wait", "--timeout", "5m")
