@@ -145,7 +145,7 @@ class WarmPools:
     def claim(
         self, spec: BatchSpec, key: str, record: ReceiptUpdate, now: Callable[[], float]
     ) -> list[Claimed]:
-        """Claim up to `spec.count` waiting Pods for episodes 0, 1, ... and hand each its
+        """Claim up to `spec.parallelism` waiting Pods for episodes 0, 1, ... and hand each its
         episode right after its own claim (one thread per Pod: no episode waits for another's
         claim). A redelivered start finds the Pods an earlier delivery claimed (by the batch
         label), claims no more and hands them over again (a runner reads one line only)."""
@@ -161,9 +161,11 @@ class WarmPools:
             again = [c for c in claimed if not self._handed_over(namespace, c)]
             list(_threads(lambda c: self._hand_over(spec, namespace, c), again))
             return claimed
+        # At most `parallelism`: a batch never starts more episodes at once than it asked for
+        # (its Job's parallelism runs beside them only when it has more episodes than that).
         waiting = sorted(
             (p for p in pods if pool.waiting(p)), key=lambda p: p["metadata"]["creationTimestamp"]
-        )[: spec.count]
+        )[: min(spec.count, spec.parallelism)]
         if not waiting:
             return []
         # The receipt names every Pod a patch may touch before the first patch.

@@ -188,6 +188,13 @@ class KubernetesBackend:
         )["items"]
         overhead = (runtime.get("overhead") or {}).get("podFixed") or {}
         fits, text = capacity_plan(spec, nodes, pods, overhead, runtime.get("scheduling") or {})
+        key = self.pool_key(spec)
+        if fits < spec.parallelism and key is not None:
+            # Waiting Pods of this batch's pool hold room this batch takes over with them.
+            warm = sum(1 for p in self.pools.pods(key) if pool.waiting(p))
+            if warm:
+                fits += min(warm, spec.count, spec.parallelism)
+                text += f"\n  + {warm} waiting Pod(s) of its warm pool"
         if fits >= spec.parallelism:
             return []
         message = f"the cluster has room for {fits} of {spec.parallelism} sandboxes: {text}"
