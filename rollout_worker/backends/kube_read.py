@@ -247,7 +247,8 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         restart_count=int(container.get("restartCount", 0)),
         reason=reason,
         termination_message=terminated.get("message") or None,
-        ready=phase == "Running" and container.get("started") is True,
+        # A warm Pod has no ready probe (it started long before its episode): no signal.
+        ready=phase == "Running" and container.get("started") is True and claimed is None,
         timing={
             "scheduled_at": scheduled,
             "initialized_at": conditions.get("Initialized"),

@@ -118,6 +118,11 @@ def test_a_claimed_pod_is_its_episode_from_the_claim_on():
     obs = observe_pods(handle, 2, {"u1": pod}, final=True)
     assert obs.created_at == 1796119250.5
     assert obs.timing["pool_created_at"] == 1796119199.0
+    # Running and started (no probe) says nothing about its episode being ready.
+    pod["status"]["containerStatuses"] = [
+        {"name": "episode", "started": True, "state": {"running": {}}}
+    ]
+    assert observe_pods(handle, 2, {"u1": pod}, final=True).ready is False
 
 
 def test_job_parts_leave_out_the_warm_episodes():
