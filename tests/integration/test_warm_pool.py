@@ -17,6 +17,7 @@ from rollout_wire import constants as k
 from rollout_wire.request import parse_spec
 from rollout_worker import pool
 from rollout_worker.sandbox import episode_program_text
+from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
@@ -183,8 +184,10 @@ def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real
     names = [list(entry) for entry in receipt]
     assert names.index(["pool_namespace", "warm_planned"]) < names.index(["warm"])
     for index in (0, 1):
-        obs = backend.wait_episode(first, index, 30, until_ready=True)
+        obs = backend.wait_episode(first, index, 2)  # the watch syncs; it stays Running
         assert obs.phase == "Running" and obs.episode_id == first.warm[index][1]
+        assert obs.ready is False  # progress "ready" never comes from a warm Pod's status
+        kc.wait_for(lambda o=obs: '"ready"' in backend.read_output(first, o), 10, "ready")
     backend.cancel_run(first)  # a deadline that has passed: the kubelet stops them
     for index in (0, 1):
         obs = backend.wait_episode(first, index, 60)
