@@ -14,7 +14,9 @@
   Pod creationTimestamp -> the episode's `ready` event).
 - Last Pod terminal: when the benchmark's own watch (all namespaces, the Jobs' Pods) first saw
   the run's last Pod Succeeded or Failed. From it: to the client's exit (both), and to the
-  report's `reported_at` (ours; the goal is 0.3 s).
+  report's `reported_at` (ours; the goal is 0.3 s). Negative: the report came first (our
+  collectors take an episode as ended when its container exits, about a second before the
+  kubelet moves the Pod's phase).
 - One round = one run of each (which goes first alternates); one unmeasured warm-up of each
   first. Each run's namespace is deleted (not timed) before the next.
 
