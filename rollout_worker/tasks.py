@@ -270,7 +270,8 @@ def fill_pool(self: Task, batch_id: str) -> dict[str, Any]:
             now=time.time(),
         )
     except TransientBackendError as exc:
-        raise self.retry(countdown=2, exc=exc) from exc
+        # Up to SUBMIT_RETRIES x 5 s: long enough for a drained pool's namespace to go.
+        raise self.retry(countdown=5, exc=exc) from exc
     return {"batch_id": batch_id, **filled}
 
 

@@ -29,6 +29,7 @@ from rollout_wire.errors import (
     OwnershipError,
     ResourceConflict,
     ResourceNotFound,
+    TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
 from rollout_worker import pool
@@ -75,6 +76,11 @@ class WarmPools:
         except ResourceConflict:
             ns = self._call("read pool namespace", self.core.read_namespace, namespace)
             self._check_ours(ns, key)
+            if ns["metadata"].get("deletionTimestamp"):
+                # Drained a moment ago: the fill is retried once the namespace is gone.
+                raise TransientBackendError(
+                    f"pool namespace {namespace} is being deleted"
+                ) from None
         record({"uid": ns["metadata"]["uid"]})
         for what, create, manifest in (
             ("configmap", self.core.create_namespaced_config_map, pool.configmap_manifest),
