@@ -209,10 +209,9 @@ class KubernetesBackend:
         # Warm sandboxes first (claimed and handed their episodes): they run while the cold
         # part is being created.
         started = time.time()
-        key = pool.pool_key(spec, self.program)
+        key = self.pool_key(spec)
         claimed = self.pools.claim(spec, key, record, time.time) if key else []
         if claimed:
-            assert key is not None
             record({"warm": [[c.index, c.name, c.uid] for c in claimed]})
             started = min(started, *(c.claimed_at for c in claimed))
         ns = self._create_or_adopt(
@@ -352,29 +351,20 @@ class KubernetesBackend:
         return objects
 
     def _pod_watch(self, handle: RunHandle) -> PodWatch:
-        namespace = _namespace(handle)
-        selector = f"{k.LABEL_BATCH}={handle.batch_id}"
-
-        def make() -> PodWatch:
-            return PodWatch(
-                namespace,
-                lambda: self._call(
-                    "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector
-                ),
-                (self.core.list_namespaced_pod, (namespace,), {"label_selector": selector}),
-                completion_index,
-            )
-
-        return self.watches.get(namespace, make)
+        return self._batch_watch(_namespace(handle), handle.batch_id, _namespace(handle))
 
     def _warm_watch(self, handle: RunHandle) -> PodWatch:
         """The batch's warm Pods, in their pool's namespace."""
         namespace = handle.pool_namespace or ""
-        selector = f"{k.LABEL_BATCH}={handle.batch_id}"
+        return self._batch_watch(namespace, handle.batch_id, f"{namespace}/{handle.batch_id}")
+
+    def _batch_watch(self, namespace: str, batch_id: str, name: str) -> PodWatch:
+        """The shared watch of one batch's Pods in `namespace` (made on first use)."""
+        selector = f"{k.LABEL_BATCH}={batch_id}"
 
         def make() -> PodWatch:
             return PodWatch(
-                f"{namespace}/{handle.batch_id}",
+                name,
                 lambda: self._call(
                     "list pods", self.core.list_namespaced_pod, namespace, label_selector=selector
                 ),
@@ -382,7 +372,7 @@ class KubernetesBackend:
                 completion_index,
             )
 
-        return self.watches.get(f"{namespace}/{handle.batch_id}", make)
+        return self.watches.get(name, make)
 
     def wait_episode(
         self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False

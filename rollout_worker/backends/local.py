@@ -170,12 +170,7 @@ class LocalBackend:
         key = self.pool_key(spec)
         if key is not None and self._pool_dir(key).socket.exists():
             run["pool_dir"] = str(self._pool_dir(key).path)  # its supervisor takes from it
-        run_dir.program.parent.mkdir(parents=True, exist_ok=True)
-        if not run_dir.program.exists():
-            tmp = run_dir.program.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(episode_program_text())
-            tmp.chmod(0o644)
-            os.replace(tmp, run_dir.program)
+        _write_program(run_dir.program)
         # The first start creates run.json; a redelivered start finds it and keeps its origin.
         create_json_exclusive(run_dir.run_file, run)
         existing = run_dir.read_json(run_dir.run_file)
@@ -401,11 +396,7 @@ class LocalBackend:
         python = self.settings.local_python
         prefix, _ = describe_python(python)
         memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
-        if not pool_dir.program.exists():
-            tmp = pool_dir.program.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(episode_program_text())
-            tmp.chmod(0o644)
-            os.replace(tmp, pool_dir.program)
+        _write_program(pool_dir.program)
         write_json_atomic(
             pool_dir.config,
             {
@@ -464,3 +455,13 @@ class LocalBackend:
                 "pods": state.get("waiting", 0) + state.get("handed", 0),
             }
         return pools
+
+
+def _write_program(path: Path) -> None:
+    """The episode program, readable by the sandboxes, written once (atomically)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(episode_program_text())
+        tmp.chmod(0o644)
+        os.replace(tmp, path)

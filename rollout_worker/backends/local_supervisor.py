@@ -259,11 +259,14 @@ class Supervisor:
         os.set_blocking(out, False)
         pidfd = os.pidfd_open(proc.pid)
         deadline = min(created_at + self.episode_timeout, self.run_deadline)
-        item = Running(index, proc, pidfd, out, log, created_at, self.attempt(index), deadline)
-        self.running[pidfd] = item
-        self.selector.register(pidfd, selectors.EVENT_READ, ("exit", item))
-        self.selector.register(out, selectors.EVENT_READ, ("out", item))
-        self.progress(index, "running")
+        self.track(Running(index, proc, pidfd, out, log, created_at, self.attempt(index), deadline))
+
+    def track(self, item: Running) -> None:
+        """Follow a started sandbox: its exit (pidfd) and its output."""
+        self.running[item.pidfd] = item
+        self.selector.register(item.pidfd, selectors.EVENT_READ, ("exit", item))
+        self.selector.register(item.out, selectors.EVENT_READ, ("out", item))
+        self.progress(item.index, "running")
 
     def take_warm(self) -> None:
         """At the run's start: hand the first pending episodes (up to its parallelism) to
@@ -307,13 +310,11 @@ class Supervisor:
         log = open(self.dir.log(index), "wb")  # noqa: SIM115 - closed in finish()
         os.set_blocking(sandbox.out, False)
         deadline = min(claimed_at + self.episode_timeout, self.run_deadline)
-        item = Running(
-            index, None, sandbox.pidfd, sandbox.out, log, claimed_at, 0, deadline, warm=sandbox
+        self.track(
+            Running(
+                index, None, sandbox.pidfd, sandbox.out, log, claimed_at, 0, deadline, warm=sandbox
+            )
         )
-        self.running[sandbox.pidfd] = item
-        self.selector.register(sandbox.pidfd, selectors.EVENT_READ, ("exit", item))
-        self.selector.register(sandbox.out, selectors.EVENT_READ, ("out", item))
-        self.progress(index, "running")
 
     def read_output(self, item: Running) -> bool:
         """Copy what the sandbox printed into its log; stream progress. False at EOF."""
