@@ -59,9 +59,9 @@ from benchmarks.kwok_bench import (
 from benchmarks.proc import Meter, Stats
 from rollout_wire import constants as k
 from rollout_wire.request import new_batch_id
+from rollout_worker.cli.stack import LocalStack
 from rollout_worker.schedule import deadline_problem, episode_floor, minimum_time
 from rollout_worker.settings import Settings
-from rollout_worker.stack import LocalStack
 from tests.integration.kwok_episodes import (
     RUNTIME_CLASS as RUNTIME,
 )

@@ -33,10 +33,10 @@ from celery import chord
 
 from benchmarks.proc import Meter, SandboxEvidence, Stats, Usage, become_subreaper
 from rollout_wire.request import parse_spec
-from rollout_worker.backends.local import LocalBackend
+from rollout_worker.backends.local.backend import LocalBackend
+from rollout_worker.cli.stack import LocalStack
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
-from rollout_worker.stack import LocalStack
 from trainer_stub.client import RolloutClient
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -43,7 +43,7 @@ from kubernetes import watch
 
 from benchmarks.guide_script import guide_script
 from benchmarks.proc import Stats
-from rollout_worker.stack import LocalStack
+from rollout_worker.cli.stack import LocalStack
 from tests.k8s import cluster as kc
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ import orjson
 
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import bundled_tasks
-from rollout_worker.backends.local import LocalBackend
-from rollout_worker.policy_server import running
+from rollout_worker.backends.local.backend import LocalBackend
+from rollout_worker.cli.policy_server import running
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode
 
@@ -48,7 +48,7 @@ def run(backend: LocalBackend, request: dict[str, Any], name: str) -> dict[str, 
             (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
         started = time.time()
-        module = "rollout_worker.backends.local_supervisor"
+        module = "rollout_worker.backends.local.supervisor"
         assert handle.run_dir is not None
         subprocess.run([sys.executable, "-m", module, handle.run_dir], preexec_fn=enter, check=True)
         wall = time.time() - started

@@ -36,9 +36,10 @@ from typing import Any
 from benchmarks.proc import Stats
 from rollout_wire import constants as k
 from rollout_wire.request import parse_spec
-from rollout_worker import pool
+from rollout_worker.backends import warm
+from rollout_worker.backends.kube import objects
+from rollout_worker.cli.stack import LocalStack
 from rollout_worker.sandbox import episode_program_text
-from rollout_worker.stack import LocalStack
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 
@@ -50,7 +51,7 @@ def p95(values: list[float]) -> float:
 
 def waiting_pods(cluster: kc.Cluster, namespace: str) -> int:
     pods = cluster.core.list_namespaced_pod(
-        namespace, label_selector=f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}"
+        namespace, label_selector=f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}"
     ).items
     return sum(
         1
@@ -87,9 +88,9 @@ class KubeTarget:
         self.node = kc.ensure_real_node(self.cluster)
         self.fields = self.node.batch_fields() | {"backend": "kubernetes"}
         spec = parse_spec(self.fields | {"count": 1}, max_episodes=None)
-        key = pool.pool_key(spec, episode_program_text())
+        key = warm.pool_key(spec, episode_program_text())
         assert key is not None
-        self.namespace = pool.pool_namespace(key)
+        self.namespace = objects.pool_namespace(key)
         self.env = {"KUBECONFIG": str(self.cluster.kubeconfig)}
         self.where = f"the real node {self.node.name}"
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
 PR_SET_CHILD_SUBREAPER = 36
-SUPERVISOR_MODULE = b"rollout_worker.backends.local_supervisor"
+SUPERVISOR_MODULE = b"rollout_worker.backends.local.supervisor"
 
 
 def become_subreaper() -> None:

@@ -134,8 +134,9 @@ def states_key(batch_id: str) -> str:
 LABEL_OWNER = "rollout.dev/owner"
 LABEL_OWNER_VALUE = "rollout"
 LABEL_BATCH = "rollout.dev/batch"
-# Warm pools (rollout_worker/pool.py): a pool's namespace and Pods carry LABEL_POOL (the shape
-# key); a pool Pod is idle until a batch claims it (LABEL_BATCH and the episode index added).
+# Warm pools (rollout_worker/backends/warm.py): a pool's namespace and Pods carry LABEL_POOL
+# (the shape key); a pool Pod is idle until a batch claims it (LABEL_BATCH and the episode
+# index added).
 LABEL_POOL = "rollout.dev/pool"
 LABEL_POOL_STATE = "rollout.dev/pool-state"
 LABEL_EPISODE_INDEX = "rollout.dev/episode-index"

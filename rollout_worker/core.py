@@ -668,7 +668,7 @@ def _sweep_reason(
 def _partial(entry: Mapping[str, Any]) -> RunHandle | None:
     """A run cut short before its handle was recorded: what the registry proves of it."""
     if entry.get("backend") == "kubernetes":
-        from rollout_worker.backends.kube_read import handle_from_receipt
+        from rollout_worker.backends.kube.read import handle_from_receipt
 
         return handle_from_receipt(entry)
     return None

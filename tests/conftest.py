@@ -41,7 +41,7 @@ from typing import NoReturn
 
 import pytest
 
-from rollout_worker.stack import LocalStack
+from rollout_worker.cli.stack import LocalStack
 from tests.k8s import cluster as kc
 from tests.k8s.node_fixtures import real_node  # noqa: F401 - a fixture
 from trainer_stub.client import RolloutClient

@@ -11,11 +11,11 @@ __all__ = ["Backend", "FinishedRun", "ReceiptUpdate", "RunHandle", "get_backend"
 
 def get_backend(name: str, settings: Settings) -> Backend:
     if name == "local":
-        from rollout_worker.backends.local import LocalBackend
+        from rollout_worker.backends.local.backend import LocalBackend
 
         return LocalBackend(settings)
     if name == "kubernetes":
-        from rollout_worker.backends.kubernetes import KubernetesBackend
+        from rollout_worker.backends.kube.backend import KubernetesBackend
 
         return KubernetesBackend(settings)
     raise BackendUnavailable(f"unknown backend {name!r}; known: local, kubernetes")

@@ -32,10 +32,10 @@ from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import OwnershipError
 from rollout_wire.request import parse_spec
-from rollout_worker import permissions
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.backends.kubernetes import KubernetesBackend
-from rollout_worker.manifests import namespace_name
+from rollout_worker.backends.kube import permissions
+from rollout_worker.backends.kube.backend import KubernetesBackend
+from rollout_worker.backends.kube.objects import namespace_name
 from rollout_worker.settings import Settings
 from tests.helm.conftest import CHART, ROOT, run_helm
 from tests.k8s import cluster as kc

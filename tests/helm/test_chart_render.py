@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rollout_worker import permissions
+from rollout_worker.backends.kube import permissions
 from tests.helm.conftest import CHART, run_helm
 
 pytestmark = pytest.mark.helm

@@ -1,10 +1,10 @@
-"""rollout_worker.permissions without a cluster: the access review's lines and verdicts."""
+"""kube/permissions.py without a cluster: the access review's lines and verdicts."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rollout_worker import permissions
+from rollout_worker.backends.kube import permissions
 
 
 class FakeAuthz:

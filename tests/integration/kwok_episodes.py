@@ -48,8 +48,8 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from rollout_wire import constants as k
-from rollout_worker.backends.sandbox_command import plan_sandbox
-from rollout_worker.stack import LocalStack
+from rollout_worker.backends.local.sandbox import plan_sandbox
+from rollout_worker.cli.stack import LocalStack
 from tests.k8s import cluster as kc
 
 #: Annotations the harness puts on a batch Pod; kwok-stages.yaml reads them.

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rollout_wire import constants as k
-from rollout_worker.stack import LocalStack
+from rollout_worker.cli.stack import LocalStack
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 

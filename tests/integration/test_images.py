@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_wire.tasksets import load_task_set
-from rollout_worker.policy_server import running
+from rollout_worker.cli.policy_server import running
 from tests.helm.test_chart_install import kube_images
 from trainer_stub.client import RolloutClient
 

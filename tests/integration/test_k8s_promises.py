@@ -23,7 +23,7 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from rollout_wire import constants as k
-from rollout_worker.manifests import JOB_NAME
+from rollout_worker.backends.kube.objects import JOB_NAME
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 

@@ -33,7 +33,7 @@ import pytest
 
 from rollout_wire import codec
 from rollout_wire import constants as k
-from rollout_worker.stack import LocalStack, WorkerProc
+from rollout_worker.cli.stack import LocalStack, WorkerProc
 from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
     SUCCESS,
     Mix,

@@ -20,8 +20,8 @@ from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import OwnershipError
 from rollout_wire.request import parse_spec
-from rollout_worker.backends.kubernetes import KubernetesBackend
-from rollout_worker.manifests import namespace_name
+from rollout_worker.backends.kube.backend import KubernetesBackend
+from rollout_worker.backends.kube.objects import namespace_name
 from rollout_worker.settings import Settings
 from tests.integration.guide import GUIDE_FIELDS, GUIDE_ROW_FIELDS
 from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures

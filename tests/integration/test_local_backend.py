@@ -10,8 +10,8 @@ import pytest
 
 from rollout_wire.errors import OwnershipError
 from rollout_wire.request import parse_spec
-from rollout_worker.backends.local import LocalBackend
-from rollout_worker.backends.local_files import RunDir
+from rollout_worker.backends.local.backend import LocalBackend
+from rollout_worker.backends.local.files import RunDir
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode
 
@@ -121,7 +121,7 @@ def run_processes(run_dir: Path, batch_id: str) -> dict[int, str]:
         if not stat or stat.rsplit(b")", 1)[1].split()[0] == b"Z":
             continue
         argv = _read(entry / "cmdline").split(b"\0")
-        if b"rollout_worker.backends.local_supervisor" in argv and marker in argv:
+        if b"rollout_worker.backends.local.supervisor" in argv and marker in argv:
             found[int(entry.name)] = "supervisor"
         elif argv[0].endswith(b"bwrap") and any(marker in a for a in argv):
             found[int(entry.name)] = "bwrap"

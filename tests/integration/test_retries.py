@@ -15,8 +15,8 @@ import pytest
 
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import load_task_set
-from rollout_worker.backends.local import LocalBackend
-from rollout_worker.policy_server import bundled_script, running
+from rollout_worker.backends.local.backend import LocalBackend
+from rollout_worker.cli.policy_server import bundled_script, running
 from rollout_worker.report import build_report
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode

@@ -18,8 +18,8 @@ import pytest
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import bundled_tasks
 from rollout_wire.trajectory import trajectory_from_log
-from rollout_worker.backends.local import LocalBackend
-from rollout_worker.policy_server import running
+from rollout_worker.backends.local.backend import LocalBackend
+from rollout_worker.cli.policy_server import running
 from rollout_worker.report import build_report
 from rollout_worker.sandbox.episode import MAX_OBSERVATION_BYTES, TRUNCATION_MARKER
 from rollout_worker.settings import Settings

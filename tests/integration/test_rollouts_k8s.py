@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from rollout_wire.tasksets import load_task_set
-from rollout_worker.policy_server import running
+from rollout_worker.cli.policy_server import running
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from rollout_worker.backends.local import describe_python, probe_bwrap
-from rollout_worker.backends.sandbox_command import plan_sandbox
+from rollout_worker.backends.local.backend import describe_python, probe_bwrap
+from rollout_worker.backends.local.sandbox import plan_sandbox
 
 PROBE = textwrap.dedent(
     """

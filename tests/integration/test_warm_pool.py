@@ -15,7 +15,8 @@ from kubernetes.client import NetworkingV1Api
 
 from rollout_wire import constants as k
 from rollout_wire.request import parse_spec
-from rollout_worker import pool
+from rollout_worker.backends import warm
+from rollout_worker.backends.kube import objects
 from rollout_worker.sandbox import episode_program_text
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
@@ -27,7 +28,7 @@ SIZE = 3
 
 def _waiting(cluster, namespace: str) -> list:
     pods = cluster.core.list_namespaced_pod(
-        namespace, label_selector=f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}"
+        namespace, label_selector=f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}"
     ).items
     return [
         p
@@ -57,11 +58,11 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
 ):
     client = RolloutClient(real_stack.redis_url)
     fields = real_node.batch_fields() | {"backend": "kubernetes"}
-    key = pool.pool_key(
+    key = warm.pool_key(
         parse_spec(fields | {"count": 1}, max_episodes=None), episode_program_text()
     )
     assert key is not None
-    namespace = pool.pool_namespace(key)
+    namespace = objects.pool_namespace(key)
 
     # A first batch finds no pool: all cold. It asks for a pool of SIZE behind it.
     first = client.submit(**fields, count=2, parallelism=2, warm_pool=SIZE)
@@ -163,7 +164,7 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
 def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real_node, k8s_cluster):
     """In-process (no workers): the backend's own start_run run twice, as a redelivered submit
     would, then cancel_run and delete_run."""
-    from rollout_worker.backends.kubernetes import KubernetesBackend
+    from rollout_worker.backends.kube.backend import KubernetesBackend
     from rollout_worker.settings import Settings
 
     backend = KubernetesBackend(Settings(kubeconfig=str(k8s_cluster.kubeconfig)))
@@ -171,7 +172,7 @@ def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real
     spec = parse_spec(fields | {"count": 2, "action": "hang"}, max_episodes=None)
     key = backend.pool_key(spec)
     assert key is not None
-    namespace = pool.pool_namespace(key)
+    namespace = objects.pool_namespace(key)
     registry: dict = {}
     backend.fill_pool(spec, 2, 64, 600, registry.update)
     _wait_for_pool(k8s_cluster, namespace, 2)

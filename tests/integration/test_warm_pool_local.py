@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollout_wire import constants as k
-from rollout_worker.stack import LocalStack
+from rollout_worker.cli.stack import LocalStack
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers]

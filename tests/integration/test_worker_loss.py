@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rollout_wire import constants as k
-from rollout_worker.stack import LocalStack
+from rollout_worker.cli.stack import LocalStack
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Episodes really run: the guide's Job, built by rollout_worker.manifests, on the local
+"""Episodes really run: the guide's Job, built by rollout_worker.backends.kube.objects, on the local
 cluster's real node (kubelet + containerd + runc, images built locally, no registry).
 
 Each episode's `ready`/`reward` lines are read through the API server (kubelet logs) and
@@ -19,7 +19,7 @@ from kubernetes.client.rest import ApiException
 
 from rollout_wire.request import parse_spec
 from rollout_wire.rows import EpisodeRow
-from rollout_worker import manifests
+from rollout_worker.backends.kube import objects
 from rollout_worker.metrics import percentile
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
@@ -38,8 +38,8 @@ def _ts(value: datetime | None) -> float | None:
 
 @contextlib.contextmanager
 def _batch_namespace(cluster: kc.Cluster, spec):
-    """The batch's namespace (manifests.namespace_manifest + the test label), deleted after."""
-    body = manifests.namespace_manifest(spec)
+    """The batch's namespace (objects.namespace_manifest + the test label), deleted after."""
+    body = objects.namespace_manifest(spec)
     body["metadata"]["labels"][kc.TEST_NAMESPACE_LABEL] = "true"
     cluster.core.create_namespace(body)
     name = body["metadata"]["name"]
@@ -85,7 +85,7 @@ def _observe(pod) -> EpisodeObservation:
     status = pod.status
     container = next(c for c in status.container_statuses or [] if c.name == "episode")
     terminated = container.state.terminated if container.state else None
-    index = int(pod.metadata.labels[manifests.INDEX_LABEL])
+    index = int(pod.metadata.labels[objects.INDEX_LABEL])
     return EpisodeObservation(
         index=index,
         episode_id=pod.metadata.name,
@@ -120,7 +120,7 @@ def run_batch_on_real_node(
     """Create the batch's objects exactly as the Kubernetes backend does, wait for the Job,
     validate every episode from its Pod and its log read through the API server."""
     spec = _spec(node, count=count, parallelism=parallelism)
-    job_body = manifests.job_manifest(spec, ttl_seconds_after_finished=600)
+    job_body = objects.job_manifest(spec, ttl_seconds_after_finished=600)
     pod_spec = job_body["spec"]["template"]["spec"]
     # The guide's shape, placed on the real node.
     assert pod_spec["runtimeClassName"] == node.runtime_class
@@ -130,16 +130,16 @@ def run_batch_on_real_node(
 
     with _batch_namespace(cluster, spec) as namespace:
         cluster.core.create_namespaced_config_map(
-            namespace, manifests.configmap_manifest(spec, episode_program_text())
+            namespace, objects.configmap_manifest(spec, episode_program_text())
         )
         k8s_client.NetworkingV1Api(cluster.api_client).create_namespaced_network_policy(
-            namespace, manifests.network_policy_manifest(spec)
+            namespace, objects.network_policy_manifest(spec)
         )
         t_submit = time.time()
         job = cluster.batch.create_namespaced_job(namespace, job_body)
         origin = _ts(job.metadata.creation_timestamp)
         try:
-            status = _wait_job(cluster, namespace, manifests.JOB_NAME, JOB_TIMEOUT_S)
+            status = _wait_job(cluster, namespace, objects.JOB_NAME, JOB_TIMEOUT_S)
         except TimeoutError:
             pytest.fail(f"Job did not finish:\n{_describe_failure(cluster, namespace)}")
         t_complete = time.time()
@@ -148,13 +148,13 @@ def run_batch_on_real_node(
         assert status.succeeded == count
 
         pods = cluster.core.list_namespaced_pod(
-            namespace, label_selector=f"batch.kubernetes.io/job-name={manifests.JOB_NAME}"
+            namespace, label_selector=f"batch.kubernetes.io/job-name={objects.JOB_NAME}"
         ).items
         assert len(pods) == count, [p.metadata.name for p in pods]
         rows: list[EpisodeRow] = []
         for pod in pods:
             log = cluster.core.read_namespaced_pod_log(
-                pod.metadata.name, namespace, container=manifests.CONTAINER_NAME
+                pod.metadata.name, namespace, container=objects.CONTAINER_NAME
             )
             rows.append(validate_episode(_observe(pod), log, origin))
 
@@ -239,7 +239,7 @@ def test_sandbox_runs_confined_as_uid_1000(k8s_cluster, k8s_namespace, real_node
     """The Job's Pod template really confines the process: uid/gid 1000, no capabilities,
     seccomp filter on, read-only root, writable /tmp and /workspace, HOME unset or unused."""
     spec = _spec(real_node, count=1, parallelism=1)
-    template = manifests.job_manifest(spec, ttl_seconds_after_finished=60)["spec"]["template"]
+    template = objects.job_manifest(spec, ttl_seconds_after_finished=60)["spec"]["template"]
     pod_spec = template["spec"]
     probe = (
         "import json, os\n"
@@ -293,7 +293,7 @@ def test_runtime_class_overhead_is_applied(k8s_cluster, k8s_namespace, real_node
     _runtime_class(k8s_cluster, rc_name, overhead={"cpu": "50m", "memory": "768Mi"})
     try:
         spec = _spec(real_node, count=1, parallelism=1, runtime=rc_name)
-        template = manifests.job_manifest(spec, ttl_seconds_after_finished=60)["spec"]["template"]
+        template = objects.job_manifest(spec, ttl_seconds_after_finished=60)["spec"]["template"]
         pod_spec = template["spec"]
         container = pod_spec["containers"][0]
         container["command"] = ["python", "-B", "-c", "print('ok')"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from rollout_worker.backends import kube_watch
-from rollout_worker.backends.kube_read import DELETED_MARK
+from rollout_worker.backends.kube import watch
+from rollout_worker.backends.kube.read import DELETED_MARK
 
 INDEX = "batch.kubernetes.io/job-completion-index"
 
@@ -34,9 +34,9 @@ def test_waiters_wake_on_their_episode_and_a_deleted_pod_keeps_its_last_state(mo
         ("MODIFIED", pod("b", 1, "Succeeded")),
         ("DELETED", pod("a", 0, "Running")),
     ]
-    monkeypatch.setattr(kube_watch.watch, "Watch", ScriptedWatch)
+    monkeypatch.setattr(watch.watch, "Watch", ScriptedWatch)
     listing = {"items": [], "metadata": {"resourceVersion": "1"}}
-    w = kube_watch.PodWatch(
+    w = watch.PodWatch(
         "ns", lambda: listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX])
     )
     try:

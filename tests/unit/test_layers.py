@@ -34,10 +34,11 @@ def test_the_wire_package_loads_nothing_of_either_side():
     "entry",
     [
         # What `rollout worker` runs before Celery takes over, and the tasks it registers.
-        "from rollout_worker.cli import cli; from rollout_worker.celery_app import create_app\n"
+        "from rollout_worker.cli.main import cli\n"
+        "from rollout_worker.celery_app import create_app\n"
         "from rollout_worker.settings import Settings; create_app(Settings())",
         # The local supervisor process.
-        "import rollout_worker.backends.local_supervisor",
+        "import rollout_worker.backends.local.supervisor",
     ],
 )
 def test_worker_processes_load_no_plotting_or_terminal_library(entry):
@@ -45,4 +46,4 @@ def test_worker_processes_load_no_plotting_or_terminal_library(entry):
 
 
 def test_the_local_supervisor_loads_no_kubernetes_client():
-    assert "kubernetes" not in loaded("import rollout_worker.backends.local_supervisor")
+    assert "kubernetes" not in loaded("import rollout_worker.backends.local.supervisor")

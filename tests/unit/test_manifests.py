@@ -1,12 +1,17 @@
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.backends.kube_read import (
+from rollout_worker.backends.kube.objects import (
+    INDEX_LABEL,
+    job_manifest,
+    job_parts,
+    namespace_manifest,
+)
+from rollout_worker.backends.kube.read import (
     DELETED_MARK,
     capacity_plan,
     completion_index,
     observe_pods,
 )
-from rollout_worker.manifests import INDEX_LABEL, job_manifest, job_parts, namespace_manifest
 
 
 def spec(**changes):
@@ -212,7 +217,7 @@ def test_a_pod_the_watch_saw_deleted_before_it_ended_is_a_failed_episode():
 
 
 def test_job_index_lists_are_read_as_kubernetes_writes_them():
-    from rollout_worker.backends.kube_read import index_in
+    from rollout_worker.backends.kube.read import index_in
 
     assert index_in("1,3-5,9", 4) and index_in("1,3-5,9", 9) and index_in("0", 0)
     assert not index_in("1,3-5,9", 2) and not index_in("", 0)

@@ -9,9 +9,9 @@ import struct
 import pytest
 from click.testing import CliRunner
 
+from rollout_worker.cli.plots import episode_timelines, render_timeline, run_origin, startup_seconds
+from rollout_worker.cli.report import render_html, render_markdown, report, summary_tables
 from rollout_worker.metrics import percentile
-from rollout_worker.plots import episode_timelines, render_timeline, run_origin, startup_seconds
-from rollout_worker.report_cmd import render_html, render_markdown, report, summary_tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ORIGIN = 1_800_000_000.0

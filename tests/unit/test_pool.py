@@ -14,10 +14,11 @@ import pytest
 from rollout_wire import constants as k
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.request import parse_spec
-from rollout_worker import pool
+from rollout_worker.backends import warm
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.backends.kube_read import completion_index, observe_pods
-from rollout_worker.manifests import job_manifest, job_parts
+from rollout_worker.backends.kube import objects, read
+from rollout_worker.backends.kube.objects import job_manifest, job_parts
+from rollout_worker.backends.kube.read import completion_index, observe_pods
 from rollout_worker.sandbox import episode
 from rollout_worker.sandbox import episode_program_text as program
 
@@ -34,8 +35,8 @@ def spec(**changes):
 
 
 def test_batches_of_one_shape_share_a_pool_and_any_difference_in_shape_splits_it():
-    base = pool.pool_key(spec(), program())
-    assert base is not None and base == pool.pool_key(spec(count=9, action="none"), program())
+    base = warm.pool_key(spec(), program())
+    assert base is not None and base == warm.pool_key(spec(count=9, action="none"), program())
     for other in (
         spec(image="python:3.13-slim"),
         spec(runtime="gvisor"),
@@ -43,14 +44,14 @@ def test_batches_of_one_shape_share_a_pool_and_any_difference_in_shape_splits_it
         spec(node_selector={"zone": "a"}),
         spec(policy=POLICY, tasks=TASKS),
     ):
-        assert pool.pool_key(other, program()) not in (None, base)
-    assert pool.pool_key(spec(), program() + "#") != base  # a new runner: a new pool
+        assert warm.pool_key(other, program()) not in (None, base)
+    assert warm.pool_key(spec(), program() + "#") != base  # a new runner: a new pool
     # Another policy endpoint: another pool (egress is fixed when a Pod starts).
     moved = spec(policy=POLICY | {"url": "http://10.0.0.8:8000"}, tasks=TASKS)
-    assert pool.pool_key(moved, program()) != pool.pool_key(
+    assert warm.pool_key(moved, program()) != warm.pool_key(
         spec(policy=POLICY, tasks=TASKS), program()
     )
-    assert pool.pool_key(spec(infra_retries=1), program()) is None
+    assert warm.pool_key(spec(infra_retries=1), program()) is None
 
 
 def test_warm_pool_requests_are_refused_when_no_pool_can_serve_them():
@@ -64,23 +65,23 @@ def test_warm_pool_requests_are_refused_when_no_pool_can_serve_them():
 
 def test_a_pool_pod_is_isolated_like_a_cold_one_and_waits_on_stdin():
     s = spec()
-    key = pool.pool_key(s, program())
-    warm = pool.pod_manifest(s, key, idle_seconds=600)
+    key = warm.pool_key(s, program())
+    pod = objects.pool_pod_manifest(s, key, idle_seconds=600)
     cold = job_manifest(s, ttl_seconds_after_finished=60)["spec"]["template"]["spec"]
     for field in ("securityContext", "automountServiceAccountToken", "enableServiceLinks"):
-        assert warm["spec"][field] == cold[field]
-    (container,) = warm["spec"]["containers"]
+        assert pod["spec"][field] == cold[field]
+    (container,) = pod["spec"]["containers"]
     assert container["securityContext"] == cold["containers"][0]["securityContext"]
     assert container["stdin"] and container["stdinOnce"]
     assert "startupProbe" not in container  # no exec into every waiting Pod each second
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["ROLLOUT_HANDOVER"] == "stdin" and "ROLLOUT_ACTION" not in env
-    assert warm["metadata"]["labels"] == {
+    assert pod["metadata"]["labels"] == {
         k.LABEL_OWNER: k.LABEL_OWNER_VALUE,
         k.LABEL_POOL: key,
-        k.LABEL_POOL_STATE: pool.STATE_IDLE,
+        k.LABEL_POOL_STATE: objects.POOL_STATE_IDLE,
     }
-    assert warm["spec"]["activeDeadlineSeconds"] == 600 + pool.LIFETIME_EXTRA_SECONDS + 120
+    assert pod["spec"]["activeDeadlineSeconds"] == 600 + objects.LIFETIME_EXTRA_SECONDS + 120
 
 
 def _running(started: str = "2026-12-01T10:00:00Z", lifetime: int = 4000) -> dict:
@@ -93,17 +94,20 @@ def _running(started: str = "2026-12-01T10:00:00Z", lifetime: int = 4000) -> dic
 
 def test_a_claim_is_guarded_by_the_version_read_and_gives_the_episode_its_own_timeout():
     start = 1_796_119_200.0  # 2026-12-01T10:00:00Z
-    patch = pool.claim_patch(_running(), "b1", 3, episode_timeout=120, now=start + 50.2)
+    pod = _running()
+    started = read.pool_pod_started_at(pod)
+    assert started == start
+    patch = objects.claim_patch(pod, started, "b1", 3, episode_timeout=120, now=start + 50.2)
     assert patch is not None
     assert patch["metadata"]["resourceVersion"] == "77"
     assert patch["metadata"]["labels"] == {
         k.LABEL_BATCH: "b1",
-        k.LABEL_POOL_STATE: pool.STATE_CLAIMED,
+        k.LABEL_POOL_STATE: objects.POOL_STATE_CLAIMED,
         k.LABEL_EPISODE_INDEX: "3",
     }
     assert patch["spec"]["activeDeadlineSeconds"] == 51 + 120  # from the Pod's start
     # Too little lifetime left for the episode's timeout: not claimed (it runs cold).
-    assert pool.claim_patch(_running(lifetime=170), "b1", 3, 120, start + 50.2) is None
+    assert objects.claim_patch(_running(lifetime=170), start, "b1", 3, 120, start + 50.2) is None
 
 
 def test_a_claimed_pod_is_its_episode_from_the_claim_on():
@@ -134,7 +138,7 @@ def test_job_parts_leave_out_the_warm_episodes():
 
 def test_the_handover_line_carries_what_a_cold_pod_gets_from_its_spec(tmp_path, monkeypatch):
     s = spec(samples_per_task=2, policy=POLICY, tasks=TASKS)
-    line = json.loads(pool.handover_line(s, 3))
+    line = json.loads(warm.handover_line(s, 3))
     assert line["tasks"] == [s.tasks[1]]  # episode 3 = task t2, sample 1
     env = line["env"]
     assert (env["ROLLOUT_TASK_ID"], env["ROLLOUT_SAMPLE"], env["ROLLOUT_GROUP_ID"]) == (
@@ -156,7 +160,7 @@ def test_the_handover_line_carries_what_a_cold_pod_gets_from_its_spec(tmp_path, 
 
 
 def test_a_waiting_runner_runs_the_demo_it_is_handed(tmp_path):
-    line = pool.handover_line(spec(action="fix"), 0)
+    line = warm.handover_line(spec(action="fix"), 0)
     done = subprocess.run(
         [sys.executable, "-B", "-c", program()],
         input=line.decode(),

@@ -12,8 +12,8 @@ import pytest
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import load_task_set
-from rollout_worker import manifests
-from rollout_worker.policy_server import running
+from rollout_worker.backends.kube import objects
+from rollout_worker.cli.policy_server import running
 from rollout_worker.sandbox import episode_program_text
 
 POLICY = {"url": "http://10.1.2.3:8000", "model": "m", "request_timeout_seconds": 5}
@@ -31,9 +31,9 @@ def spec(**changes):
 
 def test_tasks_ride_in_the_configmap_and_the_runner_gets_its_environment():
     s = spec()
-    cm = manifests.configmap_manifest(s, episode_program_text())
+    cm = objects.configmap_manifest(s, episode_program_text())
     assert [t["id"] for t in json.loads(cm["data"]["tasks.json"])] == ["leap-year", "stack-pop"]
-    job = manifests.job_manifest(s, ttl_seconds_after_finished=60)
+    job = objects.job_manifest(s, ttl_seconds_after_finished=60)
     env = {
         e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
     }
@@ -43,18 +43,18 @@ def test_tasks_ride_in_the_configmap_and_the_runner_gets_its_environment():
     assert json.loads(env["ROLLOUT_POLICY"])["model"] == "m"
     # The demo (no policy) is unchanged: no tasks file, no runner environment.
     demo = parse_spec({"count": 3, "backend": "kubernetes"}, max_episodes=10)
-    assert set(manifests.configmap_manifest(demo, "x")["data"]) == {"episode.py"}
-    assert "ROLLOUT_POLICY" not in str(manifests.job_manifest(demo, ttl_seconds_after_finished=1))
+    assert set(objects.configmap_manifest(demo, "x")["data"]) == {"episode.py"}
+    assert "ROLLOUT_POLICY" not in str(objects.job_manifest(demo, ttl_seconds_after_finished=1))
 
 
 def test_the_network_policy_allows_egress_to_the_policy_endpoint_only():
-    policy = manifests.network_policy_manifest(spec())["spec"]
+    policy = objects.network_policy_manifest(spec())["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"] and "ingress" not in policy
     assert policy["egress"] == [
         {"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"protocol": "TCP", "port": 8000}]}
     ]
     demo = parse_spec({"count": 3, "backend": "kubernetes"}, max_episodes=10)
-    assert "egress" not in manifests.network_policy_manifest(demo)["spec"]  # deny all
+    assert "egress" not in objects.network_policy_manifest(demo)["spec"]  # deny all
 
 
 def test_kubernetes_refuses_a_policy_by_name():
@@ -69,14 +69,14 @@ def test_kubernetes_refuses_a_policy_by_name():
 def test_the_configmap_is_refused_above_the_api_servers_limit():
     s = spec()
     with pytest.raises(ValueError, match="split the task set"):
-        manifests.configmap_manifest(s, "#" * manifests.CONFIGMAP_MAX_BYTES)
+        objects.configmap_manifest(s, "#" * objects.CONFIGMAP_MAX_BYTES)
 
 
 def test_the_runner_finds_its_task_from_the_completion_index_and_calls_the_policy_url(tmp_path):
     s = spec(policy=POLICY | {"url": "http://127.0.0.1:1"})
     program = tmp_path / "episode.py"
     program.write_text(episode_program_text())
-    (tmp_path / "tasks.json").write_text(manifests.tasks_text(s) or "")
+    (tmp_path / "tasks.json").write_text(objects.tasks_text(s) or "")
     with running() as server:
         workspace = tmp_path / "ws"
         workspace.mkdir()

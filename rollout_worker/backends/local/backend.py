@@ -26,9 +26,9 @@ import orjson
 
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
-from rollout_worker import pool
+from rollout_worker.backends import warm
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
-from rollout_worker.backends.local_files import (
+from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
     MAX_LOG_BYTES,
     OWNER,
@@ -37,8 +37,8 @@ from rollout_worker.backends.local_files import (
     spawn_detached,
     write_json_atomic,
 )
-from rollout_worker.backends.local_pool import PoolDir, ask
-from rollout_worker.backends.local_signal import DoneSignal
+from rollout_worker.backends.local.pool import PoolDir, ask
+from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits
 from rollout_worker.sandbox import episode_program_text
@@ -210,7 +210,7 @@ class LocalBackend:
                 return  # a supervisor holds the run
             fcntl.flock(lock, fcntl.LOCK_UN)
         try:
-            spawn_detached("rollout_worker.backends.local_supervisor", run_dir.path)
+            spawn_detached("rollout_worker.backends.local.supervisor", run_dir.path)
         except (OSError, subprocess.SubprocessError) as exc:
             raise BackendError(f"could not start the local supervisor: {exc}") from exc
 
@@ -358,7 +358,7 @@ class LocalBackend:
                     os.kill(pid, signal.SIGTERM)
                 time.sleep(0.05)
 
-    # -- warm pools (backends/local_pool.py) -------------------------------------------------
+    # -- warm pools (local/pool.py) -------------------------------------------------
     def _pool_dir(self, key: str) -> PoolDir:
         # "_pools" can never be a batch id (no underscore in those): no run folder collides.
         return PoolDir(self.root / "_pools" / key)
@@ -369,7 +369,7 @@ class LocalBackend:
         if self._isolation() != "bwrap":
             return None
         python = self.settings.local_python
-        return pool.pool_key(spec, f"{episode_program_text()}|bwrap|{python}")
+        return warm.pool_key(spec, f"{episode_program_text()}|bwrap|{python}")
 
     def fill_pool(
         self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate
@@ -416,7 +416,7 @@ class LocalBackend:
                 ask(pool_dir, {"fill": True})
                 return {"size": size, "started": 0}
         try:
-            spawn_detached("rollout_worker.backends.local_pool", pool_dir.path)
+            spawn_detached("rollout_worker.backends.local.pool", pool_dir.path)
         except (OSError, subprocess.SubprocessError) as exc:
             raise BackendError(f"could not start the local pool: {exc}") from exc
         return {"size": size, "started": 1}

@@ -24,7 +24,7 @@ from rollout_wire.request import (
     DEFAULT_RUNTIME,
 )
 from rollout_wire.urls import redacted
-from rollout_worker.cli import _console, _settings, err, out, redis_option
+from rollout_worker.cli.main import _console, _settings, err, out, redis_option
 
 if TYPE_CHECKING:
     from rollout_wire.request import BatchSpec
@@ -199,8 +199,8 @@ def run(
 
     Without --tasks: COUNT episodes of the guide's demo task with its fixed --action. With
     --tasks and --policy-url: every task x --samples, the policy choosing the actions."""
+    from rollout_worker.cli.stack import LocalStack
     from rollout_worker.quantities import resource_problems
-    from rollout_worker.stack import LocalStack
     from trainer_stub.client import RolloutClient
     from trainer_stub.records import check_output_dir
 

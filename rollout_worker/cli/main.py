@@ -70,8 +70,8 @@ class LazyGroup(click.Group):
     """Commands whose modules load only when that command runs (`report` needs matplotlib)."""
 
     lazy = {
-        "report": "rollout_worker.report_cmd:report",
-        "run": "rollout_worker.run_cmd:run",
+        "report": "rollout_worker.cli.report:report",
+        "run": "rollout_worker.cli.run:run",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -321,8 +321,8 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
             )
     in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))  # a Pod: in-cluster config
     if check_cluster or (check_cluster is None and (settings.kubeconfig or in_cluster)):
-        from rollout_worker.backends.kubernetes import KubernetesBackend
-        from rollout_worker.permissions import cluster_check
+        from rollout_worker.backends.kube.backend import KubernetesBackend
+        from rollout_worker.backends.kube.permissions import cluster_check
 
         try:
             # One line per permission (SelfSubjectAccessReview): granted or denied.
@@ -347,7 +347,7 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
 def cleanup(output: Path) -> None:
     """Delete a kept run, after proving from its receipt that we created it."""
     from rollout_worker.backends import RunHandle, get_backend
-    from rollout_worker.backends.kube_read import handle_from_receipt
+    from rollout_worker.backends.kube.read import handle_from_receipt
 
     receipt_file = output / "receipt.json"
     if not receipt_file.exists():
@@ -395,7 +395,7 @@ def policy_server(
 ) -> None:
     """Serve the scripted policy (OpenAI-compatible chat completions, no GPU) for the bundled
     task set: right and wrong fixes, malformed, slow and timed-out replies."""
-    from rollout_worker.policy_server import PolicyServer, load_script
+    from rollout_worker.cli.policy_server import PolicyServer, load_script
 
     server = PolicyServer(host, port, load_script(script), hang_seconds, verbose)
     err(f"scripted policy on {server.url} (episodes call {server.url}/rollout/<id>/v1)")

@@ -13,7 +13,13 @@ import orjson
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
-from rollout_worker.manifests import CONTAINER_NAME, FIRST_INDEX_LABEL, INDEX_LABEL, JOB_NAME
+from rollout_worker.backends.kube.objects import (
+    CONTAINER_NAME,
+    FIRST_INDEX_LABEL,
+    INDEX_LABEL,
+    JOB_NAME,
+    POOL_STATE_IDLE,
+)
 from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
 from rollout_worker.quantities import format_memory, parse_quantity
 
@@ -379,3 +385,18 @@ def handle_from_receipt(receipt: Mapping[str, Any]) -> RunHandle | None:
         job_name=JOB_NAME,
         job_uid=receipt.get("job_uid"),
     )
+
+
+def pool_pod_waiting(pod: dict[str, Any]) -> bool:
+    """An idle pool Pod whose program runs (and so reads its stdin)."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    if (meta.get("labels") or {}).get(k.LABEL_POOL_STATE) != POOL_STATE_IDLE:
+        return False
+    if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+        return False
+    return any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or [])
+
+
+def pool_pod_started_at(pod: dict[str, Any]) -> float | None:
+    """When a pool Pod started (its deadline counts from then)."""
+    return ts((pod.get("status") or {}).get("startTime"))

@@ -1,6 +1,6 @@
 """The local stand-in for the Job controller: runs one batch's episodes as sandboxed processes.
 
-Started detached by the local backend (`python -m rollout_worker.backends.local_supervisor
+Started detached by the local backend (`python -m rollout_worker.backends.local.supervisor
 --daemonize RUN_DIR`); it outlives the Celery task that started it. It holds an exclusive lock
 on the run for its lifetime, so a second start is a no-op, and it skips episodes that already
 have a status, so a restart never runs an episode twice.
@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import fcntl
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -29,24 +28,23 @@ import redis
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
-from rollout_worker.backends.local_files import (
+from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
     MAX_LOG_BYTES,
     RunDir,
     daemonize,
     write_json_atomic,
 )
-from rollout_worker.backends.local_policy_proxy import EpisodeIdentity, PolicyProxy
-from rollout_worker.backends.local_pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
-from rollout_worker.backends.local_signal import DoneSignal
-from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
+from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
+from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
+from rollout_worker.backends.local.sandbox import Mount, plan_sandbox, rlimits
+from rollout_worker.backends.local.signal import DoneSignal
+from rollout_worker.backends.warm import handover_line
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
-from rollout_worker.pool import handover_line
 from rollout_worker.store import Store
 
-FILE_SIZE_LIMIT = 64 * 2**20
+# The longest partial output line a sandbox may hold before its newline.
 PENDING_LIMIT = 64 * 2**10
-OPEN_FILES_LIMIT = 256
 
 
 @dataclass
@@ -93,19 +91,6 @@ class Reporter:
                 self.signal.notify(self.batch_id, index)
             else:
                 self.store.publish_state(self.batch_id, index, state)
-
-
-def _limits(memory_bytes: int, cpu_seconds: int) -> Any:
-    def apply() -> None:
-        # rlimits stand in for cgroup limits: address space for memory, CPU seconds for the
-        # CPU share over the episode's lifetime.
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
-
-    return apply
 
 
 class Supervisor:
@@ -249,7 +234,7 @@ class Supervisor:
                 cwd=plan.cwd,
                 env=plan.env,
                 start_new_session=True,
-                preexec_fn=_limits(self.memory_bytes, self.cpu_seconds),
+                preexec_fn=rlimits(self.memory_bytes, self.cpu_seconds),
                 user=plan.run_as[0] if plan.run_as else None,
                 group=plan.run_as[1] if plan.run_as else None,
                 extra_groups=[] if plan.run_as else None,

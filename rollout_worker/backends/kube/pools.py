@@ -1,4 +1,5 @@
-"""Warm pools on Kubernetes: the API calls (the objects and rules are in `rollout_worker/pool.py`).
+"""Warm pools on Kubernetes: the API calls (the objects are built in `objects.py`, the shape key
+and hand-over line in `backends/warm.py`).
 
 - `fill`: a pool's namespace (program ConfigMap, NetworkPolicy), then Pods up to a size within
   a budget of waiting Pods over all pools.
@@ -32,9 +33,10 @@ from rollout_wire.errors import (
     TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
-from rollout_worker import pool
+from rollout_worker.backends import warm
 from rollout_worker.backends.base import ReceiptUpdate
-from rollout_worker.manifests import CONTAINER_NAME
+from rollout_worker.backends.kube import objects, read
+from rollout_worker.backends.kube.objects import CONTAINER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +69,13 @@ class WarmPools:
     def ensure(self, spec: BatchSpec, key: str, program: str, record: ReceiptUpdate) -> str:
         """The pool's namespace (created, or adopted when its labels say it is this pool),
         with its program and network policy. Returns the namespace's UID."""
-        namespace = pool.pool_namespace(key)
+        namespace = objects.pool_namespace(key)
         record({"namespace": namespace})
         try:
             ns = self._call(
-                "create pool namespace", self.core.create_namespace, pool.namespace_manifest(key)
+                "create pool namespace",
+                self.core.create_namespace,
+                objects.pool_namespace_manifest(key),
             )
         except ResourceConflict:
             ns = self._call("read pool namespace", self.core.read_namespace, namespace)
@@ -83,10 +87,10 @@ class WarmPools:
                 ) from None
         record({"uid": ns["metadata"]["uid"]})
         for what, create, manifest in (
-            ("configmap", self.core.create_namespaced_config_map, pool.configmap_manifest),
+            ("configmap", self.core.create_namespaced_config_map, objects.pool_configmap_manifest),
             ("networkpolicy", self.net.create_namespaced_network_policy, None),
         ):
-            body = manifest(key, program) if manifest else pool.network_policy(spec, key)
+            body = manifest(key, program) if manifest else objects.pool_network_policy(spec, key)
             with contextlib.suppress(ResourceConflict):  # made by an earlier fill (ours: ns)
                 self._call(f"create pool {what}", create, namespace, body)
         return str(ns["metadata"]["uid"])
@@ -105,7 +109,7 @@ class WarmPools:
             found = self._call(
                 "list pool pods",
                 self.core.list_namespaced_pod,
-                pool.pool_namespace(key),
+                objects.pool_namespace(key),
                 label_selector=f"{labels},{selector}" if selector else labels,
             )
         except ResourceNotFound:
@@ -118,7 +122,7 @@ class WarmPools:
             "list pool pods",
             self.core.list_pod_for_all_namespaces,
             label_selector=f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},"
-            f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}",
+            f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}",
             field_selector="status.phase!=Succeeded,status.phase!=Failed",
         )
         return len(found.get("items", []))
@@ -128,15 +132,15 @@ class WarmPools:
     ) -> dict[str, int]:
         """Create Pods until the pool has `size` idle ones, without more than `budget` idle Pods
         in all pools together. Pods that ended while idle (their lifetime ran out) are deleted."""
-        idle = self.pods(key, f"{k.LABEL_POOL_STATE}={pool.STATE_IDLE}")
+        idle = self.pods(key, f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}")
         ended = [p for p in idle if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed")]
         for pod in ended:
             self._delete_pod(pod)
         have = len(idle) - len(ended)
         room = max(0, budget - self.idle_total())
         wanted = max(0, min(size - have, room))
-        manifest = pool.pod_manifest(spec, key, idle_seconds)
-        namespace = pool.pool_namespace(key)
+        manifest = objects.pool_pod_manifest(spec, key, idle_seconds)
+        namespace = objects.pool_namespace(key)
         created = list(
             _threads(
                 lambda _: self._call(
@@ -155,7 +159,7 @@ class WarmPools:
         episode right after its own claim (one thread per Pod: no episode waits for another's
         claim). A redelivered start finds the Pods an earlier delivery claimed (by the batch
         label), claims no more and hands them over again (a runner reads one line only)."""
-        namespace = pool.pool_namespace(key)
+        namespace = objects.pool_namespace(key)
         pods = self.pods(key)
         mine = [
             p
@@ -170,7 +174,8 @@ class WarmPools:
         # At most `parallelism`: a batch never starts more episodes at once than it asked for
         # (its Job's parallelism runs beside them only when it has more episodes than that).
         waiting = sorted(
-            (p for p in pods if pool.waiting(p)), key=lambda p: p["metadata"]["creationTimestamp"]
+            (p for p in pods if read.pool_pod_waiting(p)),
+            key=lambda p: p["metadata"]["creationTimestamp"],
         )[: min(spec.count, spec.parallelism)]
         if not waiting:
             return []
@@ -183,7 +188,9 @@ class WarmPools:
         def take(item: tuple[int, dict[str, Any]]) -> Claimed | None:
             index, pod = item
             at = now()
-            patch = pool.claim_patch(pod, spec.batch_id, index, spec.episode_timeout_seconds, at)
+            started = read.pool_pod_started_at(pod)
+            timeout = spec.episode_timeout_seconds
+            patch = objects.claim_patch(pod, started, spec.batch_id, index, timeout, at)
             if patch is None:
                 return None
             try:
@@ -211,7 +218,7 @@ class WarmPools:
                 self.core.api_client.configuration,
                 namespace,
                 c.name,
-                pool.handover_line(spec, c.index),
+                warm.handover_line(spec, c.index),
             )
         except Exception as exc:  # no attach or no write: the episode never got its line
             log.warning(
@@ -288,7 +295,7 @@ class WarmPools:
     def drain(self, key: str, namespace_uid: str | None) -> bool:
         """Delete the pool's idle Pods; once none of its Pods is claimed by a batch that still
         runs, delete its namespace too (after proving it by UID and labels). True once gone."""
-        namespace = pool.pool_namespace(key)
+        namespace = objects.pool_namespace(key)
         try:
             ns = self._call("read pool namespace", self.core.read_namespace, namespace)
         except ResourceNotFound:
@@ -304,7 +311,7 @@ class WarmPools:
         busy = False
         for pod in self.pods(key):
             labels = pod["metadata"].get("labels") or {}
-            if labels.get(k.LABEL_POOL_STATE) == pool.STATE_IDLE:
+            if labels.get(k.LABEL_POOL_STATE) == objects.POOL_STATE_IDLE:
                 self._delete_pod(pod)
             elif (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
                 busy = True  # a batch's episode runs here: its own cleanup deletes it

@@ -2,7 +2,7 @@
 that already run the episode program up to the point where it needs its episode, and hands
 them to runs' supervisors.
 
-The pool process (`python -m rollout_worker.backends.local_pool --daemonize POOL_DIR`) starts
+The pool process (`python -m rollout_worker.backends.local.pool --daemonize POOL_DIR`) starts
 each sandbox exactly as a supervisor starts a cold one (sandbox_command.plan_sandbox: bwrap, no
 network, uid 1000, no capabilities, the same resource limits), plus `ROLLOUT_HANDOVER=stdin`, a
 folder of its own at /sandbox/io (where the supervisor later puts the episode's policy socket)
@@ -38,8 +38,8 @@ from typing import Any
 
 import orjson
 
-from rollout_worker.backends.local_files import daemonize, write_json_atomic
-from rollout_worker.backends.sandbox_command import Mount, plan_sandbox
+from rollout_worker.backends.local.files import daemonize, write_json_atomic
+from rollout_worker.backends.local.sandbox import Mount, plan_sandbox, rlimits
 
 IO_MOUNT = "/sandbox/io"
 POLICY_SOCKET = f"{IO_MOUNT}/policy.sock"
@@ -185,7 +185,6 @@ class PoolProcess:
         self.config = self.dir.read(self.dir.config) or self.config
 
     def start_one(self) -> None:
-        from rollout_worker.backends.local_supervisor import _limits
 
         name = f"warm-{secrets.token_hex(4)}"
         home = self.dir.sandbox(name)
@@ -221,7 +220,7 @@ class PoolProcess:
                 env=plan.env,
                 pass_fds=(write_end,),
                 start_new_session=True,
-                preexec_fn=_limits(c["limits"]["memory_bytes"], c["limits"]["cpu_seconds"]),
+                preexec_fn=rlimits(c["limits"]["memory_bytes"], c["limits"]["cpu_seconds"]),
                 user=plan.run_as[0] if plan.run_as else None,
                 group=plan.run_as[1] if plan.run_as else None,
                 extra_groups=[] if plan.run_as else None,

@@ -33,10 +33,21 @@ from rollout_wire.errors import (
     TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
-from rollout_worker import pool
+from rollout_worker.backends import warm
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
-from rollout_worker.backends.kube_pool import WarmPools
-from rollout_worker.backends.kube_read import (
+from rollout_worker.backends.kube import objects, read
+from rollout_worker.backends.kube.objects import (
+    CONTAINER_NAME,
+    JOB_NAME,
+    configmap_manifest,
+    job_manifest,
+    job_parts,
+    namespace_manifest,
+    namespace_name,
+    network_policy_manifest,
+)
+from rollout_worker.backends.kube.pools import WarmPools
+from rollout_worker.backends.kube.read import (
     RETRYING,
     capacity_plan,
     completion_index,
@@ -50,17 +61,7 @@ from rollout_worker.backends.kube_read import (
     pretty_json,
     ts,
 )
-from rollout_worker.backends.kube_watch import PodWatch, PodWatches
-from rollout_worker.manifests import (
-    CONTAINER_NAME,
-    JOB_NAME,
-    configmap_manifest,
-    job_manifest,
-    job_parts,
-    namespace_manifest,
-    namespace_name,
-    network_policy_manifest,
-)
+from rollout_worker.backends.kube.watch import PodWatch, PodWatches
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
@@ -191,7 +192,7 @@ class KubernetesBackend:
         key = self.pool_key(spec)
         if fits < spec.parallelism and key is not None:
             # Waiting Pods of this batch's pool hold room this batch takes over with them.
-            warm = sum(1 for p in self.pools.pods(key) if pool.waiting(p))
+            warm = sum(1 for p in self.pools.pods(key) if read.pool_pod_waiting(p))
             if warm:
                 fits += min(warm, spec.count, spec.parallelism)
                 text += f"\n  + {warm} waiting Pod(s) of its warm pool"
@@ -282,7 +283,7 @@ class KubernetesBackend:
             job_name=JOB_NAME if created else None,
             job_uid=created[0]["metadata"]["uid"] if created else None,
             jobs=jobs,
-            pool_namespace=pool.pool_namespace(key) if claimed and key else None,
+            pool_namespace=objects.pool_namespace(key) if claimed and key else None,
             warm=[[c.index, c.name, c.uid] for c in claimed],
         )
 
@@ -659,9 +660,9 @@ class KubernetesBackend:
             return warm_gone
         return False
 
-    # -- warm pools (rollout_worker/pool.py) -------------------------------------------------
+    # -- warm pools (backends/warm.py, kube/pools.py) ---------------------------------------
     def pool_key(self, spec: BatchSpec) -> str | None:
-        return pool.pool_key(spec, self.program)
+        return warm.pool_key(spec, self.program)
 
     def fill_pool(
         self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate
@@ -689,7 +690,7 @@ class KubernetesBackend:
             pools[key] = {
                 "namespace": ns["metadata"]["name"],
                 "uid": ns["metadata"]["uid"],
-                "waiting": sum(1 for p in pods if pool.waiting(p)),
+                "waiting": sum(1 for p in pods if read.pool_pod_waiting(p)),
                 "claimed_running": sum(
                     1 for p in running if k.LABEL_BATCH in (p["metadata"].get("labels") or {})
                 ),

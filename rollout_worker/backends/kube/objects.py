@@ -9,7 +9,7 @@ batch labels; cleanup refuses anything without them.
 from __future__ import annotations
 
 import ipaddress
-import urllib.parse
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +19,8 @@ import orjson
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
+from rollout_wire.urls import policy_endpoint
+from rollout_worker.backends.warm import pool_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
 JOB_NAME = "rollout"
@@ -84,15 +86,6 @@ def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
         },
         "data": data,
     }
-
-
-def policy_endpoint(url: str) -> tuple[str, int]:
-    """(address, port) of a policy URL; the address must be an IP literal (a NetworkPolicy
-    matches addresses, not names)."""
-    parsed = urllib.parse.urlsplit(url)
-    host = parsed.hostname or ""
-    ipaddress.ip_address(host)  # ValueError for a name
-    return host, parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
 def network_policy_manifest(
@@ -350,3 +343,109 @@ def job_manifest(
     if spec.infra_retries:
         job["spec"]["podFailurePolicy"] = pod_failure_policy(spec)
     return job
+
+
+# -- warm pools: one namespace per shape (backends/warm.py), its Pods claimed one per episode --
+POOL_NAMESPACE_PREFIX = "rollout-pool-"
+POOL_POD_PREFIX = "warm-"
+POOL_STATE_IDLE = "idle"
+POOL_STATE_CLAIMED = "claimed"
+# A pool Pod lives at most this long past the pool's idle time: a backstop for a pool nobody
+# drains (its Pods then end DeadlineExceeded without an episode).
+LIFETIME_EXTRA_SECONDS = 3600
+# A claimed Pod must have this much of its lifetime left beyond the episode's own timeout.
+CLAIM_MARGIN_SECONDS = 5
+
+
+def pool_namespace(key: str) -> str:
+    return f"{POOL_NAMESPACE_PREFIX}{key}"
+
+
+def pool_labels(key: str) -> dict[str, str]:
+    return {k.LABEL_OWNER: k.LABEL_OWNER_VALUE, k.LABEL_POOL: key}
+
+
+def pool_namespace_manifest(key: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": pool_namespace(key), "labels": pool_labels(key)},
+    }
+
+
+def pool_configmap_manifest(key: str, program: str) -> dict[str, Any]:
+    """The episode program (a pool's episodes bring their task in the hand-over)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": CONFIGMAP_NAME,
+            "namespace": pool_namespace(key),
+            "labels": pool_labels(key),
+        },
+        "data": {PROGRAM_KEY: program},
+    }
+
+
+def pool_network_policy(spec: BatchSpec, key: str) -> dict[str, Any]:
+    """The same deny-all (plus the policy endpoint) as the batch's own namespace."""
+    return network_policy_manifest(spec, pool_namespace(key), pool_labels(key))
+
+
+def pool_lifetime_seconds(spec: BatchSpec, idle_seconds: float) -> int:
+    return math.ceil(idle_seconds) + LIFETIME_EXTRA_SECONDS + spec.episode_timeout_seconds
+
+
+def pool_pod_manifest(spec: BatchSpec, key: str, idle_seconds: float) -> dict[str, Any]:
+    """A pool Pod: a cold sandbox's spec (same isolation), waiting on stdin for its episode.
+    No startup probe: a probe execs into every waiting Pod each second."""
+    image = pool_image(spec)
+    if image is None:
+        raise ValueError("a pool serves batches of one image")
+    env = [{"name": "ROLLOUT_HANDOVER", "value": "stdin"}]
+    pod_spec = sandbox_pod_spec(spec, image, env, pool_lifetime_seconds(spec, idle_seconds))
+    pod_spec["containers"][0] |= {"stdin": True, "stdinOnce": True}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": POOL_POD_PREFIX,
+            "namespace": pool_namespace(key),
+            "labels": pool_labels(key) | {k.LABEL_POOL_STATE: POOL_STATE_IDLE},
+        },
+        "spec": pod_spec,
+    }
+
+
+def claim_patch(
+    pod: dict[str, Any],
+    started: float | None,
+    batch_id: str,
+    index: int,
+    episode_timeout: int,
+    now: float,
+) -> dict[str, Any] | None:
+    """The merge patch that makes a waiting Pod episode `index` of a batch, or None when the
+    Pod has too little lifetime left. `resourceVersion` makes the server refuse it (409) if the
+    Pod changed since it was read: another batch claimed it first.
+
+    activeDeadlineSeconds counts from the Pod's start (`started`) and may only go down: the
+    episode gets its own timeout from now."""
+    lifetime = (pod.get("spec") or {}).get("activeDeadlineSeconds")
+    if started is None or lifetime is None:
+        return None
+    deadline = math.ceil(now - started) + episode_timeout
+    if deadline + CLAIM_MARGIN_SECONDS > lifetime:
+        return None
+    return {
+        "metadata": {
+            "resourceVersion": pod["metadata"]["resourceVersion"],
+            "labels": {
+                k.LABEL_BATCH: batch_id,
+                k.LABEL_POOL_STATE: POOL_STATE_CLAIMED,
+                k.LABEL_EPISODE_INDEX: str(index),
+            },
+            "annotations": {k.ANNOTATION_CLAIMED_AT: f"{now:.6f}"},
+        },
+        "spec": {"activeDeadlineSeconds": deadline},
+    }

@@ -1,16 +1,22 @@
-"""Build the command line of one local sandbox. Pure: no I/O beyond what the caller passes in."""
+"""One local sandbox: its bwrap command line and its resource limits. Pure: no I/O beyond what
+the caller passes in."""
 
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 PROGRAM_MOUNT = "/sandbox/episode.py"
 WORKSPACE_MOUNT = "/workspace"
+# rlimits every sandbox gets besides its memory and CPU (from the batch's resources).
+FILE_SIZE_LIMIT = 64 * 2**20
+OPEN_FILES_LIMIT = 256
 
 
 @dataclass(frozen=True)
@@ -118,3 +124,18 @@ def plan_sandbox(
     argv += ["--", python, "-B", PROGRAM_MOUNT]
     run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
     return SandboxPlan(argv, {}, str(workspace), run_as)
+
+
+def rlimits(memory_bytes: int, cpu_seconds: int) -> Any:
+    """The preexec function that applies a sandbox's limits in its process."""
+
+    def apply() -> None:
+        # rlimits stand in for cgroup limits: address space for memory, CPU seconds for the
+        # CPU share over the episode's lifetime.
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
+
+    return apply

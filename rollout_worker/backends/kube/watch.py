@@ -20,7 +20,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import BackendError, TransientBackendError
-from rollout_worker.backends.kube_read import DELETED_MARK
+from rollout_worker.backends.kube.read import DELETED_MARK
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import click
 import orjson
 
 from rollout_wire.rows import REPORT_METRICS
-from rollout_worker.plots import render_timeline
+from rollout_worker.cli.plots import render_timeline
 
 MAX_FAILED_ROWS = 50
 

@@ -1,0 +1,1 @@
+"""Local backend: bubblewrap sandboxes run by a detached supervisor per batch."""

@@ -1,0 +1,85 @@
+"""Warm pools, backend-neutral: which batches can share a pool (the shape key) and the line that
+makes a waiting sandbox an episode. Imports `rollout_wire` only; each backend keeps its pool's
+objects and I/O (`kube/objects.py` + `kube/pools.py`, `local/pool.py`).
+
+A pool serves one sandbox shape (image, RuntimeClass, resources, placement, policy endpoint and
+episode program). Its sandboxes run the episode program up to the point where it needs its
+episode (interpreter started, imports done) and wait on stdin; a claimed sandbox reads one line
+(`handover_line`), runs one episode and is never reused.
+
+Why per policy endpoint: a NetworkPolicy is applied when a Pod starts on some CNIs (this
+project's local node among them), so a Pod's egress must be right before it waits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+
+from rollout_wire.request import BatchSpec
+from rollout_wire.tasksets import demo_task
+from rollout_wire.urls import policy_endpoint
+
+# Where the hand-over writes a real rollout's task (the sandbox's own /tmp, memory-backed).
+TASKS_FILE = "/tmp/rollout-tasks.json"
+
+
+def pool_image(spec: BatchSpec) -> str | None:
+    """The one image of a batch's episodes, or None when they use several."""
+    images = {task.get("image") or spec.image for task in spec.tasks} or {spec.image}
+    return images.pop() if len(images) == 1 else None
+
+
+def pool_key(spec: BatchSpec, program: str) -> str | None:
+    """Which pool a batch takes from, or None when it can take none: its episodes use several
+    images, or it has a retry budget (a warm episode has no Job to run it again)."""
+    image = pool_image(spec)
+    if image is None or spec.infra_retries:
+        return None
+    shape = {
+        "image": image,
+        "runtime": spec.runtime,
+        "image_pull_policy": spec.image_pull_policy,
+        "resources": asdict(spec.resources),
+        "node_selector": spec.node_selector,
+        "tolerations": spec.tolerations,
+        "policy": policy_endpoint(spec.policy["url"]) if spec.policy else None,
+        "program": hashlib.sha256(program.encode()).hexdigest(),
+    }
+    return hashlib.sha256(orjson.dumps(shape, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def handover_line(
+    spec: BatchSpec,
+    index: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    policy_access: Mapping[str, str] | None = None,
+) -> bytes:
+    """What a claimed sandbox reads on its stdin: the variables a cold sandbox of episode
+    `index` gets when it starts, and a real rollout's task (the runner's take_handover).
+    `env` adds backend variables (the local backend's episode id); `policy_access` says how the
+    policy is reached (default: ROLLOUT_POLICY_URL, Kubernetes)."""
+    values: dict[str, str] = {"ROLLOUT_ACTION": spec.action, "ROLLOUT_BATCH_ID": spec.batch_id}
+    values |= dict(env or {})
+    line: dict[str, Any] = {"env": values}
+    if spec.policy is not None:
+        episode = spec.episode(index)
+        task = spec.tasks[episode.task_index] if episode.task_index is not None else demo_task()
+        values |= dict(policy_access or {"ROLLOUT_POLICY_URL": spec.policy["url"]})
+        values |= {
+            "ROLLOUT_POLICY": orjson.dumps(
+                {name: value for name, value in spec.policy.items() if name != "url"}
+            ).decode(),
+            "ROLLOUT_TASKS_FILE": TASKS_FILE,
+            "ROLLOUT_TASK_ID": episode.task_id,
+            "ROLLOUT_SAMPLE": str(episode.sample),
+            "ROLLOUT_GROUP_ID": episode.group_id,
+            "ROLLOUT_ATTEMPT": "0",
+        }
+        line["tasks"] = [task]
+    return orjson.dumps(line) + b"\n"

@@ -1,0 +1,3 @@
+from rollout_worker.cli.main import main
+
+main()
