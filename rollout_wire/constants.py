@@ -5,6 +5,8 @@ Both sides (workers and the trainer) read these; changing one is a wire-format c
 
 from __future__ import annotations
 
+from rollout_wire.states import Progress
+
 # Queues: `control` runs short orchestration tasks; `collect` runs one task per episode and is
 # scaled by starting more workers on it.
 QUEUE_CONTROL = "control"
@@ -20,6 +22,16 @@ TASK_CLEANUP = "rollout.cleanup_run"
 TASK_CANCEL = "rollout.cancel_batch"
 TASK_SWEEP = "rollout.sweep"
 TASK_FILL_POOL = "rollout.fill_pool"
+TASKS = (
+    TASK_SUBMIT,
+    TASK_COLLECT,
+    TASK_AGGREGATE,
+    TASK_WATCHDOG,
+    TASK_CLEANUP,
+    TASK_CANCEL,
+    TASK_SWEEP,
+    TASK_FILL_POOL,
+)
 
 KEY_PREFIX = "rollout"
 
@@ -104,7 +116,8 @@ def aggregate_task_id(batch_id: str) -> str:
     return f"{batch_id}.aggregate"
 
 
-def group_id(batch_id: str) -> str:
+def chord_group_task_id(batch_id: str) -> str:
+    """The Celery group of a batch's collectors (not a task group: see request.group_id)."""
     return f"{batch_id}.group"
 
 
@@ -122,7 +135,7 @@ ENTRY_REPORT = "report"  # fields: status
 ENTRY_STATE = "state"  # fields: index, state (progress of one episode before its row)
 
 # Progress states in the order an episode passes them; a state never goes back.
-STATES = ("pending", "running", "ready", "rewarded")
+STATES = tuple(Progress)
 
 
 def states_key(batch_id: str) -> str:

@@ -34,14 +34,10 @@ def celery_config(settings: Settings) -> dict[str, object]:
         # and cancelling them crashes a threads-pool worker ("does not implement kill_job").
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_default_queue": k.QUEUE_CONTROL,
+        # Every task on `control` except the per-episode collectors (scaled apart).
         "task_routes": {
-            k.TASK_SUBMIT: {"queue": k.QUEUE_CONTROL},
-            k.TASK_AGGREGATE: {"queue": k.QUEUE_CONTROL},
-            k.TASK_WATCHDOG: {"queue": k.QUEUE_CONTROL},
-            k.TASK_CLEANUP: {"queue": k.QUEUE_CONTROL},
-            k.TASK_CANCEL: {"queue": k.QUEUE_CONTROL},
-            k.TASK_SWEEP: {"queue": k.QUEUE_CONTROL},
-            k.TASK_COLLECT: {"queue": k.QUEUE_COLLECT},
+            name: {"queue": k.QUEUE_COLLECT if name == k.TASK_COLLECT else k.QUEUE_CONTROL}
+            for name in k.TASKS
         },
         "worker_hijack_root_logger": False,
         # Run by `rollout worker --beat` (one per deployment); every run is idempotent.

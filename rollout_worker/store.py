@@ -147,10 +147,6 @@ class Store:
         created, _ = pipe.execute()
         return bool(created)
 
-    def trajectory(self, batch_id: str, index: int) -> dict[str, Any] | None:
-        raw = self.redis.hget(k.trajectories_key(batch_id), str(index))
-        return None if raw is None else codec.loads(raw)
-
     def has_episode(self, batch_id: str, index: int) -> bool:
         return bool(self.redis.hexists(k.episodes_key(batch_id), str(index)))
 
@@ -176,9 +172,6 @@ class Store:
         and the error must not replace the task's own outcome."""
         with contextlib.suppress(redis.RedisError):
             self._release(keys=[k.collecting_key(batch_id, index)], args=[token])
-
-    def collect_copies(self, batch_id: str) -> int:
-        return int(self.redis.get(k.collect_copies_key(batch_id)) or 0)
 
     def publish_state(self, batch_id: str, index: int, state: str) -> bool:
         """Stream an episode's progress (running, ready, rewarded) once per state."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_wire.errors import BackendError, OwnershipError
+from rollout_wire.states import Cleanup
 from rollout_worker import core
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
 
@@ -147,7 +148,7 @@ def test_the_report_is_published_once_and_schedules_the_cleanup(store, backend):
         backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", 1000.5))
         collect(store, backend, receipt, index, now=1002.0)
     done = finalize(store, backend)
-    assert done is not None and done.cleanup == core.CLEANUP_SCHEDULED
+    assert done is not None and done.cleanup == Cleanup.SCHEDULED
     report = store.reports["b1"]
     assert report["ok"] and report["reward_sum"] == 3 and report["cleanup"] == "scheduled"
     assert report["job_complete_seconds"] == 3.0 and report["records"] == "pending"
@@ -172,7 +173,7 @@ def test_the_watchdog_collects_what_ended_and_reports_the_rest_lost(store, backe
 def test_a_kept_run_is_not_cleaned_up(store, backend):
     started(store, backend, keep_run=True)
     done = finalize(store, backend, by="watchdog")
-    assert done is not None and done.cleanup == core.CLEANUP_KEPT
+    assert done is not None and done.cleanup == Cleanup.KEPT
     assert core.cleanup(store, lambda name: backend, "b1") == "kept" and backend.deleted == 0
 
 

@@ -1,0 +1,83 @@
+"""Every state the wire carries, as one enum each (string-valued: the JSON value is the member's
+value, so rows, reports and receipts written before these enums read the same).
+
+Workers and clients compare against these members, never against string literals.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EpisodeStatus(StrEnum):
+    """A row's status. `ok` passed every rule of the guide; `failed` ended but broke a rule
+    (its reward is 0); `lost` never gave a usable outcome before the deadline."""
+
+    OK = "ok"
+    FAILED = "failed"
+    LOST = "lost"
+
+
+class FailureKind(StrEnum):
+    """Why a row that is not ok is not. `infrastructure` (the sandbox never started, the policy
+    endpoint was unreachable or timed out, a deadline, a lost supervisor): the row is NOT a
+    sample of the policy and must not enter a reward average. `episode`: the episode itself
+    broke a rule (its record is invalid)."""
+
+    INFRASTRUCTURE = "infrastructure"
+    EPISODE = "episode"
+
+
+class Progress(StrEnum):
+    """Where a running episode is, as streamed before its row (the row ends it)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    READY = "ready"
+    REWARDED = "rewarded"
+
+
+class BatchStatus(StrEnum):
+    """A report's `status`: how the batch ended (`rejected`: the request was refused before
+    anything was created; `error`: the backend could not start the run)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    ERROR = "error"
+
+
+class SubmitStatus(StrEnum):
+    """What `submit_batch` answered (its Celery result; the report says how the batch ended)."""
+
+    STARTED = "started"
+    REJECTED = "rejected"
+    CONFLICT = "conflict"  # the batch id is taken by a different request
+    DONE = "done"  # a redelivered submit of a batch already reported
+    ERROR = "error"
+
+
+class Cleanup(StrEnum):
+    """The run's deletion, in the receipt's `cleanup` field and the report's."""
+
+    KEPT = "kept"
+    SCHEDULED = "scheduled"
+    DELETING = "deleting"
+    DELETED = "deleted"
+    FAILED = "failed"
+
+
+class Records(StrEnum):
+    """The run's records (job.json, pods.json, events...), saved after the report."""
+
+    PENDING = "pending"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class FinalizedBy(StrEnum):
+    """Who published the report: the chord's callback, or the watchdog when the chord stalled."""
+
+    CHORD = "chord"
+    WATCHDOG = "watchdog"

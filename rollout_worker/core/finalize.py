@@ -1,0 +1,118 @@
+"""Publish a batch's report once, as soon as its episodes are in; then save the run's records."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_wire.errors import BackendError
+from rollout_wire.states import BatchStatus, Cleanup, FinalizedBy, Records
+from rollout_worker.backends.base import Backend, FinishedRun
+from rollout_worker.core.collect import collect
+from rollout_worker.core.state import (
+    FLAG_CANCEL,
+    BackendFor,
+    BatchStore,
+    Limits,
+    Receipt,
+    load_receipt,
+)
+from rollout_worker.report import build_report
+
+log = logging.getLogger(__name__)
+
+
+# -- report ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Finalized:
+    report: dict[str, Any]
+    cleanup: Cleanup  # SCHEDULED (the caller schedules `cleanup`) or KEPT
+
+
+def finalize(
+    store: BatchStore,
+    backend_for: BackendFor,
+    batch_id: str,
+    *,
+    finalized_by: FinalizedBy,
+    limits: Limits,
+    now: Callable[[], float] = time.time,
+) -> Finalized | None:
+    """Publish the report once, as soon as the episodes are in; then save the run's records
+    (which may wait for the backend to settle). Returns None when the report was published
+    before (a redelivered callback then only completes the records, if they are missing).
+
+    The watchdog (finalized_by="watchdog") first collects what the backend still has and
+    records every other episode as lost.
+    """
+    receipt = load_receipt(store, batch_id)
+    if receipt is None or receipt.run is None:
+        log.error("cannot finalize %s: no receipt with a run", batch_id)
+        return None
+    spec, run = receipt.spec, receipt.run
+    backend = backend_for(run.backend)
+    done: Finalized | None = None
+    if not store.has_report(batch_id):
+        if finalized_by == FinalizedBy.WATCHDOG:
+            for index in range(spec.count):
+                if not store.has_episode(batch_id, index):
+                    collect(store, backend, receipt, index, block=0, final=True, limits=limits)
+        done = _publish(store, backend, receipt, finalized_by, now())
+    if receipt.records != Records.COMPLETE:
+        _save_records(store, backend, receipt)
+    return done
+
+
+def _publish(
+    store: BatchStore, backend: Backend, receipt: Receipt, finalized_by: FinalizedBy, now: float
+) -> Finalized | None:
+    spec, run = receipt.spec, receipt.run
+    assert run is not None
+    status: FinishedRun | None = None
+    batch_errors: list[str] = []
+    try:
+        status = backend.run_status(spec, run)
+    except BackendError as exc:
+        batch_errors.append(f"could not read how the run ended: {exc}")
+    cleanup = Cleanup.KEPT if spec.keep_run else Cleanup.SCHEDULED
+    report = build_report(
+        spec,
+        store.episode_rows(spec.batch_id),
+        run,
+        status,
+        finalized_by=finalized_by,
+        reported_at=now,
+        warnings=receipt.warnings,
+        batch_errors=batch_errors,
+    ) | {"cleanup": cleanup, "records": Records.PENDING}
+    if store.has_flag(spec.batch_id, FLAG_CANCEL):
+        report |= {"ok": False, "status": BatchStatus.CANCELLED}
+    if not store.publish_report(spec.batch_id, report):
+        return None
+    store.update_receipt(spec.batch_id, {"cleanup": cleanup})
+    return Finalized(report, cleanup)
+
+
+def _save_records(store: BatchStore, backend: Backend, receipt: Receipt) -> None:
+    """The run's records (job.json, pods.json, events, logs of the supervisor...), after the
+    report: the receipt's `records` says when they are complete."""
+    assert receipt.run is not None
+    try:
+        finished = backend.finish_run(receipt.spec, receipt.run)
+    except BackendError as exc:
+        store.update_receipt(
+            receipt.batch_id, {"records": Records.FAILED, "records_error": str(exc)}
+        )
+        return
+    store.save_records(receipt.batch_id, finished.records)
+    store.update_receipt(
+        receipt.batch_id,
+        {
+            "records": Records.COMPLETE,
+            "run_verdict": finished.verdict,
+            "completed_at": finished.completed_at,
+        },
+    )

@@ -1,0 +1,274 @@
+"""What each Celery task decides, without Celery. `tasks.py` turns a Celery call into one call
+here and the answer into a Celery action: a result, a retry (`Again`), or messages sent through
+the `Scheduler` it passes in. Every decision of when to run again, what to send next and which
+backend to use lives here; the retry budgets too (`MAX_RETRIES`, one table for all tasks).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Protocol
+
+from rollout_wire import constants as k
+from rollout_wire.errors import TransientBackendError
+from rollout_wire.states import Cleanup, FinalizedBy
+from rollout_worker.backends import get_backend
+from rollout_worker.backends.base import Backend, RunHandle
+from rollout_worker.core.admit import fail, submit
+from rollout_worker.core.collect import claim, collect, rescue, watchdog_countdown
+from rollout_worker.core.finalize import finalize
+from rollout_worker.core.pools import drain_pools, fill_pool
+from rollout_worker.core.runs import (
+    CLEANUP_RECHECK_SECONDS,
+    backend_for_run,
+    cancel,
+    cleanup,
+    cleanup_pending,
+    sweep,
+    sweep_backends,
+)
+from rollout_worker.core.state import FLAG_CHORD, BatchStore, Limits, NotYet, Receipt, load_receipt
+from rollout_worker.settings import Settings
+
+# How often each task may run again (None: until its batch's deadline, which bounds it: a
+# collector or watchdog requeues itself for as long as its batch runs, and Celery's default
+# of 3 retries would turn a slow batch into a ChordError).
+SUBMIT_RETRIES = 5
+MAX_RETRIES: dict[str, int | None] = {
+    k.TASK_SUBMIT: SUBMIT_RETRIES,
+    k.TASK_COLLECT: None,
+    k.TASK_AGGREGATE: 0,
+    k.TASK_WATCHDOG: None,
+    # x CLEANUP_RECHECK_SECONDS: ten minutes of a namespace terminating.
+    k.TASK_CLEANUP: 300,
+    k.TASK_CANCEL: SUBMIT_RETRIES,
+    k.TASK_SWEEP: 0,
+    # x FILL_RETRY_SECONDS: long enough for a drained pool's namespace to go.
+    k.TASK_FILL_POOL: SUBMIT_RETRIES,
+}
+# A collector whose backend failed transiently pauses this long before it requeues: not with
+# a countdown, because a worker holds ETA messages beyond its prefetch limit, and a pile of
+# them outlives the visibility timeout and is delivered twice.
+TRANSIENT_PAUSE_SECONDS = 1.0
+CANCEL_RETRY_SECONDS = 1.0
+FILL_RETRY_SECONDS = 5.0
+# What the receipt cache holds at most per process (a started batch's receipt never changes).
+RECEIPT_CACHE_SIZE = 10_000
+_UNSAFE_ID = re.compile(r"[^a-z0-9-]")
+
+
+class Again(Exception):
+    """Run this task again after `countdown` seconds (after sleeping `pause` in the worker).
+    `cause` is the error that made it so, if any (Celery re-raises it once retries run out)."""
+
+    def __init__(
+        self, countdown: float = 0.0, *, pause: float = 0.0, cause: Exception | None = None
+    ) -> None:
+        super().__init__(f"again in {countdown}s")
+        self.countdown, self.pause, self.cause = countdown, pause, cause
+
+
+class Scheduler(Protocol):
+    """The messages the lifecycle sends (Celery signatures in `tasks.py`). Each is idempotent:
+    a deterministic task id, or a task that does nothing the second time."""
+
+    def collect_batch(self, batch_id: str, count: int, watchdog_countdown: float) -> None:
+        """The chord (one collector per episode, then the callback) and the watchdog."""
+
+    def cleanup(self, batch_id: str) -> None: ...
+    def fill_pool(self, batch_id: str) -> None: ...
+
+
+def default_batch_id(message_id: str) -> str | None:
+    """A request without a batch id is named after its message, so a redelivery of the same
+    message maps to the same batch."""
+    return _UNSAFE_ID.sub("", message_id.lower())[:32] or None
+
+
+class Worker:
+    """One worker process's view of the lifecycle: its store, its backends (made on first
+    use), the receipts of started batches, and the scheduler that sends its messages."""
+
+    def __init__(self, settings: Settings, store: BatchStore, scheduler: Scheduler) -> None:
+        self.settings = settings
+        self.store = store
+        self.scheduler = scheduler
+        self.limits = Limits.from_settings(settings)
+        self._backends: dict[str, Backend] = {}
+        self._receipts: dict[str, Receipt] = {}
+
+    # -- which backend -----------------------------------------------------------------------
+    def backend(self, name: str) -> Backend:
+        if name not in self._backends:
+            self._backends[name] = get_backend(name, self.settings)
+        return self._backends[name]
+
+    def backend_for_run(self, handle: RunHandle) -> Backend:
+        return backend_for_run(handle, self.settings, self._backends)
+
+    def started(self, batch_id: str) -> Receipt | None:
+        """The receipt of a started batch (its spec and run never change after that)."""
+        receipt = self._receipts.get(batch_id)
+        if receipt is None:
+            receipt = load_receipt(self.store, batch_id)
+            if receipt is None or receipt.run is None:
+                return None
+            if len(self._receipts) > RECEIPT_CACHE_SIZE:
+                self._receipts.clear()
+            self._receipts[batch_id] = receipt
+        return receipt
+
+    # -- the tasks ---------------------------------------------------------------------------
+    def submit(self, request: Any, *, message_id: str, attempt: int) -> dict[str, Any]:
+        default_id = default_batch_id(message_id)
+        try:
+            done = submit(
+                self.store,
+                self.backend,
+                request,
+                default_batch_id=default_id,
+                limits=self.limits,
+                now=time.time(),
+            )
+        except TransientBackendError as exc:
+            if attempt < SUBMIT_RETRIES:
+                raise Again(2**attempt, cause=exc) from exc
+            batch_id = request.get("batch_id") if isinstance(request, dict) else None
+            receipt = load_receipt(self.store, str(batch_id or default_id))
+            if receipt is None:
+                raise
+            done = fail(self.store, receipt.spec, [f"backend failed after retries: {exc}"])
+        if done.dispatch and done.spec is not None and done.run is not None:
+            # Send, then flag: a crash in between re-sends the same task ids, which the result
+            # backend and the per-index row store both absorb.
+            countdown = watchdog_countdown(done.spec, done.run, self.limits, time.time())
+            self.scheduler.collect_batch(done.spec.batch_id, done.spec.count, countdown)
+            self.store.set_flag(done.spec.batch_id, FLAG_CHORD)
+        return done.as_result()
+
+    def collect(self, batch_id: str, index: int) -> dict[str, Any]:
+        """Wait a bounded time for one episode; if it has not ended, `Again` (the slot is
+        freed and the task queues behind the others); else validate and record its row once."""
+        if self.store.has_episode(batch_id, index):
+            return {"index": index, "recorded": False}
+        receipt = self.started(batch_id)
+        if receipt is None or receipt.run is None:
+            return {"index": index, "error": "no receipt or run for this batch"}
+        token = uuid.uuid4().hex
+        if not claim(self.store, batch_id, index, token, self.limits):
+            if self.store.has_episode(batch_id, index):
+                return {"index": index, "recorded": False}
+            raise Again()
+        try:
+            row = collect(
+                self.store,
+                self.backend(receipt.run.backend),
+                receipt,
+                index,
+                block=self.limits.collect_block_seconds,
+                final=False,
+                limits=self.limits,
+            )
+        except TransientBackendError as exc:
+            raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
+        except NotYet:
+            raise Again() from None
+        finally:
+            # Released before the retry is sent: the next copy may start at once.
+            self.store.release_collect(batch_id, index, token)
+        return {"index": index, "status": row.status}
+
+    def finalize(self, batch_id: str, finalized_by: FinalizedBy) -> dict[str, Any]:
+        """Publish the report once; then the cleanup and (behind the batch) the pool refill."""
+        done = finalize(
+            self.store, self.backend, batch_id, finalized_by=finalized_by, limits=self.limits
+        )
+        if done is None:
+            if cleanup_pending(self.store, batch_id):
+                self.scheduler.cleanup(batch_id)
+            return {"batch_id": batch_id, "status": "already-reported"}
+        if done.cleanup == Cleanup.SCHEDULED:
+            self.scheduler.cleanup(batch_id)
+        receipt = self.started(batch_id)
+        if receipt is not None and receipt.spec.warm_pool:
+            # After the report: new sandboxes starting while the batch's episodes run would
+            # take their CPU; after it, they are ready for the next round.
+            self.scheduler.fill_pool(batch_id)
+        return {"batch_id": batch_id, "status": done.report["status"]}
+
+    def watchdog(self, batch_id: str) -> dict[str, Any]:
+        """Look at a batch whose chord may never complete: finalise it once every episode has
+        a row (the rescue collects ended ones) or its deadline passed; else look again."""
+        if self.store.has_report(batch_id):
+            if cleanup_pending(self.store, batch_id):
+                self.scheduler.cleanup(batch_id)
+            return {"batch_id": batch_id, "status": "reported"}
+        receipt = self.started(batch_id)
+        if receipt is not None and receipt.run is not None:
+            backend = self.backend(receipt.run.backend)
+            if rescue(self.store, backend, receipt, self.limits, time.time()):
+                return self.finalize(batch_id, FinalizedBy.WATCHDOG)
+            countdown = watchdog_countdown(receipt.spec, receipt.run, self.limits, time.time())
+            if countdown > 0:
+                raise Again(countdown)
+        return self.finalize(batch_id, FinalizedBy.WATCHDOG)
+
+    def cleanup(self, batch_id: str) -> dict[str, Any]:
+        """Delete a reported run; while the backend deletes, look again later instead of
+        holding a worker slot."""
+        try:
+            state = cleanup(self.store, self.backend, batch_id)
+        except TransientBackendError as exc:
+            raise Again(CLEANUP_RECHECK_SECONDS, cause=exc) from exc
+        if state == Cleanup.DELETING:
+            raise Again(CLEANUP_RECHECK_SECONDS)
+        return {"batch_id": batch_id, "cleanup": state}
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        try:
+            state = cancel(self.store, self.backend, batch_id)
+        except TransientBackendError as exc:
+            raise Again(CANCEL_RETRY_SECONDS, cause=exc) from exc
+        return {"batch_id": batch_id, "cancel": state}
+
+    def fill_pool(self, batch_id: str) -> dict[str, Any]:
+        """Refill the warm pool of a batch's shape (its `warm_pool` field). Idempotent: a pool
+        that has its size creates nothing."""
+        receipt = load_receipt(self.store, batch_id)
+        if receipt is None:
+            return {"batch_id": batch_id, "pool": None, "reason": "no receipt"}
+        try:
+            filled = fill_pool(
+                self.store,
+                self.backend(receipt.spec.backend),
+                receipt.spec,
+                budget=self.settings.warm_pool_budget,
+                idle_seconds=self.settings.warm_pool_idle_seconds,
+                now=time.time(),
+            )
+        except TransientBackendError as exc:
+            raise Again(FILL_RETRY_SECONDS, cause=exc) from exc
+        return {"batch_id": batch_id, **filled}
+
+    def sweep(self, dry_run: bool = False) -> list[dict[str, str]]:
+        """The backstop: delete orphaned runs, then drain the pools idle too long."""
+        backends = sweep_backends(self.settings)
+        swept = sweep(
+            self.store,
+            self.backend,
+            backends,
+            run_ttl=self.settings.run_ttl_seconds,
+            now=time.time(),
+            dry_run=dry_run,
+            backend_for_run=self.backend_for_run,
+        )
+        for name in [] if dry_run else backends:
+            swept += drain_pools(
+                self.store,
+                self.backend(name),
+                idle_seconds=self.settings.warm_pool_idle_seconds,
+                now=time.time(),
+            )
+        return [{"batch_id": s.batch_id, "action": s.action, "reason": s.reason} for s in swept]
