@@ -6,14 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-# Row statuses: `ok` passed every rule of the guide; `failed` ended but broke a rule (its
-# reward is 0); `lost` never gave a usable outcome before the deadline.
-ROW_STATUSES = ("ok", "failed", "lost")
-# Why a row that is not ok is not: `infrastructure` (the sandbox never started, the policy
-# endpoint was unreachable or timed out, a deadline, a lost supervisor) means the row is NOT a
-# sample of the policy and must not enter a reward average (a retry may run it again in a fresh
-# sandbox); `episode` means the episode itself broke a rule (its record is invalid).
-FAILURE_KINDS = ("infrastructure", "episode")
+from rollout_wire.states import EpisodeStatus, FailureKind
 
 # The headline numbers of a report, in the order people read them (CLI tables, summaries).
 REPORT_METRICS = (
@@ -41,7 +34,7 @@ class EpisodeRow:
 
     index: int
     pod: str
-    status: str  # one of ROW_STATUSES
+    status: EpisodeStatus
     errors: list[str] = field(default_factory=list)
     reward: float = 0
     baseline_exit: int | None = None
@@ -69,7 +62,7 @@ class EpisodeRow:
     stop_reason: str | None = None  # submit | max_steps | time_limit
     tests_passed: int | None = None
     tests_total: int | None = None
-    failure_kind: str | None = None  # one of FAILURE_KINDS when the row is not ok
+    failure_kind: FailureKind | None = None  # when the row is not ok
     failure_cause: str | None = None  # the first reason, short
     # Earlier attempts run again under the batch's retry budget (infra_retries), oldest first:
     # each {episode_id, exit_code, reason, cause, finished_at}. `pod` is the last attempt.
@@ -77,11 +70,15 @@ class EpisodeRow:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status == EpisodeStatus.OK
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EpisodeRow:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        values["status"] = EpisodeStatus(values["status"])
+        if values.get("failure_kind") is not None:
+            values["failure_kind"] = FailureKind(values["failure_kind"])
+        return cls(**values)

@@ -81,3 +81,13 @@ class FinalizedBy(StrEnum):
 
     CHORD = "chord"
     WATCHDOG = "watchdog"
+
+
+class GroupStatus(StrEnum):
+    """A task group's status in the report: `complete` (every sample valid), `failed` (some
+    sample failed for infrastructure: the group is not a fair sample), `incomplete` (some
+    sample broke an episode rule)."""
+
+    COMPLETE = "complete"
+    FAILED = "failed"
+    INCOMPLETE = "incomplete"

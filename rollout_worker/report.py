@@ -10,6 +10,7 @@ from typing import Any
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.rows import EpisodeRow
+from rollout_wire.states import BatchStatus, EpisodeStatus, FailureKind, GroupStatus
 from rollout_worker.backends.base import FinishedRun, RunHandle
 from rollout_worker.metrics import phase_breakdown, spread
 
@@ -78,26 +79,26 @@ def build_report(
     return {
         "batch_id": spec.batch_id,
         "ok": ok,
-        "status": "succeeded" if ok else "failed",
+        "status": BatchStatus.SUCCEEDED if ok else BatchStatus.FAILED,
         "errors": errors,
         "warnings": list(warnings),
         "episodes": spec.count,
         "collected_episodes": len(ordered),
         "successful_episodes": len(ok_rows),
-        "failed_episodes": sum(1 for r in ordered if r.status == "failed"),
-        "lost_episodes": sum(1 for r in ordered if r.status == "lost") + len(missing),
+        "failed_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.FAILED),
+        "lost_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.LOST) + len(missing),
         "reward_sum": sum(r.reward for r in ok_rows),
-        "infrastructure_failures": sum(1 for r in ordered if r.failure_kind == "infrastructure")
+        "infrastructure_failures": sum(
+            1 for r in ordered if r.failure_kind == FailureKind.INFRASTRUCTURE
+        )
         + len(missing),
-        "episode_failures": sum(1 for r in ordered if r.failure_kind == "episode"),
+        "episode_failures": sum(1 for r in ordered if r.failure_kind == FailureKind.EPISODE),
         # The retry budget per episode and what it cost: episodes run again, and attempts.
         "infra_retries": spec.infra_retries,
         "retried_episodes": sum(1 for r in ordered if r.retried),
         "retries": sum(len(r.retried) for r in ordered),
         "samples_per_task": spec.samples_per_task if spec.tasks else spec.count,
-        "policy": (
-            {"url": spec.policy["url"], "model": spec.policy.get("model")} if spec.policy else None
-        ),
+        "policy": {"url": spec.policy.url, "model": spec.policy.model} if spec.policy else None,
         "groups": groups,
         "parallelism": spec.parallelism,
         "backend": spec.backend,
@@ -159,8 +160,9 @@ def build_groups(spec: BatchSpec, by_index: Mapping[int, EpisodeRow]) -> list[di
             {
                 "index": i,
                 "sample": spec.episode(i).sample,
-                "status": r.status if r is not None else "lost",
-                "failure_kind": (r.failure_kind if r is not None else None) or "infrastructure",
+                "status": r.status if r is not None else EpisodeStatus.LOST,
+                "failure_kind": (r.failure_kind if r is not None else None)
+                or FailureKind.INFRASTRUCTURE,
                 "cause": (r.failure_cause if r is not None else None) or "never collected",
             }
             for i, r in zip(indexes, rows, strict=True)
@@ -181,11 +183,11 @@ def build_groups(spec: BatchSpec, by_index: Mapping[int, EpisodeRow]) -> list[di
                 "failed": failed,
                 "retries": sum(len(r.retried) for r in rows if r is not None),
                 "status": (
-                    "complete"
+                    GroupStatus.COMPLETE
                     if not failed
-                    else "failed"
-                    if any(f["failure_kind"] == "infrastructure" for f in failed)
-                    else "incomplete"
+                    else GroupStatus.FAILED
+                    if any(f["failure_kind"] == FailureKind.INFRASTRUCTURE for f in failed)
+                    else GroupStatus.INCOMPLETE
                 ),
             }
         )

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from rollout_wire.rows import EpisodeRow
+from rollout_wire.states import EpisodeStatus, FailureKind, Progress
 from rollout_wire.trajectory import MAX_EVENT_BYTES, STEP_EVENT
 from rollout_worker.observation import EpisodeObservation
 
@@ -70,7 +71,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     row = EpisodeRow(
         index=obs.index,
         pod=obs.episode_id,
-        status="ok",
+        status=EpisodeStatus.OK,
         exit_code=obs.exit_code,
         restart_count=obs.restart_count,
         phase=obs.phase,
@@ -93,7 +94,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
 
     events, problems = parse_events(log)
     errors.extend(problems)
-    ready = [e for e in events if e.get("event") == "ready"]
+    ready = [e for e in events if e.get("event") == Progress.READY]
     reward = [e for e in events if e.get("event") == "reward"]
     if len(ready) != 1 or len(reward) != 1:
         errors.append(
@@ -157,7 +158,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     if row.reward_at is not None:
         row.batch_to_reward_seconds = row.reward_at - origin
     if errors:
-        row.status = "failed"
+        row.status = EpisodeStatus.FAILED
         row.reward = 0  # a failed episode never hands the trainer a reward
         row.failure_kind = failure_kind(obs, r, failure)
         row.failure_cause = (
@@ -182,14 +183,15 @@ INFRASTRUCTURE_REASONS = (
 
 def failure_kind(
     obs: EpisodeObservation, ready: dict[str, Any] | None, error: dict[str, Any] | None
-) -> str:
+) -> FailureKind:
     """`infrastructure` when the row is no sample of the policy (the runner said so, the
     sandbox never got ready, or it was ended from outside); else `episode`."""
     if error is not None:
-        return "infrastructure" if error.get("kind") == "infrastructure" else "episode"
+        infrastructure = error.get("kind") == FailureKind.INFRASTRUCTURE
+        return FailureKind.INFRASTRUCTURE if infrastructure else FailureKind.EPISODE
     if ready is None or (obs.reason or "") in INFRASTRUCTURE_REASONS:
-        return "infrastructure"
-    return "episode"
+        return FailureKind.INFRASTRUCTURE
+    return FailureKind.EPISODE
 
 
 def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -> None:
@@ -309,10 +311,10 @@ def lost_row(
     row = EpisodeRow(
         index=index,
         pod=episode_id,
-        status="lost",
+        status=EpisodeStatus.LOST,
         errors=[reason],
         collected_at=time.time(),
-        failure_kind="infrastructure",
+        failure_kind=FailureKind.INFRASTRUCTURE,
         failure_cause=reason,
     )
     if obs is not None:

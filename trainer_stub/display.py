@@ -14,9 +14,10 @@ from rich.table import Table
 from rollout_wire import constants as k
 from rollout_wire.codec import Entry
 from rollout_wire.rows import REPORT_METRICS
+from rollout_wire.states import EpisodeStatus, Progress
 from trainer_stub.client import RolloutClient, Submission
 
-COLUMNS = ("pending", "running", "ready", "rewarded", "ok", "failed", "lost")
+COLUMNS = (*Progress, *EpisodeStatus)
 
 
 class BatchProgress:
@@ -27,16 +28,16 @@ class BatchProgress:
         self.totals = dict(batches)
         self.where: dict[str, dict[int, str]] = {b: {} for b in batches}
         self.rewards: dict[str, float] = dict.fromkeys(batches, 0.0)
-        self.status = dict.fromkeys(batches, "running")
+        self.status: dict[str, str] = dict.fromkeys(batches, Progress.RUNNING)
 
     def update(self, batch_id: str, entry: Entry) -> None:
         where = self.where[batch_id]
         if entry.type == k.ENTRY_STATE and entry.index is not None and entry.status:
-            current = where.get(entry.index, "pending")
+            current = where.get(entry.index, Progress.PENDING)
             if current in k.STATES and k.STATES.index(entry.status) > k.STATES.index(current):
                 where[entry.index] = entry.status
         elif entry.type == k.ENTRY_EPISODE and entry.row is not None and entry.index is not None:
-            where[entry.index] = entry.row.get("status", "failed")
+            where[entry.index] = entry.row.get("status", EpisodeStatus.FAILED)
             self.rewards[batch_id] += float(entry.row.get("reward") or 0)
         elif entry.type == k.ENTRY_REPORT:
             self.status[batch_id] = entry.status or "reported"
@@ -45,8 +46,8 @@ class BatchProgress:
         counts = dict.fromkeys(COLUMNS, 0)
         for state in self.where[batch_id].values():
             counts[state] = counts.get(state, 0) + 1
-        counts["pending"] = self.totals[batch_id] - sum(
-            v for name, v in counts.items() if name != "pending"
+        counts[Progress.PENDING] = self.totals[batch_id] - sum(
+            v for name, v in counts.items() if name != Progress.PENDING
         )
         return counts
 

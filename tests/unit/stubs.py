@@ -31,6 +31,18 @@ class MemoryStore:
         self.pools: dict[str, dict[str, Any]] = {}
         self.trajectories: dict[str, dict[int, dict[str, Any]]] = {}
         self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
+        self.claims: dict[tuple[str, int], str] = {}  # (batch, index) -> token (never expire)
+        self.copies: dict[str, int] = {}
+
+    def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool:
+        return self.claims.setdefault((batch_id, index), token) == token
+
+    def count_collect_copy(self, batch_id: str) -> None:
+        self.copies[batch_id] = self.copies.get(batch_id, 0) + 1
+
+    def release_collect(self, batch_id: str, index: int, token: str) -> None:
+        if self.claims.get((batch_id, index)) == token:
+            del self.claims[(batch_id, index)]
 
     def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:
         if batch_id in self.receipts:

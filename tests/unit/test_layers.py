@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +49,113 @@ def test_worker_processes_load_no_plotting_or_terminal_library(entry):
 
 def test_the_local_supervisor_loads_no_kubernetes_client():
     assert "kubernetes" not in loaded("import rollout_worker.backends.local.supervisor")
+
+
+# -- the import graph of the source, read statically (lazy imports inside functions too) ----
+ROOT = Path(__file__).resolve().parents[2]
+
+# Floors of rollout_worker, lowest first: a module may import its own floor or lower ones.
+# Within a floor the graph must still have no circle.
+FLOORS: list[tuple[str, ...]] = [
+    (
+        "rollout_worker.settings",
+        "rollout_worker.quantities",
+        "rollout_worker.observation",
+        "rollout_worker.metrics",
+        "rollout_worker.schedule",
+        "rollout_worker.store",
+        "rollout_worker.sandbox",
+    ),
+    ("rollout_worker.validation", "rollout_worker.backends.base", "rollout_worker.backends.warm"),
+    ("rollout_worker.report", "rollout_worker.backends.local", "rollout_worker.backends.kube"),
+    ("rollout_worker.backends",),  # the package itself: get_backend
+    ("rollout_worker.core",),
+    ("rollout_worker.tasks",),
+    ("rollout_worker.celery_app",),
+    ("rollout_worker.cli",),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports, at any depth of its code."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = module_name(path)
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import module` names a module when one exists by that name.
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    is_module = (ROOT / full.replace(".", "/")).with_suffix(".py").exists() or (
+                        ROOT / full.replace(".", "/") / "__init__.py"
+                    ).exists()
+                    edges.add(full if is_module else node.module)
+        graph[name] = {e for e in edges if e == package or e.startswith(package + ".")} - {name}
+    return graph
+
+
+def floor_of(module: str) -> int:
+    best, floor = -1, -1
+    for number, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, floor = len(prefix), number
+    assert floor >= 0, f"{module} is on no floor: add it to FLOORS"
+    return floor
+
+
+def test_every_import_of_the_worker_points_down_a_floor_or_stays_on_its_own():
+    graph = import_graph("rollout_worker")
+    upward = [
+        f"{a} (floor {floor_of(a)}) -> {b} (floor {floor_of(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if floor_of(b) > floor_of(a)
+    ]
+    assert upward == []
+
+
+def test_the_worker_has_no_import_circle_not_even_through_a_lazy_import():
+    graph = import_graph("rollout_worker")
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import circle: " + " -> ".join([*path, node]))
+        if node in done:
+            return
+        for target in sorted(graph.get(node, ())):
+            visit(target, [*path, node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_local_backend_never_passes_through_kubernetes_code_nor_the_reverse():
+    graph = import_graph("rollout_worker")
+    local, kube = "rollout_worker.backends.local", "rollout_worker.backends.kube"
+    crossing = [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if (a.startswith(local) and b.startswith(kube))
+        or (a.startswith(kube) and b.startswith(local))
+    ]
+    assert crossing == []
+
+
+def test_the_graph_reader_sees_lazy_imports_and_module_imports():
+    # The checks above are only as good as this reader: a function-level import and a
+    # `from package import module` must both be edges.
+    graph = import_graph("rollout_worker")
+    assert "rollout_worker.tasks" in graph["rollout_worker.celery_app"]  # lazy, in create_app
+    assert "rollout_worker.backends.local.backend" in graph["rollout_worker.backends"]

@@ -1,0 +1,141 @@
+"""What each Celery task decides (`core.Worker`), without Celery: retries, what is sent next."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from rollout_wire import constants as k
+from rollout_wire.errors import TransientBackendError
+from rollout_wire.states import FinalizedBy
+from rollout_worker import core
+from rollout_worker.core import worker as worker_module
+from rollout_worker.settings import Settings
+from tests.unit.stubs import MemoryStore, StubBackend, good_log
+
+
+@dataclass
+class Sent:
+    """A scheduler that records what core asked to send."""
+
+    chords: list[tuple[str, int, float]] = field(default_factory=list)
+    cleanups: list[str] = field(default_factory=list)
+    fills: list[str] = field(default_factory=list)
+
+    def collect_batch(self, batch_id: str, count: int, watchdog_countdown: float) -> None:
+        self.chords.append((batch_id, count, watchdog_countdown))
+
+    def cleanup(self, batch_id: str) -> None:
+        self.cleanups.append(batch_id)
+
+    def fill_pool(self, batch_id: str) -> None:
+        self.fills.append(batch_id)
+
+
+class Flaky(StubBackend):
+    def start_run(self, spec, record):  # type: ignore[no-untyped-def]
+        raise TransientBackendError("API server said 503")
+
+
+@pytest.fixture
+def parts():
+    # A run that starts now: the worker decides against the real clock.
+    store, backend, sent = MemoryStore(), StubBackend(origin=time.time()), Sent()
+    w = core.Worker(Settings(collect_block_seconds=0.01), store, sent)
+    # The stub stands in for the backend the request names (and its runs name).
+    w._backends.update(local=backend, stub=backend)
+    return w, store, backend, sent
+
+
+def test_a_submit_sends_the_chord_once_and_flags_it(parts):
+    w, store, _, sent = parts
+    request = {"batch_id": "b1", "count": 2}
+    assert w.submit(request, message_id="m1", attempt=0)["status"] == "started"
+    assert w.submit(request, message_id="m1", attempt=0)["status"] == "started"  # redelivered
+    assert [(b, n) for b, n, _ in sent.chords] == [("b1", 2)]
+    assert store.has_flag("b1", core.FLAG_CHORD)
+
+
+def test_a_request_without_an_id_is_named_after_its_message():
+    assert worker_module.default_batch_id("3F2A-b9_c!") == "3f2a-b9c"
+
+
+def test_a_transient_start_failure_backs_off_then_ends_the_batch_with_a_report(parts):
+    w, store, _, sent = parts
+    w._backends["local"] = Flaky()
+    request = {"batch_id": "b1", "count": 2}
+    for attempt, countdown in enumerate([1, 2, 4, 8, 16]):
+        with pytest.raises(core.Again) as again:
+            w.submit(request, message_id="m1", attempt=attempt)
+        assert again.value.countdown == countdown
+        assert isinstance(again.value.cause, TransientBackendError)
+    result = w.submit(request, message_id="m1", attempt=core.MAX_RETRIES[k.TASK_SUBMIT])
+    assert result["status"] == "error" and "after retries" in result["errors"][0]
+    assert store.reports["b1"]["status"] == "error" and sent.chords == []
+
+
+def test_a_collector_requeues_while_its_episode_runs_and_records_it_once_it_ended(parts):
+    w, store, backend, _ = parts
+    w.submit({"batch_id": "b1", "count": 2}, message_id="m1", attempt=0)
+    with pytest.raises(core.Again) as again:
+        w.collect("b1", 0)
+    assert (again.value.countdown, again.value.pause, again.value.cause) == (0, 0, None)
+    assert store.claims == {}  # released before the retry, so the next copy starts at once
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
+    assert w.collect("b1", 0)["status"] == "ok"
+    assert w.collect("b1", 0) == {"index": 0, "recorded": False}  # a late copy
+
+
+def test_a_transient_backend_error_pauses_the_collector_before_it_requeues(parts, monkeypatch):
+    w, _, backend, _ = parts
+    w.submit({"batch_id": "b1", "count": 1}, message_id="m1", attempt=0)
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise TransientBackendError("watch expired")
+
+    monkeypatch.setattr(backend, "wait_episode", broken)
+    with pytest.raises(core.Again) as again:
+        w.collect("b1", 0)
+    assert again.value.pause == worker_module.TRANSIENT_PAUSE_SECONDS
+    assert isinstance(again.value.cause, TransientBackendError)
+
+
+def test_a_second_copy_stands_aside_while_the_first_holds_the_claim(parts):
+    w, store, _, _ = parts
+    w.submit({"batch_id": "b1", "count": 1}, message_id="m1", attempt=0)
+    store.claims[("b1", 0)] = "another copy"
+    with pytest.raises(core.Again):
+        w.collect("b1", 0)
+    assert store.copies == {"b1": 1} and "b1" not in store.rows
+
+
+def test_the_report_schedules_the_cleanup_and_the_pool_refill_behind_it(parts):
+    w, _, backend, sent = parts
+    w.submit({"batch_id": "b1", "count": 1, "warm_pool": 2}, message_id="m1", attempt=0)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
+    w.collect("b1", 0)
+    assert w.finalize("b1", FinalizedBy.CHORD)["status"] == "succeeded"
+    assert (sent.cleanups, sent.fills) == (["b1"], ["b1"])
+    # A redelivered callback publishes nothing again but re-sends the pending cleanup.
+    assert w.finalize("b1", FinalizedBy.CHORD)["status"] == "already-reported"
+    assert sent.cleanups == ["b1", "b1"] and sent.fills == ["b1"]
+
+
+def test_the_watchdog_looks_again_before_the_deadline_and_finalises_after_it(parts):
+    w, store, _, _ = parts
+    w.submit({"batch_id": "b1", "count": 1}, message_id="m1", attempt=0)
+    with pytest.raises(core.Again) as again:
+        w.watchdog("b1")
+    assert 0 < again.value.countdown <= w.limits.watchdog_step_seconds
+    assert "b1" not in store.reports
+    w.limits = replace(w.limits, collect_grace_seconds=-1e6)  # its deadline long past
+    assert w.watchdog("b1")["status"] == "failed"
+    report = store.reports["b1"]
+    assert (report["finalized_by"], report["lost_episodes"]) == ("watchdog", 1)
+
+
+def test_every_task_has_a_retry_budget_and_only_the_deadline_bounds_collectors():
+    assert set(core.MAX_RETRIES) == set(k.TASKS)
+    assert core.MAX_RETRIES[k.TASK_COLLECT] is None and core.MAX_RETRIES[k.TASK_WATCHDOG] is None
