@@ -7,10 +7,8 @@ decodes a spec that was validated before (a stored receipt), it re-applies no po
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import time
-import urllib.parse
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -19,6 +17,7 @@ from typing import Any, TypeGuard
 import orjson
 
 from rollout_wire.errors import InvalidSpec
+from rollout_wire.policy import PolicyEndpoint, parse_policy
 
 BACKENDS = ("local", "kubernetes")
 # The episode's action: `fix` is the guide's deterministic stand-in for an agent; `none`
@@ -89,7 +88,7 @@ class BatchSpec:
     # demo task, `count` samples of it (one group); no policy: the demo's fixed `action`.
     tasks: list[dict[str, Any]] = field(default_factory=list)
     samples_per_task: int = 1
-    policy: dict[str, Any] | None = None
+    policy: PolicyEndpoint | None = None
     # Retry budget: how many times an episode that failed for infrastructure reasons (the
     # runner's exit code 4: policy endpoint unreachable, no task; or its sandbox disrupted) is
     # run again, each time in a fresh sandbox. Episode failures and deadlines are never retried.
@@ -108,17 +107,19 @@ class BatchSpec:
             task_id, task_index = str(self.tasks[position]["id"]), position
         return EpisodeTask(index, task_index, task_id, sample, group_id(self.batch_id, task_id))
 
-    def task_ids(self) -> list[str]:
-        return [str(t["id"]) for t in self.tasks] if self.tasks else [DEMO_TASK_ID]
-
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The wire form (JSON types only; the policy as its request object)."""
+        values = asdict(self)
+        values["policy"] = self.policy.to_dict() if self.policy is not None else None
+        return values
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BatchSpec:
         """Decode a spec validated before (a stored receipt); no limits are re-applied."""
         values = dict(data)
         values["resources"] = Resources(**values.get("resources", {}))
+        policy = values.get("policy")
+        values["policy"] = PolicyEndpoint.from_dict(policy) if policy is not None else None
         return cls(**values)
 
 
@@ -269,16 +270,15 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         warm = 0
 
     placement = _parse_placement(data, problems)
-    policy = _parse_policy(data.get("policy"), problems)
-    if backend == "kubernetes" and policy is not None:
-        host = urllib.parse.urlsplit(str(policy["url"])).hostname or ""
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            problems.append(
-                f"policy.url host {host!r} must be an IP address on kubernetes: the batch's "
-                "NetworkPolicy allows egress to that address only (it cannot match names)"
-            )
+    raw_policy = data.get("policy")
+    if isinstance(raw_policy, PolicyEndpoint):
+        raw_policy = raw_policy.to_dict()
+    policy = parse_policy(raw_policy, problems)
+    if backend == "kubernetes" and policy is not None and not policy.is_ip:
+        problems.append(
+            f"policy.url host {policy.host!r} must be an IP address on kubernetes: the batch's "
+            "NetworkPolicy allows egress to that address only (it cannot match names)"
+        )
     if tasks and not problems:
         # One Job per image on Kubernetes: the tasks of an image are grouped (in the order the
         # images first appear, the tasks' own order kept within each image), so each image's
@@ -290,7 +290,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append("warm_pool cannot go with infra_retries: a warm episode has no retry")
     if warm and len({t.get("image") or image for t in tasks}) > 1:
         problems.append("warm_pool needs one image for all tasks (a pool has one shape)")
-    if tasks and policy is None:
+    if tasks and not isinstance(raw_policy, Mapping):
         problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
     for task in tasks:
         limit = task.get("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS)
@@ -390,7 +390,7 @@ def _parse_resources(data: Any, problems: list[str]) -> Resources:
     return Resources() if bad else Resources(**data)
 
 
-# -- tasks and policy ------------------------------------------------------------------------
+# -- tasks (the policy: rollout_wire.policy) -----------------------------------------------------
 DEMO_TASK_ID = "shipping-demo"
 MAX_SAMPLES_PER_TASK = 256
 MAX_INFRA_RETRIES = 3
@@ -417,9 +417,6 @@ TASK_FIELDS = {
 }
 _TASK_ID = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
 _FILE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
-# What the runner sends itself; sampling parameters may not override them.
-_RUNNER_OWNED = {"model", "messages", "tools", "tool_choice", "stream", "n"}
-_URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/-]*)?$")
 
 
 def _parse_files(task_id: object, name: str, files: Any, problems: list[str]) -> None:
@@ -496,45 +493,3 @@ def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
     if len(problems) > before:
         return []
     return [dict(t) for t in value]
-
-
-def _parse_policy(value: Any, problems: list[str]) -> dict[str, Any] | None:
-    """{url, model, sampling, request_timeout_seconds, max_retries}."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        problems.append("policy must be an object {url, model, sampling}")
-        return None
-    allowed = {"url", "model", "sampling", "request_timeout_seconds", "max_retries"}
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        problems.append(f"unknown policy fields {unknown}; allowed: {sorted(allowed)}")
-    url = value.get("url")
-    if not isinstance(url, str) or not _URL.match(url):
-        problems.append(
-            f"policy.url {url!r} must be an http(s) URL like 'http://10.0.0.5:8000' (the "
-            "server's root: episodes call <url>/rollout/<episode id>/v1/chat/completions)"
-        )
-    model = value.get("model", "policy")
-    if not isinstance(model, str) or not model:
-        problems.append("policy.model must be a non-empty string")
-    sampling = value.get("sampling") or {}
-    if not isinstance(sampling, Mapping):
-        problems.append("policy.sampling must be an object (temperature, top_p, max_tokens, ...)")
-        sampling = {}
-    owned = sorted(set(sampling) & _RUNNER_OWNED)
-    if owned:
-        problems.append(f"policy.sampling may not set {owned}: the runner sends those")
-    timeout = value.get("request_timeout_seconds", 60)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 600:
-        problems.append("policy.request_timeout_seconds must be a number within (0, 600]")
-    retries = value.get("max_retries", 2)
-    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 10:
-        problems.append("policy.max_retries must be an integer within 0..10")
-    return {
-        "url": str(url).rstrip("/"),
-        "model": model,
-        "sampling": dict(sampling),
-        "request_timeout_seconds": timeout,
-        "max_retries": retries,
-    }

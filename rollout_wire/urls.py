@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import urllib.parse
 
 
@@ -19,12 +18,3 @@ def redacted(url: str) -> str:
     port = f":{parts.port}" if parts.port else ""
     netloc = f"{user}:***@{host}{port}"
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def policy_endpoint(url: str) -> tuple[str, int]:
-    """(address, port) of a policy URL; the address must be an IP literal (a NetworkPolicy
-    matches addresses, not names). ValueError for a name."""
-    parsed = urllib.parse.urlsplit(url)
-    host = parsed.hostname or ""
-    ipaddress.ip_address(host)
-    return host, parsed.port or (443 if parsed.scheme == "https" else 80)

@@ -1,6 +1,7 @@
 """Settings: one frozen object, built once from the environment at the edge (CLI, worker start).
 
-Every variable is listed in SETTINGS_DOC, which the README and `rollout check` show.
+Every variable is listed in SETTINGS_DOC: `rollout settings` shows it, docker/README.md's table
+is generated from it (`docker/env_doc.py`) and docker-compose.yml passes each one through.
 """
 
 from __future__ import annotations

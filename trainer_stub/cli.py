@@ -11,7 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_wire.errors import InvalidSpec, RolloutError
+from rollout_wire.states import EpisodeStatus
 from rollout_wire.tasksets import parse_sampling, rollout_fields
+from trainer_stub import options
 from trainer_stub.client import RolloutClient
 from trainer_stub.display import follow, print_errors, summary_table
 
@@ -34,28 +36,19 @@ err = Console(stderr=True, soft_wrap=True)
     show_default=True,
     help="Sampling rounds submitted at the same time.",
 )
-@click.option("--count", type=int, default=10, show_default=True, help="Episodes per round.")
-@click.option("--parallelism", type=int, default=None, help="[default: count]")
-@click.option("--backend", default="local", show_default=True)
+@options.count("Episodes per round.")
+@options.parallelism("[default: count]")
+@options.backend()
 @click.option("--timeout", type=float, default=600, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON lines.")
-@click.option(
-    "--tasks",
-    "task_set",
-    default=None,
-    metavar="FILE|bundled",
-    help="Real rollouts: the task set; rounds then run one after the other, like training.",
-)
-@click.option("--task", "only_tasks", multiple=True, help="Only this task of --tasks.")
-@click.option("--samples", type=int, default=4, show_default=True, help="Samples per task.")
-@click.option("--policy-url", default=None, help="The policy's chat completions server root.")
-@click.option("--model", default=None, help="Model name sent to the policy.")
-@click.option("--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter.")
-@click.option(
-    "--infra-retries",
-    type=int,
-    default=None,
-    help="Retries of an episode failed for infrastructure reasons (fresh sandbox each).",
+@options.as_json("Print the reports as JSON lines.")
+@options.tasks("Real rollouts: the task set; rounds then run one after the other, like training.")
+@options.only_tasks("Only this task of --tasks.")
+@options.samples("Samples per task.", default=4)
+@options.policy_url()
+@options.model()
+@options.sampling("Sampling parameter.")
+@options.infra_retries(
+    "Retries of an episode failed for infrastructure reasons (fresh sandbox each)."
 )
 def main(
     redis_url: str,
@@ -170,7 +163,7 @@ def training_loop(
                 steps = len(trajectory["steps"]) if trajectory else 0
                 what = (
                     f"reward {row['reward']:g}"
-                    if row["status"] == "ok"
+                    if row["status"] == EpisodeStatus.OK
                     else f"{row['status']} ({row.get('failure_kind')}: {row.get('failure_cause')})"
                 )
                 err.print(

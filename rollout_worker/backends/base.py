@@ -13,6 +13,10 @@ from typing import Any, Protocol, runtime_checkable
 from rollout_wire.request import BatchSpec
 from rollout_worker.observation import EpisodeObservation
 
+# What a backend returns of one episode's log at most (`read_output`): past it the log is cut,
+# and says so, so a flood never fills a reader, a Redis value or the disk.
+MAX_LOG_BYTES = 8 * 2**20
+
 # Merges fields into the batch receipt (stored before any mutation, updated as UIDs appear).
 ReceiptUpdate = Callable[[dict[str, Any]], None]
 
@@ -95,6 +99,11 @@ class Backend(Protocol):
         with `until_ready`, for `obs.ready` too: progress, where the backend does not stream
         it itself)."""
 
+    def resume_run(self, handle: RunHandle) -> None:
+        """Make sure what runs the episodes still runs (the lifecycle calls this when an
+        episode has not ended after a wait): a controller that died mid-run is started again
+        and reports the episodes it lost as failed."""
+
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         """The episode's log (its stdout)."""
 
@@ -118,8 +127,10 @@ class Backend(Protocol):
 
 @runtime_checkable
 class PoolBackend(Protocol):
-    """A backend with warm pools (Kubernetes): sandboxes started ahead of demand that a batch
-    takes in `start_run` before it creates cold ones."""
+    """A backend with warm pools (both: Kubernetes keeps pool Pods in a namespace per pool,
+    the local backend a pool process per pool, with bwrap only): sandboxes started ahead of
+    demand that a batch takes before it starts cold ones (in `start_run` on Kubernetes, in its
+    supervisor locally)."""
 
     name: str
 
@@ -134,7 +145,9 @@ class PoolBackend(Protocol):
 
     def drain_pool(self, key: str, namespace_uid: str | None) -> bool:
         """Delete the pool's waiting sandboxes, then (once no episode runs in it) the pool,
-        after proving it is ours. True once it is gone."""
+        after proving it is ours (`namespace_uid`: the UID the pool registry holds, its
+        namespace's on Kubernetes, its own locally). True once it is gone."""
 
     def list_pools(self) -> dict[str, dict[str, Any]]:
-        """The pools of ours this backend can see, by key."""
+        """The pools of ours this backend can see, by key: {namespace (locally its folder),
+        uid, waiting, claimed_running, pods}."""

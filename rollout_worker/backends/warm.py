@@ -22,7 +22,6 @@ import orjson
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
-from rollout_wire.urls import policy_endpoint
 
 # Where the hand-over writes a real rollout's task (the sandbox's own /tmp, memory-backed).
 TASKS_FILE = "/tmp/rollout-tasks.json"
@@ -47,7 +46,7 @@ def pool_key(spec: BatchSpec, program: str) -> str | None:
         "resources": asdict(spec.resources),
         "node_selector": spec.node_selector,
         "tolerations": spec.tolerations,
-        "policy": policy_endpoint(spec.policy["url"]) if spec.policy else None,
+        "policy": spec.policy.endpoint if spec.policy is not None else None,
         "program": hashlib.sha256(program.encode()).hexdigest(),
     }
     return hashlib.sha256(orjson.dumps(shape, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
@@ -70,11 +69,9 @@ def handover_line(
     if spec.policy is not None:
         episode = spec.episode(index)
         task = spec.tasks[episode.task_index] if episode.task_index is not None else demo_task()
-        values |= dict(policy_access or {"ROLLOUT_POLICY_URL": spec.policy["url"]})
+        values |= dict(policy_access or {"ROLLOUT_POLICY_URL": spec.policy.url})
         values |= {
-            "ROLLOUT_POLICY": orjson.dumps(
-                {name: value for name, value in spec.policy.items() if name != "url"}
-            ).decode(),
+            "ROLLOUT_POLICY": spec.policy.runner_json(),
             "ROLLOUT_TASKS_FILE": TASKS_FILE,
             "ROLLOUT_TASK_ID": episode.task_id,
             "ROLLOUT_SAMPLE": str(episode.sample),

@@ -1,4 +1,6 @@
-"""`rollout`: run batches (`run_cmd`), start workers, check a deployment, clean up runs.
+"""`rollout`: the command group. Start workers, cancel a batch, sweep, list or drain warm
+pools, check a deployment, clean up a kept run, serve the scripted policy, list the settings;
+`run` (`cli/run.py`) and `report` (`cli/report.py`) load only when they run.
 
 Sits on top of both sides (the trainer's client and the workers). `rollout worker` processes
 load neither rich nor matplotlib: every command imports what it needs when it runs.
@@ -7,63 +9,22 @@ load neither rich nor matplotlib: every command imports what it needs when it ru
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
 
 from rollout_wire import constants as k
 from rollout_wire.errors import RolloutError
-from rollout_wire.request import (
-    DEFAULT_RUNTIME,
-)
+from rollout_wire.request import DEFAULT_RUNTIME
 from rollout_wire.urls import redacted
-from rollout_worker.settings import SETTINGS_DOC, Settings
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-
-# `rollout cleanup` waits this long for a run to be deleted.
-CLEANUP_WAIT_SECONDS = 120.0
-
-
-@functools.cache
-def _console(stderr: bool) -> Console:
-    from rich.console import Console
-
-    return Console(stderr=stderr, soft_wrap=stderr)
-
-
-def out(*args: Any, **kwargs: Any) -> None:
-    _console(False).print(*args, **kwargs)
-
-
-def err(*args: Any, **kwargs: Any) -> None:
-    _console(True).print(*args, **kwargs)
-
-
-redis_option = click.option(
-    "--redis-url",
-    envvar="ROLLOUT_REDIS_URL",
-    default=None,
-    help="Redis URL (broker, results, reports). [env ROLLOUT_REDIS_URL]",
-)
-
-
-def _settings(redis_url: str | None) -> Settings:
-    try:
-        settings = Settings.from_env()
-    except RolloutError as exc:
-        raise click.UsageError(str(exc)) from exc
-    return settings.with_redis(redis_url) if redis_url else settings
+from rollout_worker.cli.common import CLEANUP_WAIT_SECONDS, err, load_settings, out, redis_option
+from rollout_worker.settings import SETTINGS_DOC
 
 
 class LazyGroup(click.Group):
@@ -142,7 +103,7 @@ def worker(
     concurrency = concurrency or (100 if collect_only else 2)
     if concurrency < 1:
         raise click.UsageError("--concurrency must be at least 1")
-    app = create_app(_settings(redis_url))
+    app = create_app(load_settings(redis_url))
     argv = [
         "worker",
         "-Q",
@@ -177,7 +138,7 @@ def cancel(batch_id: str, wait: bool, timeout: float, redis_url: str | None) -> 
     """Stop a running batch: its sandboxes stop, its report says `cancelled`."""
     from trainer_stub.client import RolloutClient
 
-    client = RolloutClient(_settings(redis_url).redis_url)
+    client = RolloutClient(load_settings(redis_url).redis_url)
     try:
         if not client.receipt(batch_id):
             raise click.ClickException(f"no batch {batch_id} in this Redis")
@@ -205,10 +166,10 @@ def sweep(dry_run: bool, redis_url: str | None) -> None:
 
     from rollout_worker import core
     from rollout_worker.backends import Backend, RunHandle, get_backend
+    from rollout_worker.core import backend_for_run, sweep_backends
     from rollout_worker.store import Store
-    from rollout_worker.tasks import backend_for_run, sweep_backends
 
-    settings = _settings(redis_url)
+    settings = load_settings(redis_url)
     store = Store.from_url(settings.redis_url, settings.record_ttl)
     backends: dict[str, Backend] = {}
 
@@ -259,7 +220,7 @@ def pools(drain: bool, backend_name: str, redis_url: str | None) -> None:
     from rollout_worker.backends.base import PoolBackend
     from rollout_worker.store import Store
 
-    settings = _settings(redis_url)
+    settings = load_settings(redis_url)
     store = Store.from_url(settings.redis_url, settings.record_ttl)
     try:
         backend = get_backend(backend_name, settings)
@@ -298,7 +259,7 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
 
     from rollout_worker.celery_app import create_app
 
-    settings = _settings(redis_url)
+    settings = load_settings(redis_url)
     problems = []
     try:
         redis_lib.Redis.from_url(settings.redis_url, socket_timeout=timeout).ping()
@@ -359,7 +320,7 @@ def cleanup(output: Path) -> None:
     if handle is None:
         raise click.ClickException(f"{receipt_file} records no run: nothing was created")
     # Every call goes to the cluster the run was created in, whatever the current context is.
-    settings = _settings(None)
+    settings = load_settings(None)
     if handle.backend == "kubernetes":
         settings = replace(settings, kube_context=handle.context)
     deadline = time.monotonic() + CLEANUP_WAIT_SECONDS

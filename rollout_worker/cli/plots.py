@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from rollout_wire.states import EpisodeStatus
 from rollout_worker.metrics import percentile
 
 # More rows than this and per-row tick labels become noise.
@@ -51,7 +52,7 @@ class EpisodeTimeline:
 
     @property
     def failed(self) -> bool:
-        return self.status != "ok"
+        return self.status != EpisodeStatus.OK
 
     @property
     def end(self) -> float | None:
@@ -87,7 +88,7 @@ def episode_timelines(report: Mapping[str, Any]) -> list[EpisodeTimeline]:
         EpisodeTimeline(
             index=int(row.get("index", 0)),
             pod=str(row.get("pod", "")),
-            status=str(row.get("status", "failed")),
+            status=str(row.get("status", EpisodeStatus.FAILED)),
             created=since(row.get("created_at")),
             scheduled=since((row.get("timing") or {}).get("scheduled_at")),
             ready=since(row.get("ready_at")),

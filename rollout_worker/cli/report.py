@@ -18,6 +18,7 @@ import click
 import orjson
 
 from rollout_wire.rows import REPORT_METRICS
+from rollout_wire.states import EpisodeStatus
 from rollout_worker.cli.plots import render_timeline
 
 MAX_FAILED_ROWS = 50
@@ -98,7 +99,7 @@ def summary_tables(report: Mapping[str, Any]) -> list[Table]:
         tables.append(
             Table("Nodes", ("node", "episodes"), [(n, cell(c)) for n, c in sorted(nodes.items())])
         )
-    failed = [row for row in report.get("pods") or [] if row.get("status") != "ok"]
+    failed = [row for row in report.get("pods") or [] if row.get("status") != EpisodeStatus.OK]
     if failed:
         tables.append(
             Table(

@@ -23,25 +23,30 @@ from rollout_wire.request import (
     DEFAULT_IMAGE,
     DEFAULT_RUNTIME,
 )
+from rollout_wire.states import Cleanup, Records
 from rollout_wire.urls import redacted
-from rollout_worker.cli.main import _console, _settings, err, out, redis_option
+from rollout_worker.cli.common import (
+    CLEANUP_WAIT_SECONDS,
+    console,
+    err,
+    load_settings,
+    out,
+    redis_option,
+)
+from trainer_stub import options
 
 if TYPE_CHECKING:
     from rollout_wire.request import BatchSpec
     from trainer_stub.client import RolloutClient, Submission
 
-# After its report, --all-in-one waits this long for its run to be deleted.
-CLEANUP_WAIT_SECONDS = 120.0
 # After the report, --output waits this long for the run's records (they follow the report).
 RECORDS_WAIT_SECONDS = 60.0
 
 
 @click.command()
-@click.option("--count", type=int, default=10, show_default=True, help="Episodes in the batch.")
-@click.option(
-    "--parallelism", type=int, default=None, help="Episodes running at once. [default: count]"
-)
-@click.option("--backend", type=click.Choice(BACKENDS), default="local", show_default=True)
+@options.count("Episodes in the batch.")
+@options.parallelism("Episodes running at once. [default: count]")
+@options.backend(BACKENDS)
 @click.option(
     "--image", default=DEFAULT_IMAGE, show_default=True, help="Sandbox image (kubernetes backend)."
 )
@@ -131,28 +136,17 @@ RECORDS_WAIT_SECONDS = 60.0
     default=None,
     help="Seconds to wait for the report. [default: deadline + 300]",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option(
-    "--tasks",
-    "task_set",
-    default=None,
-    metavar="FILE|bundled",
-    help="Real rollouts: a task set (JSON file, or 'bundled'); count = tasks x --samples.",
-)
-@click.option("--task", "only_tasks", multiple=True, help="Only this task of --tasks (repeatable).")
-@click.option("--samples", type=int, default=None, help="Samples per task (group size).")
-@click.option("--policy-url", default=None, help="The policy's chat completions server root.")
-@click.option("--model", default=None, help="Model name sent to the policy.")
-@click.option(
-    "--sampling", multiple=True, metavar="KEY=VALUE", help="Sampling parameter (repeatable)."
-)
+@options.as_json("Print the report as JSON.")
+@options.tasks("Real rollouts: a task set (JSON file, or 'bundled'); count = tasks x --samples.")
+@options.only_tasks("Only this task of --tasks (repeatable).")
+@options.samples("Samples per task (group size).")
+@options.policy_url()
+@options.model()
+@options.sampling("Sampling parameter (repeatable).")
 @click.option("--policy-timeout", type=float, default=None, help="Seconds per policy request.")
-@click.option(
-    "--infra-retries",
-    type=int,
-    default=None,
-    help="Run an episode that failed for infrastructure reasons again, in a fresh sandbox, "
-    "at most this many times. [default: 0]",
+@options.infra_retries(
+    "Run an episode that failed for infrastructure reasons again, in a fresh sandbox, "
+    "at most this many times. [default: 0]"
 )
 @click.option(
     "--warm-pool",
@@ -204,7 +198,7 @@ def run(
     from trainer_stub.client import RolloutClient
     from trainer_stub.records import check_output_dir
 
-    settings = _settings(redis_url)
+    settings = load_settings(redis_url)
     request: dict[str, Any] = {
         "count": count,
         "parallelism": parallelism,
@@ -272,7 +266,7 @@ def run(
             submission, report = _submit_and_wait(
                 client, spec, output, timeout or deadline_seconds + 300, heartbeat
             )
-            if all_in_one and report.get("cleanup") == "scheduled":
+            if all_in_one and report.get("cleanup") == Cleanup.SCHEDULED:
                 _wait_for_cleanup(client, spec.batch_id, heartbeat)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
@@ -323,7 +317,7 @@ def _submit_and_wait(
         beat = _mirror_receipt(client, batch_id, output, beat, own)
     submission = client.send(spec)
     err(f"batch {batch_id}: {spec.count} episodes submitted")
-    report = follow(client, [submission], _console(True), timeout, beat)[batch_id]
+    report = follow(client, [submission], console(True), timeout, beat)[batch_id]
     if output is not None:
         _wait_for_records(client, batch_id, report)
         report = _settled(report, client.receipt(batch_id))
@@ -381,7 +375,7 @@ def _settled(report: dict[str, Any], receipt: dict[str, Any]) -> dict[str, Any]:
     """The report as results.json keeps it: with how the run ended, once its records are in
     (the report itself is published before the Job settles)."""
     completed_at = receipt.get("completed_at")
-    if receipt.get("records") != "complete":
+    if receipt.get("records") != Records.COMPLETE:
         return report
     settled = {"run_verdict": receipt.get("run_verdict"), "completed_at": completed_at}
     if completed_at and report.get("run_created_at"):
@@ -391,12 +385,10 @@ def _settled(report: dict[str, Any], receipt: dict[str, Any]) -> dict[str, Any]:
 
 def _wait_for_records(client: RolloutClient, batch_id: str, report: dict[str, Any]) -> None:
     """The report comes first; the run's records (job.json, ...) follow within seconds."""
-    if report.get("records") != "pending":
+    if report.get("records") != Records.PENDING:
         return
     deadline = time.monotonic() + RECORDS_WAIT_SECONDS
-    while client.receipt(batch_id).get("records") == "pending" or not client.receipt(batch_id).get(
-        "records"
-    ):
+    while client.receipt(batch_id).get("records") in (Records.PENDING, None):
         if time.monotonic() > deadline:
             err(f"[yellow]records of batch {batch_id} not complete; writing what exists[/yellow]")
             return
@@ -409,17 +401,17 @@ def _wait_for_cleanup(client: RolloutClient, batch_id: str, heartbeat: Any) -> N
     state = None
     while time.monotonic() < deadline:
         state = client.receipt(batch_id).get("cleanup")
-        if state in ("deleted", "failed"):
+        if state in (Cleanup.DELETED, Cleanup.FAILED):
             break
         if heartbeat is not None:
             heartbeat()
         time.sleep(0.2)
-    if state not in ("deleted", "failed"):
+    if state not in (Cleanup.DELETED, Cleanup.FAILED):
         err(
             f"[yellow]run of batch {batch_id} still {state} after "
             f"{CLEANUP_WAIT_SECONDS:.0f}s; stopping anyway (`rollout sweep` finds it)[/yellow]"
         )
-    elif state == "failed":
+    elif state == Cleanup.FAILED:
         err(f"[red]run of batch {batch_id} was not deleted: see the worker log[/red]")
 
 
@@ -434,4 +426,4 @@ def _print_report(report: dict[str, Any], submission: Submission, as_json: bool)
         sys.stdout.write(orjson.dumps(text, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
     out(summary_table([report], [submission]))
-    print_errors(_console(True), report)
+    print_errors(console(True), report)

@@ -129,6 +129,7 @@ def collect(
         if cancelled and obs.phase != "Succeeded" and (obs.terminal or stopped):
             row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
         elif cancelled and not obs.terminal and in_time():
+            backend.resume_run(run)
             raise NotYet  # the stop is under way: the report must not come before it
         elif obs.terminal:
             text = backend.read_output(run, obs)
@@ -139,6 +140,9 @@ def collect(
                 # Stored before the row, so a trainer woken by the row finds it.
                 store.record_trajectory(spec.batch_id, index, trajectory_from_log(text))
         elif in_time():
+            # Not ended after a wait: like a restarted Job controller, revive what runs the
+            # episodes if it died (locally, the run's supervisor).
+            backend.resume_run(run)
             if obs.phase == "Running":
                 store.publish_state(spec.batch_id, index, Progress.RUNNING)
             raise NotYet

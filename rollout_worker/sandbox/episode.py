@@ -241,10 +241,6 @@ class InfrastructureError(Exception):
     """The policy could not be used: not the episode's fault, never a reward."""
 
 
-class EpisodeError(Exception):
-    """The task cannot be run as given (for example its tests pass before any action)."""
-
-
 class UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP over the unix socket the local backend bind-mounts into the sandbox."""
 

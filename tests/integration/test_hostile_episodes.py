@@ -13,7 +13,8 @@ import pytest
 
 from rollout_wire import constants as k
 from rollout_wire.request import new_batch_id
-from rollout_worker.backends.local.files import MAX_LOG_BYTES, RunDir
+from rollout_worker.backends.base import MAX_LOG_BYTES
+from rollout_worker.backends.local.files import RunDir
 from rollout_worker.core import STORED_LOG_BYTES
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]

@@ -36,7 +36,7 @@ def test_tasks_needing_two_images_run_as_two_jobs_of_one_batch(real_node, real_s
         report = client.wait(submission.batch_id, timeout=600)
     assert report["ok"], report["errors"]
     # Grouped by image, in the order the images first appear: one Job each.
-    assert submission.spec.task_ids() == ["fizzbuzz-order", "shipping-boundary"]
+    assert [t["id"] for t in submission.spec.tasks] == ["fizzbuzz-order", "shipping-boundary"]
     assert sorted(report["run"]["jobs"]) == ["rollout", "rollout-1"]
     rows = {row["index"]: row for row in report["pods"]}
     assert [rows[i]["task_id"] for i in range(4)] == ["fizzbuzz-order"] * 2 + [

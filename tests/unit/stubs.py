@@ -152,6 +152,7 @@ class StubBackend:
     created: int = 0
     deleted: int = 0
     cancelled: int = 0
+    resumed: int = 0  # resume_run calls (a controller revived after a wait)
     seen: list[str] = field(default_factory=list)  # batch ids list_runs finds
     deleting_for: int = 0  # delete_run answers "still deleting" this many times
     fail_start: BackendError | None = None
@@ -190,6 +191,9 @@ class StubBackend:
             finished_at=self.finished_at.get(index, self.origin + 2),
             exit_code=0 if phase == "Succeeded" else 1,
         )
+
+    def resume_run(self, handle: RunHandle) -> None:
+        self.resumed += 1
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         return self.ended[obs.index][1]

@@ -329,7 +329,7 @@ def test_a_batch_of_several_images_runs_one_job_per_image_sharing_its_parallelis
         max_episodes=100,
     )
     # The tasks of an image are grouped, first image first, each image's own order kept.
-    assert s.task_ids() == ["a", "c", "e", "b", "d"]
+    assert [t["id"] for t in s.tasks] == ["a", "c", "e", "b", "d"]
     parts = job_parts(s)
     assert [(p.name, p.image, p.first, p.count) for p in parts] == [
         ("rollout", "python:3.12-alpine", 0, 6),

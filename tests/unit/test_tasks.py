@@ -39,7 +39,7 @@ def test_a_batch_is_the_task_set_times_samples_and_each_episode_knows_its_task_a
     assert [spec.episode(i).sample for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     groups = {spec.episode(i).group_id for i in range(12)}
     assert len(groups) == 3 and all(g.startswith(spec.batch_id + ":") for g in groups)
-    assert spec.policy == {
+    assert spec.policy is not None and spec.policy.to_dict() == {
         "url": "http://127.0.0.1:8000",
         "model": "m",
         "sampling": {"temperature": 0.7},

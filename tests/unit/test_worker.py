@@ -83,6 +83,7 @@ def test_a_collector_requeues_while_its_episode_runs_and_records_it_once_it_ende
         w.collect("b1", 0)
     assert (again.value.countdown, again.value.pause, again.value.cause) == (0, 0, None)
     assert store.claims == {}  # released before the retry, so the next copy starts at once
+    assert backend.resumed == 1  # not ended after a wait: what runs it is revived if it died
     backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
     assert w.collect("b1", 0)["status"] == "ok"
     assert w.collect("b1", 0) == {"index": 0, "recorded": False}  # a late copy

@@ -1,1 +1,3 @@
-"""Kubernetes backend: one Indexed Job per batch (objects.py builds, the rest talks to the API)."""
+"""Kubernetes backend: `objects.py` builds every object (pure), `read.py` reads Pods and Jobs
+(pure), `backend.py`, `watch.py`, `pools.py` and `namespaces.py` talk to the API server;
+`permissions.py` is the RBAC the calls need."""

@@ -1,8 +1,9 @@
 """The Kubernetes backend: one namespace and one Indexed Job per batch.
 
-The API calls live here; the objects come from `manifests` and are read by `kube_read` (both
-pure). Every API error is translated at this edge into
-our errors (404 -> ResourceNotFound, 409 -> ResourceConflict, 429/5xx/connection ->
+The API calls live here (warm pools' in `pools.py`, the shared Pod watch in `watch.py`, the
+ownership-checked namespace delete in `namespaces.py`); the objects come from `objects.py` and
+are read by `read.py` (both pure). Every API error is translated at this edge into our errors
+(404 -> ResourceNotFound, 409 -> ResourceConflict, 429/5xx/connection ->
 TransientBackendError). Responses are read as JSON dicts (no model deserialisation): faster
 at 1000 Pods, and exactly what kubectl would save as records.
 """
@@ -34,8 +35,9 @@ from rollout_wire.errors import (
 )
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends import warm
-from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.backends.base import MAX_LOG_BYTES, FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.kube import objects, read
+from rollout_worker.backends.kube.namespaces import delete_namespace
 from rollout_worker.backends.kube.objects import (
     CONTAINER_NAME,
     JOB_NAME,
@@ -66,7 +68,6 @@ from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
-MAX_LOG_BYTES = 8 * 2**20
 JOB_CACHE_SECONDS = 1.0
 JOB_SETTLE_SECONDS = 25  # after the report; well under the visibility timeout
 REQUEST_TIMEOUT = 30
@@ -123,7 +124,7 @@ class KubernetesBackend:
         self.net = client.NetworkingV1Api(self.api)
         self.watches = PodWatches()
         self.pools = WarmPools(self._call, self._text, self.core, self.net)
-        self.program = episode_program_text()
+        self.program = episode_program_text()  # read once: pool keys, ConfigMaps
         self._jobs: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._jobs_lock = threading.Lock()
 
@@ -225,7 +226,7 @@ class KubernetesBackend:
         )
         record({"uid": ns["metadata"]["uid"]})
         try:
-            configmap = configmap_manifest(spec, episode_program_text())
+            configmap = configmap_manifest(spec, self.program)
         except ValueError as exc:  # the tasks do not fit in a ConfigMap
             raise BackendError(str(exc)) from exc
         self._create_or_adopt(
@@ -465,6 +466,9 @@ class KubernetesBackend:
                 self._jobs[namespace] = (time.monotonic(), jobs)
             return jobs
 
+    def resume_run(self, handle: RunHandle) -> None:
+        """Nothing to do: the Job controller is the cluster's, and it does not die with us."""
+
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         try:
             text = self._text(
@@ -624,41 +628,37 @@ class KubernetesBackend:
             if handle.warm and handle.pool_namespace
             else True
         )
-        try:
-            ns = self._call("read namespace", self.core.read_namespace, namespace)
-        except ResourceNotFound:
-            return warm_gone
-        labels = ns["metadata"].get("labels") or {}
-        if ns["metadata"]["uid"] != handle.namespace_uid or not _labelled_ours(ns, handle.batch_id):
-            raise OwnershipError(
-                f"namespace {namespace} has uid {ns['metadata']['uid']} and labels {labels}; "
-                f"the receipt says uid {handle.namespace_uid} and batch "
-                f"{handle.batch_id}: refusing to delete what we cannot prove we created"
-            )
-        if ns["metadata"].get("deletionTimestamp"):
-            return False
-        for name, uid in (handle.job_uids() or {JOB_NAME: None}).items():
-            with contextlib.suppress(ResourceNotFound):
-                job = self._call("read job", self.batch.read_namespaced_job, name, namespace)
-                job_labels = job["metadata"].get("labels") or {}
-                # A run cut short before the Job's UID was recorded (a CLI killed mid-run, whose
-                # receipt.json names the namespace UID only): the Job's labels are the proof.
-                if (uid is not None and job["metadata"]["uid"] != uid) or (
-                    uid is None and not _labelled_ours(job, handle.batch_id)
-                ):
-                    raise OwnershipError(
-                        f"Job {namespace}/{name} has uid {job['metadata']['uid']} and labels "
-                        f"{job_labels}, the receipt says uid {uid}: refusing to delete its "
-                        "namespace"
-                    )
-        # The precondition makes the server refuse if the namespace was replaced since we
-        # checked it. Finalizers are never removed by force.
-        body = {"propagationPolicy": "Background", "preconditions": {"uid": ns["metadata"]["uid"]}}
-        try:
-            self._call("delete namespace", self.core.delete_namespace, namespace, body=body)
-        except ResourceNotFound:
-            return warm_gone
-        return False
+
+        def prove(ns: dict[str, Any]) -> None:
+            labels = ns["metadata"].get("labels") or {}
+            uid = ns["metadata"]["uid"]
+            if uid != handle.namespace_uid or not _labelled_ours(ns, handle.batch_id):
+                raise OwnershipError(
+                    f"namespace {namespace} has uid {uid} and labels {labels}; "
+                    f"the receipt says uid {handle.namespace_uid} and batch "
+                    f"{handle.batch_id}: refusing to delete what we cannot prove we created"
+                )
+
+        def jobs_ours(_ns: dict[str, Any]) -> bool:
+            for name, uid in (handle.job_uids() or {JOB_NAME: None}).items():
+                with contextlib.suppress(ResourceNotFound):
+                    job = self._call("read job", self.batch.read_namespaced_job, name, namespace)
+                    job_labels = job["metadata"].get("labels") or {}
+                    # A run cut short before the Job's UID was recorded (a CLI killed mid-run,
+                    # whose receipt.json names the namespace UID only): the Job's labels are
+                    # the proof.
+                    if (uid is not None and job["metadata"]["uid"] != uid) or (
+                        uid is None and not _labelled_ours(job, handle.batch_id)
+                    ):
+                        raise OwnershipError(
+                            f"Job {namespace}/{name} has uid {job['metadata']['uid']} and "
+                            f"labels {job_labels}, the receipt says uid {uid}: refusing to "
+                            "delete its namespace"
+                        )
+            return True
+
+        gone = delete_namespace(self._call, self.core, namespace, "namespace", prove, jobs_ours)
+        return gone and warm_gone
 
     # -- warm pools (backends/warm.py, kube/pools.py) ---------------------------------------
     def pool_key(self, spec: BatchSpec) -> str | None:
@@ -679,7 +679,8 @@ class KubernetesBackend:
         return self.pools.drain(key, namespace_uid)
 
     def list_pools(self) -> dict[str, dict[str, Any]]:
-        """Pool key -> {namespace, uid, waiting, claimed} of every pool namespace of ours."""
+        """Pool key -> {namespace, uid, waiting, claimed_running, pods} of every pool namespace
+        of ours (claimed_running: its Running Pods a batch has claimed)."""
         selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}"
         found = self._call("list namespaces", self.core.list_namespace, label_selector=selector)
         pools: dict[str, dict[str, Any]] = {}

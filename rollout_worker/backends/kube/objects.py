@@ -8,7 +8,6 @@ batch labels; cleanup refuses anything without them.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ import orjson
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
-from rollout_wire.urls import policy_endpoint
 from rollout_worker.backends.warm import pool_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
@@ -96,12 +94,10 @@ def network_policy_manifest(
     batch's namespace; a warm pool passes its own."""
     policy_spec: dict[str, Any] = {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
     if spec.policy is not None:
-        host, port = policy_endpoint(spec.policy["url"])
-        prefix = 32 if ipaddress.ip_address(host).version == 4 else 128
         policy_spec["egress"] = [
             {
-                "to": [{"ipBlock": {"cidr": f"{host}/{prefix}"}}],
-                "ports": [{"protocol": "TCP", "port": port}],
+                "to": [{"ipBlock": {"cidr": spec.policy.cidr}}],
+                "ports": [{"protocol": "TCP", "port": spec.policy.port}],
             }
         ]
     return {
@@ -116,15 +112,14 @@ def network_policy_manifest(
     }
 
 
-def agent_env(spec: BatchSpec) -> list[dict[str, str]]:
+def agent_env(spec: BatchSpec) -> list[dict[str, Any]]:
     """The agent runner's environment (none for the demo): it works out its task and sample
     from JOB_COMPLETION_INDEX, which the Job controller sets in an Indexed Job's Pods."""
     if spec.policy is None:
         return []
-    runner = {name: value for name, value in spec.policy.items() if name != "url"}
     values = {
-        "ROLLOUT_POLICY": orjson.dumps(runner).decode(),
-        "ROLLOUT_POLICY_URL": spec.policy["url"],
+        "ROLLOUT_POLICY": spec.policy.runner_json(),
+        "ROLLOUT_POLICY_URL": spec.policy.url,
         "ROLLOUT_TASKS_FILE": f"{PROGRAM_DIR}/{TASKS_KEY}",
         "ROLLOUT_SAMPLES_PER_TASK": str(spec.samples_per_task if spec.tasks else spec.count),
         "ROLLOUT_BATCH_ID": spec.batch_id,

@@ -2,10 +2,11 @@
 table and `rollout check` (SelfSubjectAccessReview, one line per permission) all come from
 this one table (`tests/helm` checks that the chart and its README agree with it).
 
-Read from `backends/kubernetes.py`. The batch namespaces do not exist before a batch starts, so
-their rules cannot live in a namespaced Role: they are cluster-wide grants, and RBAC cannot
-narrow them to namespaces labelled `rollout.dev/owner=rollout`. The code refuses to adopt or
-delete anything whose labels (and, for deletion, UIDs) do not prove it is ours.
+The code paths each row names are in `kube/backend.py` (and `kube/pools.py`, `kube/watch.py`);
+`rollout check` (`cli/main.py`) runs `cluster_check`. The batch namespaces do not exist before a
+batch starts, so their rules cannot live in a namespaced Role: they are cluster-wide grants, and
+RBAC cannot narrow them to namespaces labelled `rollout.dev/owner=rollout`. The code refuses to
+adopt or delete anything whose labels (and, for deletion, UIDs) do not prove it is ours.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ PERMISSIONS: tuple[Permission, ...] = (
         ("list", "watch"),
         CLUSTER,
         "preflight lists non-terminal Pods in all namespaces (capacity); the shared Pod "
-        "watch (kube_watch, wait_episode) lists and watches a batch's Pods; finish_run "
+        "watch (kube/watch.py, wait_episode) lists and watches a batch's Pods; finish_run "
         "lists them for the records",
     ),
     Permission(
@@ -115,7 +116,7 @@ POOL_PERMISSIONS: tuple[Permission, ...] = (
         "pods",
         ("create", "get", "patch", "delete"),
         POOL_NAMESPACES,
-        "kube_pool.fill creates pool Pods; claim patches one (labels, deadline; "
+        "pools.fill creates pool Pods; claim patches one (labels, deadline; "
         "resourceVersion-guarded); delete_claimed reads (UID + batch label) and deletes a "
         "batch's; drain deletes waiting ones; cancel_run shortens a claimed one's deadline",
     ),
@@ -124,7 +125,7 @@ POOL_PERMISSIONS: tuple[Permission, ...] = (
         "pods/attach",
         ("create", "get"),
         POOL_NAMESPACES,
-        "kube_pool hand-over: attach to a claimed Pod's stdin and write its episode",
+        "pools hand-over: attach to a claimed Pod's stdin and write its episode",
     ),
 )
 

@@ -36,6 +36,7 @@ from rollout_wire.request import BatchSpec
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import ReceiptUpdate
 from rollout_worker.backends.kube import objects, read
+from rollout_worker.backends.kube.namespaces import delete_namespace
 from rollout_worker.backends.kube.objects import CONTAINER_NAME
 
 log = logging.getLogger(__name__)
@@ -296,35 +297,26 @@ class WarmPools:
         """Delete the pool's idle Pods; once none of its Pods is claimed by a batch that still
         runs, delete its namespace too (after proving it by UID and labels). True once gone."""
         namespace = objects.pool_namespace(key)
-        try:
-            ns = self._call("read pool namespace", self.core.read_namespace, namespace)
-        except ResourceNotFound:
-            return True
-        self._check_ours(ns, key)
-        if namespace_uid is not None and ns["metadata"]["uid"] != namespace_uid:
-            raise OwnershipError(
-                f"namespace {namespace} has uid {ns['metadata']['uid']}, the pool registry says "
-                f"{namespace_uid}: refusing to delete it"
-            )
-        if ns["metadata"].get("deletionTimestamp"):
-            return False
-        busy = False
-        for pod in self.pods(key):
-            labels = pod["metadata"].get("labels") or {}
-            if labels.get(k.LABEL_POOL_STATE) == objects.POOL_STATE_IDLE:
-                self._delete_pod(pod)
-            elif (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-                busy = True  # a batch's episode runs here: its own cleanup deletes it
-        if busy or namespace_uid is None:
-            return False
-        with contextlib.suppress(ResourceNotFound):
-            self._call(
-                "delete pool namespace",
-                self.core.delete_namespace,
-                namespace,
-                body={"propagationPolicy": "Background", "preconditions": {"uid": namespace_uid}},
-            )
-        return False
+
+        def prove(ns: dict[str, Any]) -> None:
+            self._check_ours(ns, key)
+            if namespace_uid is not None and ns["metadata"]["uid"] != namespace_uid:
+                raise OwnershipError(
+                    f"namespace {namespace} has uid {ns['metadata']['uid']}, the pool registry "
+                    f"says {namespace_uid}: refusing to delete it"
+                )
+
+        def emptied(_ns: dict[str, Any]) -> bool:
+            busy = False
+            for pod in self.pods(key):
+                labels = pod["metadata"].get("labels") or {}
+                if labels.get(k.LABEL_POOL_STATE) == objects.POOL_STATE_IDLE:
+                    self._delete_pod(pod)
+                elif (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                    busy = True  # a batch's episode runs here: its own cleanup deletes it
+            return not busy and namespace_uid is not None
+
+        return delete_namespace(self._call, self.core, namespace, "pool namespace", prove, emptied)
 
 
 def _claimed(pod: dict[str, Any]) -> Claimed:

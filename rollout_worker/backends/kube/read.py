@@ -144,7 +144,7 @@ RETRYING = "retrying"
 def retryable(pod: Mapping[str, Any], obs: EpisodeObservation) -> bool:
     """Whether a failed Pod uses up its episode's retry budget instead of ending the episode:
     the runner's infrastructure exit code, or a disruption (eviction, preemption, node loss).
-    The Job's podFailurePolicy (manifests.pod_failure_policy) says the same."""
+    The Job's podFailurePolicy (objects.pod_failure_policy) says the same."""
     if obs.phase != "Failed":
         return False
     disrupted = any(

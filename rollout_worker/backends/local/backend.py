@@ -1,6 +1,6 @@
 """The embedded local backend: a batch runs as sandboxed processes on this machine.
 
-The run is supervised by a detached process (see local_supervisor), not by a Celery task, so no
+The run is supervised by a detached process (see local/supervisor.py), not by a Celery task, so no
 worker slot is held while episodes run. All workers of a deployment using this backend must
 share the filesystem under ROLLOUT_LOCAL_ROOT (one machine, or a shared volume).
 """
@@ -27,10 +27,9 @@ import orjson
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends import warm
-from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.backends.base import MAX_LOG_BYTES, FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
-    MAX_LOG_BYTES,
     OWNER,
     RunDir,
     create_json_exclusive,
@@ -236,15 +235,17 @@ class LocalBackend:
             if remaining <= 0:
                 break
             self._done_signal().wait(handle.batch_id, index, remaining)
-        # Like a restarted Job controller: revive a supervisor that died mid-run (it reports
-        # the episodes it lost as failed and goes on with the rest).
-        self._ensure_supervisor(run_dir)
         return EpisodeObservation(
             index=index,
             episode_id=handle.episode_id(index),
             phase="Running" if run_dir.log(index).exists() else "Pending",
             node=handle.node,
         )
+
+    def resume_run(self, handle: RunHandle) -> None:
+        """Revive a supervisor that died mid-run (it reports the episodes it lost as failed
+        and goes on with the rest); a no-op while one holds the run or once it finished."""
+        self._ensure_supervisor(self._dir(handle))
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         path = self._dir(handle).log(obs.index)

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 
 OWNER = "rollout"
-# What one episode may print (its stdout, the protocol's events). Past it the supervisor stops
-# the episode and ends its log with LOG_CUT_MARK, so a flood never fills the disk or a reader.
-MAX_LOG_BYTES = 8 * 2**20
+# MAX_LOG_BYTES is what one episode may print (its stdout, the protocol's events). Past it the
+# supervisor stops the episode and ends its log with LOG_CUT_MARK, so a flood never fills the
+# disk or a reader.
 LOG_CUT_MARK = b"\n[rollout: output cut at %d bytes: the episode printed more and was stopped]\n"
 
 

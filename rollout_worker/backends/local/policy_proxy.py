@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from rollout_wire.policy import PolicyEndpoint
+
 MAX_BODY = 8 * 2**20
 MAX_RESPONSE = 16 * 2**20
 IDENTITY_HEADERS = {
@@ -103,12 +105,13 @@ class _Handler(BaseHTTPRequestHandler):
         identity = self.server.identity
         for field, name in IDENTITY_HEADERS.items():
             headers[name] = str(getattr(identity, field))
+        policy = proxy.policy
         conn_class = (
-            http.client.HTTPSConnection if proxy.scheme == "https" else http.client.HTTPConnection
+            http.client.HTTPSConnection if policy.scheme == "https" else http.client.HTTPConnection
         )
-        conn = conn_class(proxy.netloc, timeout=proxy.timeout)
+        conn = conn_class(policy.host, policy.port, timeout=proxy.timeout)
         try:
-            conn.request(self.command, proxy.prefix + self.path, body=body, headers=headers)
+            conn.request(self.command, policy.path + self.path, body=body, headers=headers)
             response = conn.getresponse()
             data = response.read(MAX_RESPONSE + 1)
             status = response.status
@@ -137,12 +140,10 @@ class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
 
 
 class PolicyProxy:
-    """Per-episode sockets forwarding to one policy URL (the batch's)."""
+    """Per-episode sockets forwarding to one policy endpoint (the batch's)."""
 
-    def __init__(self, policy_url: str, timeout: float) -> None:
-        parsed = urllib.parse.urlsplit(policy_url)
-        self.scheme, self.netloc = parsed.scheme, parsed.netloc
-        self.prefix = parsed.path.rstrip("/")
+    def __init__(self, policy: PolicyEndpoint, timeout: float) -> None:
+        self.policy = policy
         self.timeout = timeout
         # Short paths: a unix socket path has at most 107 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="rollout-policy-"))

@@ -3,7 +3,7 @@ that already run the episode program up to the point where it needs its episode,
 them to runs' supervisors.
 
 The pool process (`python -m rollout_worker.backends.local.pool --daemonize POOL_DIR`) starts
-each sandbox exactly as a supervisor starts a cold one (sandbox_command.plan_sandbox: bwrap, no
+each sandbox exactly as a supervisor starts a cold one (sandbox.plan_sandbox: bwrap, no
 network, uid 1000, no capabilities, the same resource limits), plus `ROLLOUT_HANDOVER=stdin`, a
 folder of its own at /sandbox/io (where the supervisor later puts the episode's policy socket)
 and bwrap's `--json-status-fd` (the exit code, for a supervisor that is not the sandbox's

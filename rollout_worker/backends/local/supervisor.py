@@ -28,9 +28,9 @@ import redis
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
+from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
-    MAX_LOG_BYTES,
     RunDir,
     daemonize,
     write_json_atomic,
@@ -61,7 +61,7 @@ class Running:
     pending: bytes = b""
     done: bool = False
     written: int = 0  # bytes of its log so far (capped at MAX_LOG_BYTES)
-    warm: Taken | None = None  # taken from a warm pool (local_pool)
+    warm: Taken | None = None  # taken from a warm pool (local/pool.py)
 
     @property
     def pid(self) -> int:
@@ -128,11 +128,9 @@ class Supervisor:
         # sandbox); each episode sees only its own task.
         self.proxy: PolicyProxy | None = None
         if spec.policy is not None:
-            timeout = float(spec.policy.get("request_timeout_seconds", 60)) + 5
-            self.proxy = PolicyProxy(spec.policy["url"], timeout)
-            self.runner_policy = orjson.dumps(
-                {k: v for k, v in spec.policy.items() if k != "url"}
-            ).decode()
+            # A little longer than the runner waits, so the runner's own timeout decides.
+            self.proxy = PolicyProxy(spec.policy, float(spec.policy.request_timeout_seconds) + 5)
+            self.runner_policy = spec.policy.runner_json()
             for position, task in enumerate(spec.tasks or [demo_task()]):
                 write_json_atomic(self.task_file(position), [task])
 
