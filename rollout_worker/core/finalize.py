@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_wire.errors import BackendError
+from rollout_wire.rows import EpisodeRow
 from rollout_wire.states import BatchStatus, Cleanup, FinalizedBy, Records
 from rollout_worker.backends.base import Backend, FinishedRun
-from rollout_worker.core.collect import collect
+from rollout_worker.core.collect import RESCUE_FIRST_BLOCK_SECONDS, collect
 from rollout_worker.core.state import (
     FLAG_CANCEL,
     BackendFor,
@@ -45,8 +46,11 @@ def finalize(
     (which may wait for the backend to settle). Returns None when the report was published
     before (a redelivered callback then only completes the records, if they are missing).
 
-    The watchdog (finalized_by="watchdog") first collects what the backend still has and
-    records every other episode as lost.
+    An episode without a row is collected again from the backend first, whoever finalizes:
+    the watchdog (its collectors may be lost) and the chord's callback too (a row can be lost
+    after its collector finished: Redis restarted from an append-only file loses its last
+    second). The backend holds the run until cleanup, so only an episode it can no longer
+    produce is reported lost, with the backend's reason.
     """
     receipt = load_receipt(store, batch_id)
     if receipt is None or receipt.run is None:
@@ -56,18 +60,30 @@ def finalize(
     backend = backend_for(run.backend)
     done: Finalized | None = None
     if not store.has_report(batch_id):
-        if finalized_by == FinalizedBy.WATCHDOG:
-            for index in range(spec.count):
-                if not store.has_episode(batch_id, index):
-                    collect(store, backend, receipt, index, block=0, final=True, limits=limits)
-        done = _publish(store, backend, receipt, finalized_by, now())
+        rows = store.episode_rows(batch_id)
+        missing = sorted(set(range(spec.count)) - {row.index for row in rows})
+        for position, index in enumerate(missing):
+            # The first look may wait: this process may not watch the batch's Pods yet.
+            block = RESCUE_FIRST_BLOCK_SECONDS if position == 0 else 0
+            collect(store, backend, receipt, index, block=block, final=True, limits=limits)
+        if missing:
+            log.warning(
+                "batch %s: collected %d episode(s) again: %s", batch_id, len(missing), missing
+            )
+            rows = store.episode_rows(batch_id)
+        done = _publish(store, backend, receipt, rows, finalized_by, now())
     if receipt.records != Records.COMPLETE:
         _save_records(store, backend, receipt)
     return done
 
 
 def _publish(
-    store: BatchStore, backend: Backend, receipt: Receipt, finalized_by: FinalizedBy, now: float
+    store: BatchStore,
+    backend: Backend,
+    receipt: Receipt,
+    rows: list[EpisodeRow],
+    finalized_by: FinalizedBy,
+    now: float,
 ) -> Finalized | None:
     spec, run = receipt.spec, receipt.run
     assert run is not None
@@ -80,7 +96,7 @@ def _publish(
     cleanup = Cleanup.KEPT if spec.keep_run else Cleanup.SCHEDULED
     report = build_report(
         spec,
-        store.episode_rows(spec.batch_id),
+        rows,
         run,
         status,
         finalized_by=finalized_by,

@@ -158,6 +158,35 @@ def test_the_report_is_published_once_and_schedules_the_cleanup(store, backend):
     assert finalize(store, backend) is None  # a second callback publishes nothing
 
 
+def test_a_row_lost_after_its_collector_finished_is_collected_again_not_reported_lost(
+    store, backend
+):
+    receipt = started(store, backend)
+    for index in range(3):
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", 1000.5))
+        collect(store, backend, receipt, index, now=1002.0)
+    del store.rows["b1"][1]  # Redis restarted from its files without its last second
+    done = finalize(store, backend)  # the chord's callback: every collector has finished
+    assert done is not None
+    report = done.report
+    assert (report["successful_episodes"], report["lost_episodes"]) == (3, 0), report["errors"]
+    assert sorted(store.rows["b1"]) == [0, 1, 2]
+
+
+def test_an_episode_the_backend_can_no_longer_produce_is_lost_with_its_reason(store, backend):
+    receipt = started(store, backend)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", 1000.5))
+    collect(store, backend, receipt, 0, now=1002.0)
+
+    def gone(*args, **kwargs):
+        raise BackendError("run folder /tmp/x is gone")
+
+    backend.wait_episode = gone
+    done = finalize(store, backend)
+    assert done is not None and done.report["lost_episodes"] == 2
+    assert store.rows["b1"][1].failure_cause == "run folder /tmp/x is gone"
+
+
 def test_the_watchdog_collects_what_ended_and_reports_the_rest_lost(store, backend):
     receipt = started(store, backend)
     backend.ended[0] = ("Succeeded", good_log("ep-b1-0", 1000.5))
