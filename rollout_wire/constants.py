@@ -97,6 +97,11 @@ def collecting_key(batch_id: str, index: int) -> str:
     return batch_key(batch_id, f"collecting:{index}")
 
 
+def infra_streak_key(batch_id: str) -> str:
+    """The batch's latest infrastructure failures in a row (the circuit breaker's count)."""
+    return batch_key(batch_id, "infra-streak")
+
+
 def collect_copies_key(batch_id: str) -> str:
     """How many times a copy of a collect task found another copy collecting its episode."""
     return batch_key(batch_id, "collect-copies")
@@ -123,6 +128,10 @@ def chord_group_task_id(batch_id: str) -> str:
 
 def watchdog_task_id(batch_id: str) -> str:
     return f"{batch_id}.watchdog"
+
+
+def cancel_task_id(batch_id: str) -> str:
+    return f"{batch_id}.cancel"
 
 
 def cleanup_task_id(batch_id: str) -> str:

@@ -29,6 +29,10 @@ DEFAULT_IMAGE = "python:3.12-alpine"
 DEFAULT_RUNTIME = "cube"
 DEFAULT_DEADLINE_SECONDS = 240
 DEFAULT_EPISODE_TIMEOUT_SECONDS = 120
+# Enough that a few unlucky sandboxes never halt a batch, few enough that a dead policy
+# endpoint costs a handful of sandboxes per slot instead of the whole batch.
+DEFAULT_MAX_CONSECUTIVE_INFRA_FAILURES = 20
+MAX_EPISODES_EVER = 1_000_000
 MAX_DEADLINE_SECONDS = 7 * 24 * 3600
 
 _BATCH_ID = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
@@ -97,6 +101,10 @@ class BatchSpec:
     # refill that pool to this many waiting sandboxes for the next batch (0: no refill). Every
     # batch takes from an existing pool of its shape, whether or not it asks for a refill.
     warm_pool: int = 0
+    # The circuit breaker: after this many infrastructure failures in a row (the policy
+    # endpoint down, sandboxes that never get ready), the batch halts: the rest is aborted and
+    # the report says `halted` with the failures that tripped it (0: never halt).
+    max_consecutive_infra_failures: int = DEFAULT_MAX_CONSECUTIVE_INFRA_FAILURES
 
     def episode(self, index: int) -> EpisodeTask:
         """Which task and sample episode `index` runs, and its group."""
@@ -269,6 +277,16 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append(f"warm_pool must be within 0..{MAX_WARM_POOL}, got {warm}")
         warm = 0
 
+    breaker = _int_field(
+        data, "max_consecutive_infra_failures", DEFAULT_MAX_CONSECUTIVE_INFRA_FAILURES, problems
+    )
+    if not 0 <= breaker <= MAX_EPISODES_EVER:
+        problems.append(
+            f"max_consecutive_infra_failures must be within 0..{MAX_EPISODES_EVER} "
+            f"(0: never halt), got {breaker}"
+        )
+        breaker = DEFAULT_MAX_CONSECUTIVE_INFRA_FAILURES
+
     placement = _parse_placement(data, problems)
     raw_policy = data.get("policy")
     if isinstance(raw_policy, PolicyEndpoint):
@@ -320,6 +338,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         policy=policy,
         infra_retries=retries,
         warm_pool=warm,
+        max_consecutive_infra_failures=breaker,
         **placement,
     )
 

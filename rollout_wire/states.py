@@ -44,6 +44,7 @@ class BatchStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    HALTED = "halted"  # the circuit breaker stopped it (max_consecutive_infra_failures)
     REJECTED = "rejected"
     ERROR = "error"
 

@@ -54,6 +54,11 @@ class CeleryScheduler:
             task_id=k.cleanup_task_id(batch_id)
         )
 
+    def cancel(self, batch_id: str) -> None:
+        self.app.signature(k.TASK_CANCEL, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async(
+            task_id=k.cancel_task_id(batch_id)
+        )
+
     def fill_pool(self, batch_id: str) -> None:
         self.app.signature(k.TASK_FILL_POOL, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async()
 

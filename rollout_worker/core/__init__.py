@@ -39,6 +39,7 @@ from rollout_worker.core.runs import (
 from rollout_worker.core.state import (
     FLAG_CANCEL,
     FLAG_CHORD,
+    FLAG_HALT,
     FLAG_STOPPED,
     BatchStore,
     Limits,
@@ -52,6 +53,7 @@ __all__ = [
     "CLEANUP_RECHECK_SECONDS",
     "FLAG_CANCEL",
     "FLAG_CHORD",
+    "FLAG_HALT",
     "FLAG_STOPPED",
     "MAX_RETRIES",
     "RESCUE_ENDED_SECONDS",

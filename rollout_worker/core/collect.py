@@ -9,11 +9,12 @@ from collections.abc import Callable
 from rollout_wire.errors import BackendError, TransientBackendError
 from rollout_wire.request import BatchSpec
 from rollout_wire.rows import EpisodeRow
-from rollout_wire.states import Progress
+from rollout_wire.states import EpisodeStatus, FailureKind, Progress
 from rollout_wire.trajectory import trajectory_from_log
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.state import (
     FLAG_CANCEL,
+    FLAG_HALT,
     FLAG_STOPPED,
     BatchStore,
     Limits,
@@ -127,7 +128,12 @@ def collect(
             # killed by the suspended Job ends Failed), so the episode was cancelled, not failed.
             cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
         if cancelled and obs.phase != "Succeeded" and (obs.terminal or stopped):
-            row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
+            why = (
+                "aborted: the batch halted (too many infrastructure failures in a row)"
+                if store.has_flag(spec.batch_id, FLAG_HALT)
+                else "cancelled before it finished"
+            )
+            row = lost_row(index, obs.episode_id, why, obs)
         elif cancelled and not obs.terminal and in_time():
             backend.resume_run(run)
             raise NotYet  # the stop is under way: the report must not come before it
@@ -160,8 +166,37 @@ def collect(
         row = lost_row(index, episode_id, "the backend kept failing until the deadline", None)
     except BackendError as exc:
         row = lost_row(index, episode_id, str(exc), None)
-    store.record_episode(spec.batch_id, row, _stored_log(text))
+    if store.record_episode(spec.batch_id, row, _stored_log(text)):
+        _count_for_breaker(store, spec, row)
     return row
+
+
+def tripped_by(store: BatchStore, batch_id: str, index: int) -> bool:
+    """Whether episode `index`'s row tripped its batch's circuit breaker (the last failure of
+    the streak that halted it): its collector is the one that stops the rest."""
+    if not store.has_flag(batch_id, FLAG_HALT):
+        return False
+    halted = (store.load_receipt(batch_id) or {}).get("halted") or {}
+    failures = halted.get("failures") or []
+    return bool(failures) and failures[-1].get("index") == index
+
+
+def _count_for_breaker(store: BatchStore, spec: BatchSpec, row: EpisodeRow) -> None:
+    """The circuit breaker: an infrastructure failure extends the batch's streak, any sample
+    of the policy (ok, or an episode that broke a rule) ends it; a lost row (deadline,
+    cancel) does neither. At the limit the batch is flagged halted, with the failures that
+    tripped it in its receipt; the worker then stops the rest (`Worker.collect`)."""
+    limit = spec.max_consecutive_infra_failures
+    if limit == 0 or row.status == EpisodeStatus.LOST:
+        return
+    if row.failure_kind != FailureKind.INFRASTRUCTURE:
+        store.note_outcome(spec.batch_id, None)
+        return
+    streak = store.note_outcome(spec.batch_id, {"index": row.index, "cause": row.failure_cause})
+    if len(streak) == limit:  # exactly one collector sees this length
+        cause = f"{limit} infrastructure failures in a row (the last: {row.failure_cause})"
+        store.update_receipt(spec.batch_id, {"halted": {"cause": cause, "failures": streak}})
+        store.set_flag(spec.batch_id, FLAG_HALT)
 
 
 def _wait(

@@ -15,6 +15,7 @@ from rollout_worker.backends.base import Backend, FinishedRun
 from rollout_worker.core.collect import RESCUE_FIRST_BLOCK_SECONDS, collect
 from rollout_worker.core.state import (
     FLAG_CANCEL,
+    FLAG_HALT,
     BackendFor,
     BatchStore,
     Limits,
@@ -104,7 +105,10 @@ def _publish(
         warnings=receipt.warnings,
         batch_errors=batch_errors,
     ) | {"cleanup": cleanup, "records": Records.PENDING}
-    if store.has_flag(spec.batch_id, FLAG_CANCEL):
+    if store.has_flag(spec.batch_id, FLAG_HALT):
+        halted = (store.load_receipt(spec.batch_id) or {}).get("halted")
+        report |= {"ok": False, "status": BatchStatus.HALTED, "halted": halted}
+    elif store.has_flag(spec.batch_id, FLAG_CANCEL):
         report |= {"ok": False, "status": BatchStatus.CANCELLED}
     if not store.publish_report(spec.batch_id, report):
         return None

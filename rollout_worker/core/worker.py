@@ -13,11 +13,11 @@ from typing import Any, Protocol
 
 from rollout_wire import constants as k
 from rollout_wire.errors import TransientBackendError
-from rollout_wire.states import Cleanup, FinalizedBy
+from rollout_wire.states import Cleanup, FailureKind, FinalizedBy
 from rollout_worker.backends import get_backend
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.admit import fail, submit
-from rollout_worker.core.collect import claim, collect, rescue, watchdog_countdown
+from rollout_worker.core.collect import claim, collect, rescue, tripped_by, watchdog_countdown
 from rollout_worker.core.finalize import finalize
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
@@ -29,7 +29,14 @@ from rollout_worker.core.runs import (
     sweep,
     sweep_backends,
 )
-from rollout_worker.core.state import FLAG_CHORD, BatchStore, Limits, NotYet, Receipt, load_receipt
+from rollout_worker.core.state import (
+    FLAG_CHORD,
+    BatchStore,
+    Limits,
+    NotYet,
+    Receipt,
+    load_receipt,
+)
 from rollout_worker.settings import Settings
 
 # How often each task may run again (None: until its batch's deadline, which bounds it: a
@@ -78,6 +85,7 @@ class Scheduler(Protocol):
         """The chord (one collector per episode, then the callback) and the watchdog."""
 
     def cleanup(self, batch_id: str) -> None: ...
+    def cancel(self, batch_id: str) -> None: ...
     def fill_pool(self, batch_id: str) -> None: ...
 
 
@@ -178,6 +186,12 @@ class Worker:
         finally:
             # Released before the retry is sent: the next copy may start at once.
             self.store.release_collect(batch_id, index, token)
+        if row.failure_kind == FailureKind.INFRASTRUCTURE and tripped_by(
+            self.store, batch_id, index
+        ):
+            # This row tripped the circuit breaker: stop the rest as a cancel does (no sandbox
+            # left); their collectors record them aborted, and the report says `halted`.
+            self.scheduler.cancel(batch_id)
         return {"index": index, "status": row.status}
 
     def finalize(self, batch_id: str, finalized_by: FinalizedBy) -> dict[str, Any]:

@@ -134,7 +134,7 @@ def episode_processes(run_dir: Path) -> list[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if str(run_dir).encode() in cmdline and b"local_supervisor" not in cmdline:
+            if str(run_dir).encode() in cmdline and b"backends.local.supervisor" not in cmdline:
                 found.append(int(proc.name))
     return found
 

@@ -33,6 +33,15 @@ class MemoryStore:
         self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
         self.claims: dict[tuple[str, int], str] = {}  # (batch, index) -> token (never expire)
         self.copies: dict[str, int] = {}
+        self.streaks: dict[str, list[Any]] = {}
+
+    def note_outcome(self, batch_id: str, failure: Mapping[str, Any] | None) -> list[Any]:
+        streak = self.streaks.setdefault(batch_id, [])
+        if failure is None:
+            streak.clear()
+        else:
+            streak.append(dict(failure))
+        return list(streak)
 
     def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool:
         return self.claims.setdefault((batch_id, index), token) == token

@@ -23,6 +23,7 @@ class Sent:
     chords: list[tuple[str, int, float]] = field(default_factory=list)
     cleanups: list[str] = field(default_factory=list)
     fills: list[str] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
 
     def collect_batch(self, batch_id: str, count: int, watchdog_countdown: float) -> None:
         self.chords.append((batch_id, count, watchdog_countdown))
@@ -32,6 +33,9 @@ class Sent:
 
     def fill_pool(self, batch_id: str) -> None:
         self.fills.append(batch_id)
+
+    def cancel(self, batch_id: str) -> None:
+        self.cancels.append(batch_id)
 
 
 class Flaky(StubBackend):
@@ -140,3 +144,59 @@ def test_the_watchdog_looks_again_before_the_deadline_and_finalises_after_it(par
 def test_every_task_has_a_retry_budget_and_only_the_deadline_bounds_collectors():
     assert set(core.MAX_RETRIES) == set(k.TASKS)
     assert core.MAX_RETRIES[k.TASK_COLLECT] is None and core.MAX_RETRIES[k.TASK_WATCHDOG] is None
+
+
+INFRA_LOG = '{"event": "error", "kind": "infrastructure", "cause": "policy endpoint refused"}\n'
+
+
+def test_the_breaker_trips_after_n_infrastructure_failures_in_a_row_and_stops_the_rest(parts):
+    w, store, backend, sent = parts
+    request = {"batch_id": "b1", "count": 8, "max_consecutive_infra_failures": 3}
+    w.submit(request, message_id="m1", attempt=0)
+    backend.ended[0] = ("Failed", INFRA_LOG)
+    backend.ended[1] = ("Succeeded", good_log("ep-b1-1", backend.origin + 0.5))  # ends the run
+    for index in (2, 3, 4, 5):
+        backend.ended[index] = ("Failed", INFRA_LOG)
+    for index in range(4):  # 0, then an ok that ends the streak, then 2 and 3
+        assert w.collect("b1", index)["status"] == ("ok" if index == 1 else "failed")
+        assert not store.has_flag("b1", core.FLAG_HALT) and sent.cancels == []
+    w.collect("b1", 4)  # 2, 3, 4: three in a row
+    assert store.has_flag("b1", core.FLAG_HALT) and sent.cancels == ["b1"]
+    halted = store.receipts["b1"]["halted"]
+    assert [f["index"] for f in halted["failures"]] == [2, 3, 4]
+    assert "3 infrastructure failures in a row" in halted["cause"]
+    w.collect("b1", 5)  # a fourth in a row: the stop is already under way, not sent again
+    assert sent.cancels == ["b1"]
+
+
+def test_a_halted_batch_reports_halted_with_what_tripped_it_and_the_rest_aborted(parts):
+    w, store, backend, _ = parts
+    request = {"batch_id": "b1", "count": 4, "max_consecutive_infra_failures": 2}
+    w.submit(request, message_id="m1", attempt=0)
+    for index in (0, 1):
+        backend.ended[index] = ("Failed", INFRA_LOG)
+        w.collect("b1", index)
+    w.cancel("b1")  # what the scheduler's cancel task runs
+    for index in (2, 3):
+        backend.ended[index] = ("Failed", "")  # stopped by the cancel
+        w.collect("b1", index)
+    report = w.finalize("b1", FinalizedBy.CHORD)
+    assert report["status"] == "halted"
+    published = store.reports["b1"]
+    assert published["ok"] is False and len(published["halted"]["failures"]) == 2
+    aborted = [row for row in published["pods"] if row["index"] in (2, 3)]
+    assert all(row["status"] == "lost" and "halted" in row["errors"][0] for row in aborted)
+    assert published["reward_sum"] == 0 and published["successful_episodes"] == 0
+
+
+def test_without_a_breaker_infrastructure_failures_never_halt_a_batch(parts):
+    w, store, backend, sent = parts
+    w.submit(
+        {"batch_id": "b1", "count": 3, "max_consecutive_infra_failures": 0},
+        message_id="m1",
+        attempt=0,
+    )
+    for index in range(3):
+        backend.ended[index] = ("Failed", INFRA_LOG)
+        w.collect("b1", index)
+    assert not store.has_flag("b1", core.FLAG_HALT) and sent.cancels == []
