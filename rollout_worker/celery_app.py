@@ -5,13 +5,16 @@ from __future__ import annotations
 from celery import Celery
 
 from rollout_wire import constants as k
+from rollout_wire.redis_url import celery_settings
 from rollout_worker.settings import Settings
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
+    # The broker and result backend from ROLLOUT_REDIS_URL: as it is, or for a Sentinel URL
+    # kombu's `sentinel://` form with master_name (and TLS options) in the transport options.
+    redis_conf = celery_settings(settings.redis_url)
     return {
-        "broker_url": settings.redis_url,
-        "result_backend": settings.redis_url,
+        **redis_conf,  # broker_url, result_backend (and broker_use_ssl... for sentinel+rediss)
         # JSON only: nothing a worker receives can execute code when decoded.
         "task_serializer": "json",
         "result_serializer": "json",
@@ -22,12 +25,16 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
         "broker_transport_options": {
+            **redis_conf["broker_transport_options"],
             "visibility_timeout": settings.visibility_timeout,
             # Sweep for a dead worker's unacked messages every 10 s instead of every ~100 s.
             "unacked_restore_interval": 10,
             "unacked_restore_throttle": 1,
         },
-        "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        "result_backend_transport_options": {
+            **redis_conf["result_backend_transport_options"],
+            "visibility_timeout": settings.visibility_timeout,
+        },
         "result_expires": settings.result_expires,
         "broker_connection_retry_on_startup": True,
         # Tasks keep running through a broker reconnect (a Redis restart): they are idempotent,
@@ -58,3 +65,19 @@ def create_app(settings: Settings, *, with_tasks: bool = True) -> Celery:
 
         register(app)
     return app
+
+
+def __getattr__(name: str) -> object:
+    """`celery -A rollout_worker.celery_app:app ...` (the workers' health checks, Flower): an
+    app without tasks configured from the environment like the workers, so the `celery`
+    command reaches the broker whatever form ROLLOUT_REDIS_URL takes (a Sentinel URL needs
+    master_name in the transport options, which `celery --broker URL` cannot say)."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    global _cli_app
+    if _cli_app is None:
+        _cli_app = create_app(Settings.from_env(), with_tasks=False)
+    return _cli_app
+
+
+_cli_app: Celery | None = None

@@ -15,9 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rollout_wire.errors import ConfigError
+from rollout_wire.redis_url import check_url
+from rollout_wire.urls import redacted
 
 SETTINGS_DOC: dict[str, str] = {
-    "ROLLOUT_REDIS_URL": "Redis for the broker, results, receipts and reports "
+    "ROLLOUT_REDIS_URL": "Redis for the broker, results, receipts and reports: redis://, "
+    "rediss:// (TLS), unix://, or Redis Sentinel: sentinel://[:PASSWORD@]HOST:26379[,HOST:PORT...]"
+    "/DB?master=NAME (sentinel+rediss://...: TLS to the data nodes and Sentinels) "
     "(default redis://127.0.0.1:6379/0)",
     "ROLLOUT_MAX_BATCH_EPISODES": "largest batch accepted; larger ones are refused (default 5000)",
     "ROLLOUT_VISIBILITY_TIMEOUT": "seconds before the task of a dead worker is redelivered; must "
@@ -82,11 +86,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         problems = []
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            problems.append(
-                f"ROLLOUT_REDIS_URL {self.redis_url!r} must start with redis://, "
-                "rediss:// or unix://"
-            )
+        try:
+            check_url(self.redis_url)
+        except ConfigError as exc:
+            problems.append(f"ROLLOUT_REDIS_URL {redacted(self.redis_url)!r}: {exc}")
         if self.max_batch_episodes < 1:
             problems.append("ROLLOUT_MAX_BATCH_EPISODES must be >= 1")
         if (

@@ -16,6 +16,7 @@ import redis
 
 from rollout_wire import codec
 from rollout_wire import constants as k
+from rollout_wire.redis_url import redis_client
 from rollout_wire.rows import EpisodeRow
 
 _CREATE_RECEIPT = """
@@ -76,7 +77,7 @@ class Store:
 
     @classmethod
     def from_url(cls, url: str, ttl: int) -> Store:
-        return cls(redis.Redis.from_url(url, health_check_interval=30), ttl)
+        return cls(redis_client(url, health_check_interval=30), ttl)
 
     # -- receipts: a hash of JSON fields, so updates never race on a whole document ----------
     def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:
@@ -178,6 +179,22 @@ class Store:
         keys = [k.states_key(batch_id), k.stream_key(batch_id)]
         args = [index, k.STATES.index(state), self.ttl, *codec.state_entry(index, state)]
         return bool(self._publish_state(keys=keys, args=args))
+
+    # -- the circuit breaker -----------------------------------------------------------------
+    def note_outcome(self, batch_id: str, failure: Mapping[str, Any] | None) -> list[Any]:
+        """Count an episode's outcome towards its batch's infrastructure failures in a row:
+        `failure` (its index and cause) extends the streak, None ends it. Returns the streak,
+        oldest first (atomic: concurrent collectors each see their own length)."""
+        key = k.infra_streak_key(batch_id)
+        pipe = self.redis.pipeline()
+        if failure is None:
+            pipe.delete(key)
+            pipe.execute()
+            return []
+        pipe.rpush(key, codec.dumps(dict(failure)))
+        pipe.expire(key, self.ttl)
+        length, _ = pipe.execute()
+        return [codec.loads(item) for item in self.redis.lrange(key, 0, int(length) - 1)]
 
     # -- records and report ------------------------------------------------------------------
     def save_records(self, batch_id: str, records: Mapping[str, str]) -> None:

@@ -8,6 +8,7 @@ import time
 import redis
 
 from rollout_wire import constants as k
+from rollout_wire.redis_url import redis_client
 
 # A signal nobody consumed is useless after this.
 SIGNAL_TTL = 3600
@@ -21,9 +22,7 @@ class DoneSignal:
 
     @classmethod
     def from_url(cls, url: str, *, socket_timeout: float | None = None) -> DoneSignal:
-        return cls(
-            redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=2)
-        )
+        return cls(redis_client(url, socket_timeout=socket_timeout, socket_connect_timeout=2))
 
     def notify(self, batch_id: str, index: int) -> None:
         key = k.done_key(batch_id, index)

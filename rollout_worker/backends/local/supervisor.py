@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import orjson
 import redis
 
+from rollout_wire.redis_url import redis_client
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
 from rollout_worker.backends.base import MAX_LOG_BYTES
@@ -77,9 +78,7 @@ class Reporter:
         self.store: Store | None = None
         self.signal: DoneSignal | None = None
         if settings:
-            client = redis.Redis.from_url(
-                settings["redis_url"], socket_timeout=2, socket_connect_timeout=2
-            )
+            client = redis_client(settings["redis_url"], socket_timeout=2, socket_connect_timeout=2)
             self.store = Store(client, int(settings["ttl"]))
             self.signal = DoneSignal(client)
 
