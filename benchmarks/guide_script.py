@@ -1,9 +1,10 @@
 """The guide's own script, rebuilt at run time from the guide's text (never stored here).
 
-The guide (/work/shared/seed/rl-batch-demo-guide.txt, section 十) prints its script as one
-line: the web page it was saved from dropped every line break, collapsed each line's
-indentation to one space (so a line that was not indented follows the previous one directly),
-doubled every backslash and turned `--` into an en dash. This module undoes that:
+The guide (shared/seed/rl-batch-demo-guide.txt in the folder that holds this clone, section 十)
+prints its script as one line: the web page it was saved from dropped every line break,
+collapsed each line's indentation to one space (so a line that was not indented follows the
+previous one directly), doubled every backslash and turned `--` into an en dash. This module
+undoes that:
 
 1. It takes the script's line (from `#!/usr/bin/env python3` on) and undoes the backslashes and
    the dashes (an en dash, U+2013, is `--` inside a string literal and a minus outside).
@@ -38,7 +39,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-GUIDE = Path("/work/shared/seed/rl-batch-demo-guide.txt")
+REPO = Path(__file__).resolve().parents[1]
+# The guide lives in the workplace's shared folder, beside the clone (<repo>/../shared/seed/),
+# wherever the clone is.
+GUIDE = REPO.parent / "shared" / "seed" / "rl-batch-demo-guide.txt"
 START = "#!/usr/bin/env python3"
 
 # Where the layout leaves the level open and only meaning decides: (first words of the
@@ -436,7 +440,13 @@ def rebuild(code: str, layout: dict[str, int], used: set[str]) -> str:
 
 def guide_script(text: str | None = None) -> str:
     """The guide's script as a runnable program."""
-    raw = script_line(GUIDE.read_text() if text is None else text)
+    if text is None:
+        if not GUIDE.is_file():
+            raise GuideScriptError(
+                f"the guide is not at {GUIDE} (shared/seed/ beside the clone {REPO})"
+            )
+        text = GUIDE.read_text()
+    raw = script_line(text)
     code = fix_dashes(raw[len(START) :].replace("\\\\", "\\"))
     layout = dict(LAYOUT)
     used: set[str] = set()

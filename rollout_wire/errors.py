@@ -56,7 +56,9 @@ class BatchTimeout(RolloutError):
 
 
 class RedisUnavailable(RolloutError):
-    """Redis stayed unreachable for longer than the client is willing to wait."""
+    """Redis stayed unreachable for longer than the client is willing to wait (its outage
+    limit: every client call, a send included, waits out a restart), or refused the client
+    (a wrong password). The message is one line naming the URL, its password masked."""
 
 
 class StackError(RolloutError):

@@ -26,6 +26,12 @@ Kubernetes (logic in tests/k8s/cluster.py):
 - ``kwok_logs`` (function): factory making a simulated Pod log served through the API server.
 - ``real_node`` (session, tests/k8s/node_fixtures.py): a node where Pods really run.
 - ``real_stack`` (session): Redis + Celery workers whose Kubernetes backend uses ``k8s_cluster``.
+
+Time limits (pytest-timeout, set in pyproject.toml: 900 s per test, its fixtures included): a
+hang fails that test with every thread's stack and the run goes on. A test known to take longer
+says so with ``@pytest.mark.timeout(N)``; the first test to set up a fixture that builds or
+starts infrastructure (:data:`PROVISIONING_SECONDS`) gets that fixture's own bound on top.
+pytest-timeout missing is a usage error; ``-p no:timeout`` runs without limits, on request.
 """
 
 from __future__ import annotations
@@ -177,6 +183,19 @@ def pytest_configure(config: pytest.Config) -> None:
         markexpr=config.option.markexpr or "",
     )
     config.stash[_LEFT_OUT] = state
+    config.stash[_PROVISIONED] = set()
+    config.pluginmanager.register(
+        ProvisioningTracker(config.stash[_PROVISIONED]), "rollout-provisioning-tracker"
+    )
+    if not config.pluginmanager.hasplugin("timeout"):
+        if not config.pluginmanager.is_blocked("timeout"):
+            raise pytest.UsageError(
+                "pytest-timeout is not installed, so a hanging test would hang the whole run: "
+                "install the dev extras (hack/setup.sh --dev), or say -p no:timeout to run "
+                "without time limits"
+            )
+        # Off on request: the tests' timeout marks stay valid under --strict-markers.
+        config.addinivalue_line("markers", "timeout(seconds): per-test limit (pytest-timeout)")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -185,6 +204,8 @@ def pytest_collection_modifyitems(session, config: pytest.Config, items: list[py
     # fixtures, then what ROLLOUT_TEST_SKIP leaves out.
     state = config.stash[_LEFT_OUT]
     for item in items:
+        if item.nodeid in LONG_TESTS and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TESTS[item.nodeid]))
         have = _marker_names(item)
         for fixture in set(getattr(item, "fixturenames", ())) & set(FIXTURE_MARKERS):
             for marker in FIXTURE_MARKERS[fixture]:
@@ -236,6 +257,85 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                 f"{SKIP_ENV}={needs[0]}"
             )
     return report
+
+
+# --------------------------------------------------------------------------------------------
+# Time limits
+
+#: Session fixtures that build or start infrastructure, with the bound their own subprocess
+#: timeouts put on that (seconds). The first test to set one up gets that much more than its
+#: limit; later tests find it ready.
+PROVISIONING_SECONDS: dict[str, float] = {
+    "k8s_cluster": kc.UP_TIMEOUT_S,  # cluster.sh up (builds Kubernetes from source when cold)
+    "real_node": kc.NODE_UP_TIMEOUT_S,  # cluster.sh node-up (containerd, kubelet, images)
+    "helm": 1800,  # tests/helm/conftest.py: hack/helm.sh builds the pinned helm
+    "docker_ready": 1200,  # tests/compose/conftest.py: hack/docker-up.sh
+    "images": 1200 + 300,  # tests/compose/conftest.py: image build, then `compose up`
+}
+
+#: Tests in files whose own marks are not set yet, known to take longer than the default
+#: (node id -> seconds). A test's own @pytest.mark.timeout wins over this table.
+LONG_TESTS: dict[str, float] = {
+    # Builds and imports the worker and Redis images (docker-up 1200 s, build 1800 s) inside
+    # the test, then four helm installs (6 min each at most) with a batch after each.
+    "tests/helm/test_chart_install.py::test_chart_installs_serves_scales_and_uninstalls": 5400,
+}
+
+_PROVISIONED = pytest.StashKey[set[str]]()
+
+
+def timeout_of(item: pytest.Item) -> float:
+    """The item's time limit before provisioning (0: none): its own timeout mark, else the
+    run's default in pytest-timeout's order (--timeout, PYTEST_TIMEOUT, the ini file)."""
+    config = item.config
+    if not config.pluginmanager.hasplugin("timeout"):
+        return 0.0
+    mark = item.get_closest_marker("timeout")
+    if mark is not None:
+        value = mark.args[0] if mark.args else mark.kwargs.get("timeout")
+    else:
+        value = config.getoption("timeout")
+        if value is None:
+            value = os.environ.get("PYTEST_TIMEOUT") or config.getini("timeout")
+    return float(value or 0)
+
+
+def provisioning_extra(fixturenames: Iterable[str], provisioned: set[str]) -> float:
+    """Seconds to add for the provisioning fixtures among `fixturenames` not yet set up."""
+    return sum(
+        PROVISIONING_SECONDS[name]
+        for name in set(fixturenames) - provisioned
+        if name in PROVISIONING_SECONDS
+    )
+
+
+class ProvisioningTracker:
+    """Notes each provisioning fixture once it has been set up (or tried to). A plugin, not a
+    conftest hook: a session fixture is set up through the session's hooks, which do not
+    include those of a conftest below the rootdir."""
+
+    def __init__(self, provisioned: set[str]) -> None:
+        self.provisioned = provisioned
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        try:
+            return (yield)
+        finally:
+            if fixturedef.argname in PROVISIONING_SECONDS:
+                self.provisioned.add(fixturedef.argname)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    # Outside pytest-timeout's own wrapper, which reads the item's timeout mark when it starts.
+    limit = timeout_of(item)
+    extra = provisioning_extra(
+        getattr(item, "fixturenames", ()), item.config.stash.get(_PROVISIONED, set())
+    )
+    if limit > 0 and extra > 0:
+        item.add_marker(pytest.mark.timeout(limit + extra), append=False)
+    return (yield)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:

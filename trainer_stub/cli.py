@@ -91,7 +91,7 @@ def main(
             infra_retries,
         )
         return
-    client = RolloutClient(redis_url)
+    client = _client(redis_url)
     try:
         submissions = [
             client.submit(
@@ -101,6 +101,8 @@ def main(
         ]
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    except RolloutError as exc:  # Redis unreachable for the client's outage limit
+        raise click.ClickException(str(exc)) from exc
     try:
         reports = follow(client, submissions, err, timeout)
     except RolloutError as exc:
@@ -134,7 +136,7 @@ def training_loop(
     as_json: bool,
     infra_retries: int | None = None,
 ) -> None:
-    client = RolloutClient(redis_url)
+    client = _client(redis_url)
     try:
         fields = rollout_fields(
             tasks=task_set,
@@ -156,7 +158,10 @@ def training_loop(
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
     all_ok = True
     for n, spec in enumerate(prepared):
-        submission = client.send(spec)
+        try:
+            submission = client.send(spec)
+        except RolloutError as exc:
+            raise click.ClickException(str(exc)) from exc
         err.print(f"round {n}: batch {spec.batch_id}, {spec.count} episodes", highlight=False)
         try:
             for row, trajectory in client.trajectories(spec.batch_id, timeout):
@@ -183,6 +188,15 @@ def training_loop(
         console.print(group_table(n, report))
     client.close()
     sys.exit(0 if all_ok else 1)
+
+
+def _client(redis_url: str) -> RolloutClient:
+    """The client; every Redis call it makes waits out an outage for up to
+    ROLLOUT_REDIS_OUTAGE_SECONDS, then says so in one line (never a traceback)."""
+    try:
+        return RolloutClient(redis_url)
+    except RolloutError as exc:  # a bad ROLLOUT_REDIS_OUTAGE_SECONDS
+        raise click.UsageError(str(exc)) from exc
 
 
 def group_table(round_no: int, report: dict[str, Any]) -> Table:

@@ -7,19 +7,24 @@ Everything read from Redis is decoded by `rollout_wire.codec`, the codec the wor
 
 from __future__ import annotations
 
+import math
 import os
 import time
+import urllib.parse
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import kombu.exceptions
 import redis
 from celery import Celery
 
 from rollout_wire import codec
 from rollout_wire import constants as k
 from rollout_wire.codec import Entry
-from rollout_wire.errors import BatchTimeout, RedisUnavailable
+from rollout_wire.errors import BatchTimeout, ConfigError, RedisUnavailable
+from rollout_wire.redis_url import celery_settings, redis_client
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.trajectory import trajectory_from_log
 from rollout_wire.urls import redacted
@@ -28,6 +33,41 @@ BLOCK_MS = 1000
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # A restart of Redis is waited out; Redis away for longer than this ends the wait with an error.
 REDIS_OUTAGE_SECONDS = 60.0
+OUTAGE_ENV = "ROLLOUT_REDIS_OUTAGE_SECONDS"  # overrides REDIS_OUTAGE_SECONDS for a client
+RETRY_SECONDS = 0.5  # between two tries of a Redis call while Redis is unreachable
+# One try of a send (kombu connects, publishes, retries once) stays this short, so a send to an
+# unreachable Redis fails within the outage limit like every other call.
+SEND_CONNECT_SECONDS = 5.0
+# What "Redis is not reachable right now" looks like: redis-py's errors (a restarting Redis
+# that is still loading its AOF is one too), kombu's when it sends a task, and socket errors.
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    kombu.exceptions.OperationalError,
+    OSError,
+)
+# What no wait fixes: a refused password or user, or something else than Redis answering.
+UNUSABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+    redis.exceptions.InvalidResponse,
+)
+
+T = TypeVar("T")
+
+
+def outage_seconds_from_env() -> float:
+    """`ROLLOUT_REDIS_OUTAGE_SECONDS` when set (seconds > 0), else REDIS_OUTAGE_SECONDS."""
+    raw = os.environ.get(OUTAGE_ENV, "").strip()
+    if not raw:
+        return REDIS_OUTAGE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{OUTAGE_ENV}={raw!r} must be a number of seconds above 0")
+    return value
 
 
 @dataclass
@@ -40,6 +80,11 @@ class Submission:
     # Seconds from just before the send to this client seeing the report (set by whoever
     # reads the report entry through this client: `wait`, `follow`).
     submit_to_report_seconds: float | None = None
+    # Seconds from just before the send to this client seeing the run completed (the Job's
+    # Complete/Failed, recorded in the receipt as `completed_at` after the report): the guide's
+    # `client_job_complete_seconds`, polling included. Set by whoever reads that receipt
+    # through `saw_receipt` (`rollout run --output` does).
+    submit_to_job_complete_seconds: float | None = None
 
     @property
     def batch_id(self) -> str:
@@ -61,16 +106,82 @@ class Submission:
         if self.submit_to_report_seconds is None:
             self.submit_to_report_seconds = time.monotonic() - self.started
 
+    def saw_receipt(self, receipt: Mapping[str, Any]) -> None:
+        """Called with each receipt (or report) this client reads: the first one saying the
+        run completed (`completed_at`) stops the guide's submit -> Job complete clock."""
+        if self.submit_to_job_complete_seconds is None and receipt.get("completed_at"):
+            self.submit_to_job_complete_seconds = time.monotonic() - self.started
+
+    def receipt(self) -> dict[str, Any]:
+        """The workers' receipt of this batch (marks the run's completion when it says so)."""
+        receipt = self.client.receipt(self.batch_id)
+        self.saw_receipt(receipt)
+        return receipt
+
 
 class RolloutClient:
-    def __init__(self, redis_url: str, *, outage_seconds: float = REDIS_OUTAGE_SECONDS) -> None:
+    """Every Redis call goes through `call`: an outage (a restart) is waited out for up to
+    `outage_seconds` (default `ROLLOUT_REDIS_OUTAGE_SECONDS`, else 60), then RedisUnavailable."""
+
+    def __init__(self, redis_url: str, *, outage_seconds: float | None = None) -> None:
         self.redis_url = redis_url
-        self.outage_seconds = outage_seconds
-        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
-        self.celery = Celery("rollout-trainer", broker=redis_url, set_as_current=False)
-        self.celery.conf.update(
-            task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True
+        self.outage_seconds = (
+            outage_seconds_from_env() if outage_seconds is None else float(outage_seconds)
         )
+        self.redis = redis_client(redis_url, socket_connect_timeout=5)
+        # A Sentinel URL becomes kombu's form plus master_name (rollout_wire.redis_url).
+        broker = {n: v for n, v in celery_settings(redis_url).items() if n.startswith("broker_")}
+        self.celery = Celery("rollout-trainer", broker=broker["broker_url"], set_as_current=False)
+        self.celery.conf.update({n: v for n, v in broker.items() if v})
+        connect = min(SEND_CONNECT_SECONDS, self.outage_seconds)
+        self.celery.conf.update(
+            task_serializer="json",
+            accept_content=["json"],
+            broker_connection_retry_on_startup=True,
+            # kombu's own retries of one send stay short; `call` waits out the outage.
+            broker_connection_timeout=connect,
+            task_publish_retry_policy={
+                "max_retries": 1,
+                "interval_start": 0,
+                "interval_step": 0.2,
+                "interval_max": 0.2,
+            },
+        )
+
+    # -- every Redis call ----------------------------------------------------------------------
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """`fn()` (one Redis command, or one task sent through kombu), tried again every
+        RETRY_SECONDS while Redis is unreachable; unreachable for `outage_seconds` since the
+        first failed try: RedisUnavailable (one line naming the URL, password masked).
+        `what` completes "... unreachable for Ns while <what>"."""
+        down_since: float | None = None
+        while True:
+            tried_at = time.monotonic()
+            try:
+                return fn()
+            except UNUSABLE as exc:
+                raise RedisUnavailable(  # no outage: waiting would not help
+                    f"Redis at {redacted(self.redis_url)} cannot be used while {what}: "
+                    f"{self._cause(exc)}"
+                ) from exc
+            except UNREACHABLE as exc:
+                down_since = tried_at if down_since is None else down_since
+                waited = time.monotonic() - down_since
+                if waited >= self.outage_seconds:
+                    raise self._unavailable(what, exc) from exc
+                time.sleep(min(RETRY_SECONDS, self.outage_seconds - waited))
+
+    def _unavailable(self, what: str, exc: BaseException) -> RedisUnavailable:
+        return RedisUnavailable(
+            f"Redis at {redacted(self.redis_url)} unreachable for {self.outage_seconds:g}s "
+            f"while {what}: {self._cause(exc)}"
+        )
+
+    def _cause(self, exc: BaseException) -> str:
+        """The error's text on one line, without the URL's password."""
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        password = _password(self.redis_url)
+        return cause.replace(password, "***") if password else cause
 
     # -- sending -----------------------------------------------------------------------------
     @staticmethod
@@ -80,10 +191,20 @@ class RolloutClient:
         return parse_spec(request, max_episodes=max_episodes)
 
     def send(self, spec: BatchSpec) -> Submission:
-        """Send a prepared batch to the workers' control queue; returns at once."""
+        """Send a prepared batch to the workers' control queue; returns once it is queued.
+        Redis unreachable for the outage limit: RedisUnavailable (nothing was queued, or a
+        copy that the workers' idempotent submit takes once)."""
         submission = Submission(spec, self)
-        self.celery.send_task(k.TASK_SUBMIT, args=(spec.to_dict(),), queue=k.QUEUE_CONTROL)
+        self._send_task(f"sending batch {spec.batch_id}", k.TASK_SUBMIT, spec.to_dict())
         return submission
+
+    def _send_task(self, what: str, name: str, *args: Any) -> None:
+        # One task id for every try: a resend after a lost reply is the same message.
+        task_id = str(uuid.uuid4())
+        self.call(
+            what,
+            lambda: self.celery.send_task(name, args=args, queue=k.QUEUE_CONTROL, task_id=task_id),
+        )
 
     def submit(self, **request: Any) -> Submission:
         return self.send(self.prepare(request))
@@ -91,7 +212,7 @@ class RolloutClient:
     def cancel(self, batch_id: str) -> None:
         """Ask the workers to stop a batch; its report then says `cancelled` with what had
         finished (wait for it as for any report)."""
-        self.celery.send_task(k.TASK_CANCEL, args=(batch_id,), queue=k.QUEUE_CONTROL)
+        self._send_task(f"cancelling batch {batch_id}", k.TASK_CANCEL, batch_id)
 
     # -- reading -----------------------------------------------------------------------------
     def entries(
@@ -107,7 +228,6 @@ class RolloutClient:
         cursors = {k.stream_key(b): "0-0" for b in batch_ids}
         names = {k.stream_key(b): b for b in batch_ids}
         deadline = None if timeout is None else time.monotonic() + timeout
-        down_since: float | None = None
         while cursors:
             block = BLOCK_MS
             if deadline is not None:
@@ -120,20 +240,13 @@ class RolloutClient:
                 block = max(1, min(BLOCK_MS, int(remaining * 1000)))
             if heartbeat is not None:
                 heartbeat()
-            try:
-                found = self.redis.xread(cursors, block=block) or []
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # A restarting Redis (with its AOF) comes back with every entry: wait it out.
-                down_since = down_since or time.monotonic()
-                if time.monotonic() - down_since > self.outage_seconds:
-                    raise RedisUnavailable(
-                        f"Redis at {redacted(self.redis_url)} unreachable for "
-                        f"{self.outage_seconds:.0f}s while waiting for batch(es) "
-                        f"{sorted(names[s] for s in cursors)}: {exc}"
-                    ) from exc
-                time.sleep(0.5)
-                continue
-            down_since = None
+
+            def read(block: int = block) -> Any:
+                return self.redis.xread(cursors, block=block)
+
+            # A restarting Redis (with its AOF) comes back with every entry: wait it out.
+            waiting = f"waiting for batch(es) {sorted(names[s] for s in cursors)}"
+            found = self.call(waiting, read) or []
             for stream, items in found:
                 stream = stream.decode()
                 for entry_id, data in items:
@@ -163,26 +276,37 @@ class RolloutClient:
         return reports
 
     def report(self, batch_id: str) -> dict[str, Any] | None:
-        raw = self.redis.get(k.report_key(batch_id))
+        raw = self.call(
+            f"reading the report of batch {batch_id}",
+            lambda: self.redis.get(k.report_key(batch_id)),
+        )
         return None if raw is None else codec.loads(raw)
 
     def receipt(self, batch_id: str) -> dict[str, Any]:
-        return codec.decode_fields(self.redis.hgetall(k.receipt_key(batch_id)))
+        raw = self.call(
+            f"reading the receipt of batch {batch_id}",
+            lambda: self.redis.hgetall(k.receipt_key(batch_id)),
+        )
+        return codec.decode_fields(raw)
 
     def logs(self, batch_id: str) -> dict[int, str]:
-        raw = codec.decode_text_hash(self.redis.hgetall(k.logs_key(batch_id)))
-        return {int(index): text for index, text in raw.items()}
+        raw = self.call(
+            f"reading the logs of batch {batch_id}",
+            lambda: self.redis.hgetall(k.logs_key(batch_id)),
+        )
+        return {int(index): text for index, text in codec.decode_text_hash(raw).items()}
 
     # -- trajectories (real rollouts) -------------------------------------------------------
     def trajectory(self, batch_id: str, index: int) -> dict[str, Any] | None:
         """Episode `index`'s trajectory (steps with actions, observations and the policy's
         verbatim responses, then the outcome): the stored one, else read from its stored log
         (the validated record it is made from). None before the episode is collected."""
-        raw = self.redis.hget(k.trajectories_key(batch_id), str(index))
+        what = f"reading the trajectory of episode {index} of batch {batch_id}"
+        raw = self.call(what, lambda: self.redis.hget(k.trajectories_key(batch_id), str(index)))
         if raw is not None:
             value: dict[str, Any] = codec.loads(raw)
             return value
-        log = self.redis.hget(k.logs_key(batch_id), str(index))
+        log = self.call(what, lambda: self.redis.hget(k.logs_key(batch_id), str(index)))
         return None if log is None else trajectory_from_log(log.decode("utf-8", "replace"))
 
     def trajectories(
@@ -194,7 +318,11 @@ class RolloutClient:
             yield row, self.trajectory(batch_id, int(row["index"]))
 
     def records(self, batch_id: str) -> dict[str, str]:
-        return codec.decode_text_hash(self.redis.hgetall(k.artifacts_key(batch_id)))
+        raw = self.call(
+            f"reading the records of batch {batch_id}",
+            lambda: self.redis.hgetall(k.artifacts_key(batch_id)),
+        )
+        return codec.decode_text_hash(raw)
 
     def close(self) -> None:
         self.redis.close()
@@ -232,3 +360,10 @@ class SubmitBatch:
 
 
 submit_batch = SubmitBatch()
+
+
+def _password(url: str) -> str | None:
+    try:
+        return urllib.parse.urlsplit(url).password
+    except ValueError:
+        return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -39,6 +40,17 @@ def start_records(path: Path, receipt: dict[str, Any]) -> None:
     write_receipt(path, receipt)
 
 
+def discard_records(path: Path) -> None:
+    """Undo `start_records` when the batch could not be sent: remove the receipt and the
+    directory this command created, so the same command can run again. A directory holding
+    anything else is left as it is (never delete what someone else put there)."""
+    for name in ("receipt.json", ".receipt.json.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            (path / name).unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
 def write_receipt(path: Path, receipt: dict[str, Any]) -> None:
     tmp = path / ".receipt.json.tmp"
     tmp.write_bytes(_json(receipt))
@@ -51,11 +63,16 @@ def write_records(
     logs: dict[int, str],
     records: dict[str, str],
     submit_to_report_seconds: float | None,
+    client_job_complete_seconds: float | None = None,
 ) -> list[str]:
-    """results.json (the report, plus this client's submit -> report seconds), one log per
-    episode (<pod>.log), and the backend's records."""
+    """results.json (the report, plus this client's own clock: submit -> report seen, and the
+    guide's `client_job_complete_seconds`, submit -> this client saw the run complete,
+    polling included), one log per episode (<pod>.log), and the backend's records."""
     written = []
-    results = report | {"client_submit_to_report_seconds": submit_to_report_seconds}
+    results = report | {
+        "client_submit_to_report_seconds": submit_to_report_seconds,
+        "client_job_complete_seconds": client_job_complete_seconds,
+    }
     (path / "results.json").write_bytes(_json(results))
     written.append("results.json")
     pods = {row["index"]: row["pod"] for row in report.get("pods", [])}

@@ -138,7 +138,12 @@ def cancel(batch_id: str, wait: bool, timeout: float, redis_url: str | None) -> 
     """Stop a running batch: its sandboxes stop, its report says `cancelled`."""
     from trainer_stub.client import RolloutClient
 
-    client = RolloutClient(load_settings(redis_url).redis_url)
+    settings = load_settings(redis_url)
+    try:
+        # Every Redis call waits out an outage (ROLLOUT_REDIS_OUTAGE_SECONDS), then one line.
+        client = RolloutClient(settings.redis_url)
+    except RolloutError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         if not client.receipt(batch_id):
             raise click.ClickException(f"no batch {batch_id} in this Redis")
@@ -257,12 +262,15 @@ def check(redis_url: str | None, timeout: float, check_cluster: bool | None, run
     RuntimeClass; exit 1 with what is missing."""
     import redis as redis_lib
 
+    from rollout_wire.redis_url import redis_client
     from rollout_worker.celery_app import create_app
 
     settings = load_settings(redis_url)
     problems = []
     try:
-        redis_lib.Redis.from_url(settings.redis_url, socket_timeout=timeout).ping()
+        redis_client(
+            settings.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        ).ping()
         out(f"redis: ok ({redacted(settings.redis_url)})")
     except redis_lib.RedisError as exc:
         raise click.ClickException(

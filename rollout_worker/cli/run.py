@@ -261,13 +261,15 @@ def run(
                 f"all-in-one: redis {redacted(local.redis_url)}, 1 control + {collectors} collect "
                 f"workers (logs in {local.dir})"
             )
-        client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
         try:
+            # Every Redis call of this client (the send, the progress, the receipt mirror, the
+            # records) waits out an outage up to its limit, then ends here in one line.
+            client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
             submission, report = _submit_and_wait(
                 client, spec, output, timeout or deadline_seconds + 300, heartbeat
             )
             if all_in_one and report.get("cleanup") == Cleanup.SCHEDULED:
-                _wait_for_cleanup(client, spec.batch_id, heartbeat)
+                _wait_for_cleanup(submission, heartbeat)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
     _print_report(report, submission, as_json)
@@ -303,7 +305,7 @@ def _submit_and_wait(
     heartbeat: Any,
 ) -> tuple[Submission, dict[str, Any]]:
     from trainer_stub.display import follow
-    from trainer_stub.records import start_records, write_receipt, write_records
+    from trainer_stub.records import discard_records, start_records, write_receipt, write_records
 
     batch_id = spec.batch_id
     beat = _hint_if_unclaimed(client, batch_id, heartbeat)
@@ -315,20 +317,28 @@ def _submit_and_wait(
         own = {"batch_id": batch_id, "backend": spec.backend, "redis_key": k.receipt_key(batch_id)}
         start_records(output, own | {"state": "submitting"})
         beat = _mirror_receipt(client, batch_id, output, beat, own)
-    submission = client.send(spec)
+    try:
+        submission = client.send(spec)
+    except RolloutError:
+        # Not sent (Redis unreachable): no directory is left behind to refuse the next try.
+        if output is not None:
+            discard_records(output)
+        raise
     err(f"batch {batch_id}: {spec.count} episodes submitted")
     report = follow(client, [submission], console(True), timeout, beat)[batch_id]
+    submission.saw_receipt(report)
     if output is not None:
-        _wait_for_records(client, batch_id, report)
-        report = _settled(report, client.receipt(batch_id))
+        receipt = _wait_for_records(submission, report)
+        report = _settled(report, receipt)
         write_records(
             output,
             report,
             client.logs(batch_id),
             client.records(batch_id),
             submission.submit_to_report_seconds,
+            submission.submit_to_job_complete_seconds,
         )
-        write_receipt(output, own | client.receipt(batch_id) | {"state": "reported"})
+        write_receipt(output, own | submission.receipt() | {"state": "reported"})
         err(f"records written to {output}/")
     return submission, report
 
@@ -383,24 +393,35 @@ def _settled(report: dict[str, Any], receipt: dict[str, Any]) -> dict[str, Any]:
     return report | settled
 
 
-def _wait_for_records(client: RolloutClient, batch_id: str, report: dict[str, Any]) -> None:
-    """The report comes first; the run's records (job.json, ...) follow within seconds."""
-    if report.get("records") != Records.PENDING:
-        return
+def _wait_for_records(submission: Submission, report: dict[str, Any]) -> dict[str, Any]:
+    """The report comes first; the run's records (job.json, ...) and how it ended
+    (`completed_at`) follow within seconds in the receipt: read it until they are in
+    (bounded), and return it. The read that first shows `completed_at` stops the guide's
+    client_job_complete_seconds (polling included, as the guide's client polls the Job)."""
     deadline = time.monotonic() + RECORDS_WAIT_SECONDS
-    while client.receipt(batch_id).get("records") in (Records.PENDING, None):
+    while True:
+        receipt = submission.receipt()
+        if report.get("records") != Records.PENDING or receipt.get("records") not in (
+            Records.PENDING,
+            None,
+        ):
+            return receipt
         if time.monotonic() > deadline:
-            err(f"[yellow]records of batch {batch_id} not complete; writing what exists[/yellow]")
-            return
+            err(
+                f"[yellow]records of batch {submission.batch_id} not complete; "
+                "writing what exists[/yellow]"
+            )
+            return receipt
         time.sleep(0.2)
 
 
-def _wait_for_cleanup(client: RolloutClient, batch_id: str, heartbeat: Any) -> None:
+def _wait_for_cleanup(submission: Submission, heartbeat: Any) -> None:
     """Before a private stack stops: wait (bounded) for the workers to delete the run."""
+    batch_id = submission.batch_id
     deadline = time.monotonic() + CLEANUP_WAIT_SECONDS
     state = None
     while time.monotonic() < deadline:
-        state = client.receipt(batch_id).get("cleanup")
+        state = submission.receipt().get("cleanup")
         if state in (Cleanup.DELETED, Cleanup.FAILED):
             break
         if heartbeat is not None:
@@ -421,7 +442,8 @@ def _print_report(report: dict[str, Any], submission: Submission, as_json: bool)
 
     if as_json:
         text = summary(report) | {
-            "client_submit_to_report_seconds": submission.submit_to_report_seconds
+            "client_submit_to_report_seconds": submission.submit_to_report_seconds,
+            "client_job_complete_seconds": submission.submit_to_job_complete_seconds,
         }
         sys.stdout.write(orjson.dumps(text, option=orjson.OPT_INDENT_2).decode() + "\n")
         return

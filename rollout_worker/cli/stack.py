@@ -25,6 +25,10 @@ from rollout_wire import constants as k
 from rollout_wire.errors import StackError
 
 REDIS_START_SECONDS = 10.0
+# What `aof=True` asks of redis-server: as docker-compose.yml and the Helm chart run it. A write
+# is in the file (the page cache) before its reply; at most the last second of them is not yet
+# fsynced to the disk.
+REDIS_APPENDFSYNC = "everysec"
 
 
 def free_port() -> int:
@@ -48,8 +52,10 @@ class LocalStack:
     control_concurrency: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
     keep_dir: bool = False
-    # Redis as the README recommends for production (append-only file), and with a password
-    # and TLS (rediss://, a private CA made here): every client then uses that URL.
+    # Redis as production runs it (docker-compose.yml, the Helm chart): an append-only file
+    # fsynced once a second (`appendfsync everysec`, set explicitly, not left to the server's
+    # default), and with a password and TLS (rediss://, a private CA made here): every client
+    # then uses that URL.
     aof: bool = False
     password: str | None = None
     tls: bool = False
@@ -85,7 +91,7 @@ class LocalStack:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LocalStack:
         try:
-            self._start_redis()
+            self.start_redis()
             self.start_worker(
                 k.QUEUE_CONTROL, "control", pool="prefork", concurrency=self.control_concurrency
             )
@@ -101,13 +107,17 @@ class LocalStack:
             raise
         return self
 
-    def _start_redis(self) -> None:
+    def start_redis(self) -> None:
+        """Start redis-server on the stack's port and data directory (with `aof`, it loads the
+        append-only file a previous server left there) and wait until it answers."""
         server = shutil.which("redis-server")
         if not server:
             raise StackError("redis-server is not installed (apt-get install redis-server)")
         self.port = self.port or free_port()
         args = [server, "--bind", "127.0.0.1", "--save", "", "--dir", str(self.dir)]
         args += ["--daemonize", "no", "--appendonly", "yes" if self.aof else "no"]
+        if self.aof:
+            args += ["--appendfsync", REDIS_APPENDFSYNC]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls:
@@ -147,11 +157,23 @@ class LocalStack:
                 self.redis_proc.kill()
                 self.redis_proc.wait()
 
-    def restart_redis(self, down_seconds: float = 0.0) -> None:
-        """Stop redis-server, wait, start it again on the same port and data directory."""
-        self.stop_redis()
+    def kill_redis(self) -> None:
+        """Kill redis-server the way a crash or the OOM killer does (SIGKILL: no AOF rewrite, no
+        final fsync, clients cut mid-reply), and return once the process is gone (reaped, its
+        port closed). What it wrote to the append-only file stays on disk for `start_redis`."""
+        if self.redis_proc is not None and self.redis_proc.poll() is None:
+            self.redis_proc.kill()
+            self.redis_proc.wait()
+
+    def restart_redis(self, down_seconds: float = 0.0, *, kill: bool = False) -> None:
+        """Stop redis-server (SIGTERM, or SIGKILL with `kill`), wait `down_seconds`, start it
+        again on the same port and data directory."""
+        if kill:
+            self.kill_redis()
+        else:
+            self.stop_redis()
         time.sleep(down_seconds)
-        self._start_redis()
+        self.start_redis()
 
     def start_worker(self, queue: str, name: str, *, pool: str, concurrency: int) -> WorkerProc:
         log = self.dir / f"worker-{name}.log"

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from kubernetes.client.rest import ApiException
 
 from rollout_wire import constants as k
 from rollout_worker.cli.stack import LocalStack
@@ -74,25 +75,73 @@ def submit(client: RolloutClient, real_node, **request):
     return client.submit(backend="kubernetes", **real_node.batch_fields(), **request)
 
 
+#: A test-owned finalizer on a ConfigMap in the batch's namespace: while it is there, Kubernetes
+#: cannot finish deleting the namespace, so the run's cleanup stays at `deleting`.
+HOLD_FINALIZER = "rollout.test/hold-namespace"
+HOLD_NAME = "test-hold"
+
+
+def hold_namespace(cluster, namespace: str) -> None:
+    cluster.core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": HOLD_NAME, "finalizers": [HOLD_FINALIZER]}}
+    )
+
+
+def release_namespace(cluster, namespace: str) -> None:
+    """Remove the hold (a JSON patch: the ConfigMap, already being deleted, then goes)."""
+    try:
+        cluster.core.patch_namespaced_config_map(
+            HOLD_NAME, namespace, [{"op": "remove", "path": "/metadata/finalizers"}]
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
 def test_a_control_worker_killed_during_cleanup_is_replaced_and_nothing_is_left(
     real_node, k8s_cluster, kube_stack_one
 ):
+    """The only control worker dies while the run's cleanup is under way (Kubernetes deleting
+    the namespace, the cleanup task looking again every few seconds): its replacement finishes
+    the cleanup. A finalizer of the test's holds the namespace in its deletion until after the
+    kill, so the kill always lands before the cleanup could finish."""
     stack = kube_stack_one
     client = RolloutClient(stack.redis_url)
     batch = submit(client, real_node, count=2)
-    report = batch.wait(300)
-    assert report["successful_episodes"] == 2 and report["cleanup"] == "scheduled"
-    # The report is out and its cleanup task is queued or running: kill the only control
-    # worker (its main process, and with it its children) right now.
-    control = next(w for w in stack.workers if w.queue == k.QUEUE_CONTROL)
-    os.killpg(control.proc.pid, signal.SIGKILL)
-    control.proc.wait(10)
-    killed_at = time.monotonic()
-    cleanup_seen = client.receipt(batch.batch_id).get("cleanup")
-    stack.workers.remove(control)
+    deadline = time.monotonic() + 120
+    while not client.receipt(batch.batch_id).get("job_uid"):
+        assert time.monotonic() < deadline, "the Job was never created"
+        time.sleep(0.2)
+    namespace = client.receipt(batch.batch_id)["namespace"]
+    hold_namespace(k8s_cluster, namespace)
+    try:
+        report = batch.wait(300)
+        assert report["successful_episodes"] == 2 and report["cleanup"] == "scheduled"
+        # The cleanup task ran and asked Kubernetes to delete the namespace, which the hold
+        # keeps from going: the cleanup is under way and cannot finish.
+        deadline = time.monotonic() + 120
+        while client.receipt(batch.batch_id).get("cleanup") != "deleting":
+            assert time.monotonic() < deadline, client.receipt(batch.batch_id).get("cleanup")
+            time.sleep(0.2)
+        # Kill the only control worker (its main process, and with it its children).
+        control = next(w for w in stack.workers if w.queue == k.QUEUE_CONTROL)
+        os.killpg(control.proc.pid, signal.SIGKILL)
+        control.proc.wait(10)
+        killed_at = time.monotonic()
+        stack.workers.remove(control)
+        # Nothing runs cleanups now: what the receipt and the cluster say is how the kill
+        # found them. Mid-cleanup: namespace being deleted, not gone.
+        cleanup_seen = client.receipt(batch.batch_id).get("cleanup")
+        assert cleanup_seen == "deleting", cleanup_seen
+        held = k8s_cluster.core.read_namespace(namespace)
+        assert held.metadata.deletion_timestamp is not None, held.metadata
+    finally:
+        release_namespace(k8s_cluster, namespace)
     stack.start_worker(k.QUEUE_CONTROL, "control2", pool="prefork", concurrency=2)
     wait_gone(k8s_cluster, batch.batch_id)
-    deadline = time.monotonic() + 60
+    # The replacement takes the cleanup over: the dead worker's task comes back after the
+    # visibility timeout (40 s) and the kombu restore sweep (10 s), if it had it reserved.
+    deadline = time.monotonic() + 120
     while client.receipt(batch.batch_id).get("cleanup") != "deleted":
         assert time.monotonic() < deadline, client.receipt(batch.batch_id).get("cleanup")
         time.sleep(0.2)

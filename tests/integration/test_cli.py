@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from rollout_worker.cli.stack import free_port
+
 pytestmark = [pytest.mark.redis, pytest.mark.workers]
 
 
@@ -34,6 +36,14 @@ def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_runn
     assert report["cleanup"] == "scheduled" and not os.path.exists(report["run"]["run_dir"])
     results = json.loads((out / "results.json").read_text())
     assert results["ok"] is True and len(results["pods"]) == 10
+    # The guide's client_job_complete_seconds: this client's submit -> it saw the run complete
+    # (the receipt's completed_at, which follows the report), next to the existing timings.
+    assert results["client_job_complete_seconds"] > 0
+    assert results["client_job_complete_seconds"] >= results["client_submit_to_report_seconds"]
+    assert results["job_complete_seconds"] > 0
+    assert report["client_job_complete_seconds"] == pytest.approx(
+        results["client_job_complete_seconds"]
+    )
     for row in results["pods"]:
         log = (out / f"{row['pod']}.log").read_text()
         assert '"event": "ready"' in log and '"event": "reward"' in log
@@ -99,3 +109,35 @@ def test_check_reports_workers_per_queue(stack):
 def test_check_fails_clearly_without_redis():
     done = rollout("check", "--redis-url", "redis://127.0.0.1:1/0", timeout=60)
     assert done.returncode != 0 and "not reachable" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["rollout", "run", "--count", "1", "--output", "{out}"],
+        ["trainer-stub", "--rounds", "1", "--count", "1"],
+        ["rollout", "cancel", "0123456789abcdef"],
+    ],
+    ids=["run", "trainer-stub", "cancel"],
+)
+def test_redis_unreachable_is_one_line_naming_the_url_and_leaves_no_directory(tmp_path, command):
+    url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"  # nothing listens there
+    out = tmp_path / "out"
+    module = "trainer_stub.cli" if command[0] == "trainer-stub" else "rollout_worker.cli"
+    args = [arg.format(out=out) for arg in command[1:]]
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args, "--redis-url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        # A short outage limit: every client call waits this long, then says so.
+        env={**os.environ, "ROLLOUT_REDIS_OUTAGE_SECONDS": "1"},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    masked = url.replace("s3cret-pw", "***")
+    assert f"Redis at {masked} unreachable for 1s" in lines[0]
+    assert "s3cret-pw" not in done.stdout + done.stderr
+    assert not out.exists()  # the same command can run again once Redis is back

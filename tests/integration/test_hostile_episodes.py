@@ -79,8 +79,18 @@ def test_hostile_episodes_are_contained_and_never_rewarded(stack, client):
     assert "not a JSON event" in errors[2]
     assert "names episode" in errors[3]
     assert "exactly one ready and one reward" in errors[4]
-    assert "time order violated" in errors[5]
-    assert "time order violated" in errors[6] or "after" in errors[6]
+    # Reward stamped half a second before ready: the pair is named, in that order.
+    order = r"time order violated: ready \([\d.]+\) is after reward \([\d.]+\)"
+    assert re.search(order, errors[5]), errors[5]
+    # A clock an hour ahead: its events are stamped after the sandbox ended, by that hour.
+    skew = re.search(
+        r"time order violated: an event is stamped ([\d.]+), after the sandbox ended "
+        r"\(([\d.]+)\); check clock synchronisation",
+        errors[6],
+    )
+    assert skew, errors[6]
+    stamped, ended = float(skew[1]), float(skew[2])
+    assert 3590 < stamped - ended < 3601, (stamped, ended)
     # What is kept is capped, and says so.
     logs = client.logs(batch_id)
     for index in (0, 1):

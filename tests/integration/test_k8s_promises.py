@@ -109,6 +109,15 @@ def forget_batch(redis_url: str, batch_id: str) -> None:
         r.close()
 
 
+def registered(redis_url: str, batch_id: str) -> bool:
+    """Whether the stack's run registry (what the sweeper looks at) still holds the batch."""
+    r = redis.Redis.from_url(redis_url)
+    try:
+        return bool(r.hexists(k.RUNS_KEY, batch_id))
+    finally:
+        r.close()
+
+
 class NotFoundApi(http.server.BaseHTTPRequestHandler):
     """Another "cluster": an API server that has nothing (404 to every request). A cleanup that
     asked it would conclude the namespace was already gone."""
@@ -261,6 +270,15 @@ def test_cli_killed_after_the_namespace_exists_leaves_a_receipt_that_cleanup_use
         assert not (out / "results.json").exists()
         had_job_uid = "job_uid" in receipt
 
+        # The workers still follow the batch, whose episodes hang: cancel it, so its report is
+        # exactly "cancelled" (the run is kept: the CLI asked for it with --output), and then
+        # delete the run with nothing but the receipt the killed CLI left.
+        client.cancel(batch_id)
+        report = client.wait(batch_id, 180)
+        assert_cancelled(report, 2)
+        assert report["cleanup"] == "kept", report["cleanup"]
+        assert [ns["uid"] for ns in batch_namespaces(k8s_cluster, batch_id)] == [receipt["uid"]]
+
         done = rollout(
             "cleanup", "--output", str(out), env=cli_env(k8s_cluster.kubeconfig), timeout=200
         )
@@ -275,12 +293,12 @@ def test_cli_killed_after_the_namespace_exists_leaves_a_receipt_that_cleanup_use
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        if batch_id:
-            # The workers still follow the batch: stop it and take its report, so nothing of it
-            # outlives the test.
+        if batch_id and client.report(batch_id) is None:
+            # The test stopped before its cancel: stop the batch so nothing of it outlives the
+            # test (what the report says was asserted above, or the test failed before).
             client.cancel(batch_id)
-            report = client.wait(batch_id, 180)
-            assert report["status"] == "cancelled" or not report["ok"], report
+            client.wait(batch_id, 180)
+        if batch_id:
             forget_batch(real_stack.redis_url, batch_id)
         client.close()
 
@@ -509,19 +527,23 @@ def test_sweep_deletes_a_kept_run_whose_receipt_expired_and_leaves_strangers(
         assert actions.get(stranger) == "left", done.stdout
         assert batch_namespaces(k8s_cluster, batch.batch_id) == [kept]  # a dry run deletes nothing
 
+        # The sweep asks Kubernetes to delete the namespace and does not wait: "deleting".
         done = rollout("sweep", env=env, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         actions = sweep_lines(done.stdout)
-        assert actions.get(batch.batch_id) in ("deleted", "deleting"), done.stdout
+        assert actions.get(batch.batch_id) == "deleting", done.stdout
         assert actions.get(stranger) == "left", done.stdout
+        assert registered(real_stack.redis_url, batch.batch_id)  # not gone yet: remembered
         gone_in = wait_gone(k8s_cluster, batch.batch_id)
 
-        # Once gone, a second sweep forgets it; the stranger is still only listed.
+        # Once gone, the next sweep finds it gone ("deleted") and forgets it; the stranger is
+        # still only listed.
         done = rollout("sweep", env=env, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         actions = sweep_lines(done.stdout)
-        assert actions.get(batch.batch_id) in (None, "deleted"), done.stdout
+        assert actions.get(batch.batch_id) == "deleted", done.stdout
         assert actions.get(stranger) == "left", done.stdout
+        assert not registered(real_stack.redis_url, batch.batch_id)
         stranger_now = k8s_cluster.core.read_namespace(stranger_ns)
         assert stranger_now.metadata.deletion_timestamp is None
         print(f"sweep: kept run gone {gone_in:.1f}s after `rollout sweep`")

@@ -13,7 +13,12 @@ Where the kills land: two batches without a kill are run first and the second is
 i of a kind then kills at a seeded random moment of window i (cycling): while `submit_batch`
 runs (between its receipt and the chord's publication: the worst case for the control worker,
 whose unacknowledged submit then comes back only after the visibility timeout), during the
-collection, and from just before the report through the cleanup.
+collection, and in the last second before the report (the last rows and the chord callback).
+
+Every kill must land before the batch's report, or the trial would prove no recovery: once the
+victim is dead the report must still be absent. A batch whose report was already out is not
+counted: the trial runs again on a new batch, its delay halved towards its window's start
+(which is before the report by construction), at most ATTEMPTS times; then the trial fails.
 
 Each trial prints: backend, kind, delay after submit, where the batch was at the kill, and the
 recovery time (replacement start -> report seen by the trainer). The module ends with the
@@ -28,11 +33,13 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from rollout_wire import codec
 from rollout_wire import constants as k
+from rollout_wire.errors import BatchTimeout
 from rollout_worker.cli.stack import LocalStack, WorkerProc
 from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
     SUCCESS,
@@ -53,6 +60,13 @@ REPORT_TIMEOUT_S = 150.0
 #: A deleted run's receipt says `deleted` within this long after its report.
 CLEANUP_TIMEOUT_S = 120.0
 TRIALS = int(os.environ.get("ROLLOUT_KILL_TRIALS", "3"))
+#: Batches one trial may take until its kill lands before the report (see the module doc).
+ATTEMPTS = 4
+#: The last window: this long before the calibration batch's report.
+CALLBACK_WINDOW_S = 1.0
+#: Per test: two calibration batches, then per trial a batch (or a few) and a recovery of up
+#: to a minute (a killed control worker's submit comes back after the visibility timeout).
+TRIALS_TIMEOUT_S = 300 + 200 * TRIALS
 SEED = int(os.environ.get("ROLLOUT_KILL_SEED", "13"))
 COUNT = 12
 KINDS = ("collector", "control-main", "prefork-child")
@@ -65,9 +79,10 @@ class Trial:
     number: int
     delay: float
     batch_id: str = ""
+    attempts: int = 0  # batches it took for the kill to land before the report
     at_kill: str = ""
     victim: str = ""
-    recovery: float | None = None  # replacement start -> report (<= 0: reported before)
+    recovery: float | None = None  # replacement start -> report
     submit_to_report: float | None = None
     finalized_by: str = ""
     cleanup: str = ""
@@ -79,6 +94,7 @@ class Trial:
         total = "-" if self.submit_to_report is None else f"{self.submit_to_report:5.1f}s"
         return (
             f"{self.backend:10} {self.kind:13} #{self.number} delay {self.delay:5.2f}s "
+            f"(attempt {self.attempts}) "
             f"at kill: {self.at_kill:24} victim {self.victim:14} recovery {rec} "
             f"(submit->report {total}, by {self.finalized_by or '-'}, cleanup {self.cleanup})"
             + (" FAILED" if self.problem else "")
@@ -141,23 +157,42 @@ def live(stack: LocalStack, queue: str) -> list[WorkerProc]:
     return [w for w in stack.workers if w.queue == queue and w.proc.poll() is None]
 
 
+def dead(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie not yet reaped by its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_dead(pids: list[int], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not all(dead(pid) for pid in pids):
+        assert time.monotonic() < end, f"processes {pids} still alive {timeout:.0f}s after SIGKILL"
+        time.sleep(0.005)
+
+
 def kill_and_replace(
     stack: LocalStack, kind: str, rng: random.Random, tag: str
 ) -> tuple[str, float]:
-    """SIGKILL the victim of `kind`; start its replacement at once. Returns (victim, the
-    monotonic time the replacement started)."""
+    """SIGKILL the victim of `kind` and wait until every process killed has ended; start its
+    replacement at once. Returns (victim, the monotonic time the replacement started)."""
     if kind == "prefork-child":
         (control,) = live(stack, k.QUEUE_CONTROL)
         children = stack.pool_children(control)
         assert children, f"control worker {control.proc.pid} has no pool children"
         child = rng.choice(children)
         os.kill(child, signal.SIGKILL)
+        wait_dead([child])
         # The main process lives on and forks the replacement child itself.
         return f"child {child}", time.monotonic()
     queue = k.QUEUE_COLLECT if kind == "collector" else k.QUEUE_CONTROL
     victim = rng.choice(live(stack, queue))
+    children = stack.pool_children(victim)
     os.killpg(victim.proc.pid, signal.SIGKILL)  # the main process and its children
     victim.proc.wait(10)
+    wait_dead(children)
     stack.workers.remove(victim)
     if queue == k.QUEUE_COLLECT:
         stack.start_worker(
@@ -190,10 +225,11 @@ def check_counted_once(client: RolloutClient, report: dict, count: int) -> None:
 
 def calibrate(client: RolloutClient, submit) -> list[tuple[str, float, float]]:
     """Run one batch without a kill and time its phases (seconds after submit); returns the
-    windows kill delays are drawn from: `submit_batch` running (receipt written -> chord
-    published: the run starts, the chord goes out), the collection, and the chord callback
-    with the cleanup. The first window is anchored on the receipt appearing in Redis (the
-    moment the control worker holds the submit), the others on the submit."""
+    windows kill delays are drawn from, each ending before the report: `submit_batch` running
+    (receipt written -> chord published: the run starts, the chord goes out), the collection,
+    and the last CALLBACK_WINDOW_S before the report (the last rows, the chord callback). The
+    first window is anchored on the receipt appearing in Redis (the moment the control worker
+    holds the submit), the others on the submit."""
     start = time.monotonic()
     batch_id = submit(client)
     r = client.redis
@@ -213,11 +249,11 @@ def calibrate(client: RolloutClient, submit) -> list[tuple[str, float, float]]:
     check_counted_once(client, client.wait(batch_id, timeout=1), COUNT)
     print("calibration: " + ", ".join(f"{name} {at:.2f}s" for name, at in marks.items()))
     receipt = marks.get("receipt", 0.0)
-    chord, report, deleted = marks.get("chord", receipt), marks["report"], marks["deleted"]
+    chord, report = marks.get("chord", receipt), marks["report"]
     return [
         ("submit", 0.0, chord - receipt),
         ("collection", chord, report),
-        ("callback+cleanup", max(chord, report - 0.3), deleted),
+        ("callback", max(chord, report - CALLBACK_WINDOW_S), report),
     ]
 
 
@@ -230,6 +266,53 @@ def wait_for_receipt(client: RolloutClient, batch_id: str) -> float:
     return time.monotonic()
 
 
+def kill_before_report(
+    stack: LocalStack,
+    client: RolloutClient,
+    trial: Trial,
+    submit,
+    rng: random.Random,
+    window: tuple[str, float, float],
+    delay: float,
+    abandoned: list[str],
+) -> tuple[float, float]:
+    """Submit a batch and kill the trial's victim `delay` into its window, until the kill lands
+    before the batch's report (ATTEMPTS batches at most, each delay half way back to the
+    window's start). Batches whose report was out at the kill go to `abandoned` (they are
+    checked, and their runs must be deleted too). Returns (submitted, replaced): the monotonic
+    times of the counted batch's submit and of its replacement worker's start."""
+    name, low, high = window
+    while True:
+        trial.attempts += 1
+        stack.wait_ready()  # the previous kill's replacement is up
+        submitted = time.monotonic()
+        trial.batch_id = submit(client)
+        anchor = submitted
+        if name == "submit":  # from the moment submit_batch wrote the receipt
+            anchor = wait_for_receipt(client, trial.batch_id)
+        time.sleep(max(0.0, anchor + delay - time.monotonic()))
+        trial.delay = time.monotonic() - submitted
+        trial.at_kill = where(client, trial.batch_id, COUNT)
+        trial.victim, replaced = kill_and_replace(
+            stack,
+            kind=trial.kind,
+            rng=rng,
+            tag=f"{trial.backend[:4]}{trial.kind[:4]}{trial.number}-{trial.attempts}",
+        )
+        # Every process killed has ended: a report now was published before the kill, or
+        # since by a surviving worker. Not told apart, both count as too late.
+        if not client.redis.exists(k.report_key(trial.batch_id)):
+            return submitted, replaced
+        print(f"{trial.line()}: the report was out at the kill, again", flush=True)
+        abandoned.append(trial.batch_id)
+        check_counted_once(client, client.wait(trial.batch_id, REPORT_TIMEOUT_S), COUNT)
+        assert trial.attempts < ATTEMPTS, (
+            f"{ATTEMPTS} kills in window {name!r} ({low:.2f}s-{high:.2f}s after the "
+            "anchor) all landed after the report"
+        )
+        delay = low + (delay - low) / 2
+
+
 def run_trials(
     stack: LocalStack,
     backend: str,
@@ -240,32 +323,22 @@ def run_trials(
     rng = random.Random(f"{SEED}:{seed_tag}")
     client = RolloutClient(stack.redis_url)
     trials: list[Trial] = []
+    abandoned: list[str] = []  # batches whose kill came after their report
     try:
         calibrate(client, submit)  # the first batch of a stack is slower (cold workers)
         windows = calibrate(client, submit)
         for number in range(1, TRIALS + 1):
-            stack.wait_ready()  # the previous trial's replacement is up
             # Trial i kills at a random moment of window i (cycling): every phase is hit.
-            window, low, high = windows[(number - 1) % len(windows)]
-            delay = rng.uniform(low, high)
-            trial = Trial(backend, kind, number, delay)
+            window = windows[(number - 1) % len(windows)]
+            trial = Trial(backend, kind, number, rng.uniform(window[1], window[2]))
             trials.append(trial)
             RESULTS.append(trial)
-            submitted = time.monotonic()
-            trial.batch_id = submit(client)
-            anchor = submitted
-            if window == "submit":  # from the moment submit_batch wrote the receipt
-                anchor = wait_for_receipt(client, trial.batch_id)
-            time.sleep(max(0.0, anchor + delay - time.monotonic()))
-            trial.delay = time.monotonic() - submitted
-            trial.at_kill = where(client, trial.batch_id, COUNT)
-            trial.victim, replaced = kill_and_replace(
-                stack, kind, rng, f"{backend[:4]}{kind[:4]}{number}"
-            )
             try:
+                submitted, replaced = kill_before_report(
+                    stack, client, trial, submit, rng, window, trial.delay, abandoned
+                )
                 report = client.wait(trial.batch_id, timeout=REPORT_TIMEOUT_S)
                 seen = time.monotonic()
-                # A batch reported before the kill (the kill hit its cleanup) shows ~0 here.
                 trial.recovery = seen - replaced
                 trial.submit_to_report = seen - submitted
                 trial.finalized_by = report.get("finalized_by", "")
@@ -273,29 +346,38 @@ def run_trials(
                 assert trial.recovery <= RECOVERY_LIMIT_S, (
                     f"the report came {trial.recovery:.1f}s after the replacement started"
                 )
-            except (AssertionError, TimeoutError) as exc:
+            except (AssertionError, TimeoutError, BatchTimeout) as exc:
                 trial.problem = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             print(trial.line(), flush=True)
-        # Every run is deleted in the end too (a kill during cleanup included).
+        # Every run is deleted in the end too (those of the abandoned batches included).
         for trial in trials:
-            start = time.monotonic()
-            while (state := client.receipt(trial.batch_id).get("cleanup")) != "deleted":
-                if time.monotonic() - start > CLEANUP_TIMEOUT_S:
-                    trial.problem += f" cleanup still {state!r} after {CLEANUP_TIMEOUT_S:.0f}s"
-                    break
-                time.sleep(0.25)
-            else:
-                trial.cleanup = "deleted"
+            state = wait_cleanup(client, trial.batch_id) if trial.batch_id else "never submitted"
+            if state == "deleted":
+                trial.cleanup = state
                 reported = (client.report(trial.batch_id) or {}).get("reported_at")
                 trial.cleanup_seconds = time.time() - reported if reported else None
+            else:
+                trial.problem += f" cleanup still {state!r} after {CLEANUP_TIMEOUT_S:.0f}s"
+        left = {b: state for b in abandoned if (state := wait_cleanup(client, b)) != "deleted"}
     finally:
         client.close()
     failed = [t for t in trials if t.problem]
-    if failed:
+    if failed or left:
         stack.keep_dir = True  # the workers' logs stay for the diagnosis
     assert not failed, f"logs in {stack.dir}:\n" + "\n".join(
         f"{t.line()}\n    {t.problem}" for t in failed
     )
+    assert not left, f"runs of batches killed after their report not deleted: {left}"
+
+
+def wait_cleanup(client: RolloutClient, batch_id: str) -> str:
+    """The batch's cleanup state once it says `deleted`, or after CLEANUP_TIMEOUT_S."""
+    start = time.monotonic()
+    while (state := client.receipt(batch_id).get("cleanup")) != "deleted":
+        if time.monotonic() - start > CLEANUP_TIMEOUT_S:
+            return str(state)
+        time.sleep(0.25)
+    return state
 
 
 # -- local backend ---------------------------------------------------------------------------
@@ -306,6 +388,7 @@ def local_stack() -> Iterator[LocalStack]:
         yield stack
 
 
+@pytest.mark.timeout(TRIALS_TIMEOUT_S)
 @pytest.mark.parametrize("kind", KINDS)
 def test_local_batches_survive_killed_workers(local_stack, kind):
     def submit(client: RolloutClient) -> str:
@@ -329,6 +412,7 @@ ALL_SUCCEED = Mix(SEED, weights=((SUCCESS, 1),))
 
 @pytest.mark.kwok
 @pytest.mark.k8s
+@pytest.mark.timeout(TRIALS_TIMEOUT_S)
 @pytest.mark.parametrize("kind", KINDS)
 def test_kwok_batches_survive_killed_workers(kwok_stack, kwok_runtime, episodes, kind):
     def submit(client: RolloutClient) -> str:

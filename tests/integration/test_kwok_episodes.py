@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from rollout_worker.cli.stack import LocalStack
 from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
     FATES,
+    SUCCESS,
     Mix,
     classification_problems,
     describe_mix,
@@ -21,6 +23,12 @@ from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
     kwok_request,
     kwok_runtime_fixture,
     new_batch_id,
+)
+from tests.integration.test_redis_faults import (
+    SIGKILL_EPISODES,
+    SIGKILL_PARALLELISM,
+    every_episode_once_problems,
+    sigkill_redis_mid_batch,
 )
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
@@ -109,3 +117,37 @@ def test_seeded_mix_is_classified_exactly(rollout, kwok_runtime, episodes):
     print("\n" + describe_mix(report, fates, time.monotonic() - t0))
     problems = classification_problems(report, fates)
     assert not problems, "\n".join(problems)
+
+
+def test_a_redis_sigkill_mid_batch_loses_no_episode_on_kubernetes(
+    k8s_cluster, kwok_runtime, episodes
+):
+    """tests/integration/test_redis_faults.py's SIGKILL of redis-server mid-batch, on KWOK
+    nodes: every episode succeeds (a seeded mix of successes only, so nothing but the crash
+    can fail one), and the report holds each exactly once."""
+    env = {
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+        "ROLLOUT_COLLECT_BLOCK_SECONDS": "2",
+        "ROLLOUT_MAX_BATCH_EPISODES": str(SIGKILL_EPISODES),
+    }
+    with LocalStack(collectors=2, collect_concurrency=16, aof=True, extra_env=env) as stack:
+        stack.wait_ready()
+        client = RolloutClient(stack.redis_url)
+        try:
+            batch_id = episodes.use_mix(new_batch_id(), Mix(7, weights=((SUCCESS, 1),)))
+            client.submit(
+                **kwok_request(
+                    kwok_runtime,
+                    batch_id=batch_id,
+                    count=SIGKILL_EPISODES,
+                    parallelism=SIGKILL_PARALLELISM,
+                )
+            )
+            report = sigkill_redis_mid_batch(stack, client, batch_id)
+            problems = every_episode_once_problems(client, report, SIGKILL_EPISODES)
+            if problems:
+                stack.keep_dir = True  # the workers' and redis-server's logs, for the diagnosis
+            assert not problems, f"logs in {stack.dir}:\n" + "\n".join(problems)
+            assert all(row["node"].startswith(kc.KWOK_NODE_PREFIX) for row in report["pods"])
+        finally:
+            client.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ import time
 import pytest
 
 from rollout_wire.errors import RedisUnavailable
-from rollout_worker.cli.stack import LocalStack
+from rollout_worker.cli.stack import LocalStack, free_port
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
@@ -39,20 +41,67 @@ def test_workers_trainer_and_cli_use_a_password_and_tls():
         client.close()
 
 
-def test_a_redis_restart_mid_batch_loses_nothing_with_an_append_only_file():
-    with LocalStack(collectors=2, aof=True) as stack:
+def _wait_for(path, pattern, proc, timeout):
+    """The first match of `pattern` in the file `path` (a process's stderr), waiting for it."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = re.search(pattern, path.read_text())
+        if found:
+            return found
+        assert proc.poll() is None, path.read_text()
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} within {timeout}s in:\n{path.read_text()}")
+
+
+def test_a_redis_restart_mid_batch_loses_nothing_and_every_client_rides_it_out(tmp_path):
+    """Redis restarted (SIGTERM: it writes its AOF and exits; back 2 s later) while two
+    batches run: the trainer API's (stream, then wait) and `rollout run --output`'s, whose
+    receipt mirror, progress display and records writing all read Redis. Both wait it out:
+    every episode reported, the records written, exit 0 (one restart for both: it costs the
+    watchdog's rescue time)."""
+    out, stderr, count = tmp_path / "rl-restart", tmp_path / "stderr.txt", 24
+    with LocalStack(collectors=2, aof=True) as stack, stderr.open("w") as errors:
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
         batch = client.submit(count=40, parallelism=4)
-        for seen, _row in enumerate(batch.stream(timeout=60), start=1):
-            if seen == 8:
-                break
-        stack.restart_redis(down_seconds=2.0)
-        report = batch.wait(300)
-        assert (report["episodes"], report["collected_episodes"]) == (40, 40)
-        assert (report["successful_episodes"], report["reward_sum"]) == (40, 40), report["errors"]
-        assert sorted(row["index"] for row in report["pods"]) == list(range(40))
+        args = ["--count", str(count), "--parallelism", "1", "--output", str(out), "--json"]
+        run = subprocess.Popen(
+            [sys.executable, "-m", "rollout_worker.cli", "run", *args],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env={**stack.env, "ROLLOUT_REDIS_OUTAGE_SECONDS": "30"},
+        )
+        try:
+            for seen, _row in enumerate(batch.stream(timeout=60), start=1):
+                if seen == 8:
+                    break
+            # The CLI's batch is collecting too (its submit is done: the client is tested here).
+            _wait_for(stderr, r" ok=[1-9]", run, 60)
+            before = stderr.read_text()
+            stack.restart_redis(down_seconds=2.0)
+            report = batch.wait(300)
+            output, _ = run.communicate(timeout=180)
+        finally:
+            if run.poll() is None:
+                run.kill()
         client.close()
+    assert (report["episodes"], report["collected_episodes"]) == (40, 40)
+    assert (report["successful_episodes"], report["reward_sum"]) == (40, 40), report["errors"]
+    assert sorted(row["index"] for row in report["pods"]) == list(range(40))
+    # `rollout run --output`: mid-batch when Redis went away, then the report and the records.
+    text = stderr.read_text()
+    assert f" ok={count} " not in before, "the CLI's batch ended before Redis went away"
+    assert run.returncode == 0, text
+    assert "Traceback" not in text
+    cli_report = json.loads(output)
+    assert (cli_report["episodes"], cli_report["successful_episodes"]) == (count, count), text
+    results = json.loads((out / "results.json").read_text())
+    assert results["ok"] is True and len(results["pods"]) == count
+    assert results["client_job_complete_seconds"] > 0
+    assert results["client_submit_to_report_seconds"] > 0
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["state"] == "reported" and receipt["run"]["run_uid"]
 
 
 def test_redis_gone_for_good_ends_the_trainers_wait_with_a_clear_error():
@@ -65,3 +114,108 @@ def test_redis_gone_for_good_ends_the_trainers_wait_with_a_clear_error():
         with pytest.raises(RedisUnavailable, match="unreachable for 5s"):
             batch.wait(timeout=None)
         assert time.monotonic() - started < 30
+
+
+def test_the_trainer_api_ends_a_send_to_an_unreachable_redis_with_a_clear_error():
+    url = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"  # nothing listens there
+    client = RolloutClient(url, outage_seconds=1)
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable) as raised:
+        client.submit(count=1)
+    assert time.monotonic() - started < 10
+    message = str(raised.value)
+    assert "s3cret-pw" not in message and "\n" not in message
+    assert message.startswith(f"Redis at {url.replace('s3cret-pw', '***')} unreachable for 1s")
+    client.close()
+
+
+# -- Redis killed (SIGKILL) mid-batch --------------------------------------------------------
+#: The SIGKILL batch: enough episodes at once that rows are being written every moment around
+#: the kill (200 take about a minute here on 2 cores; the kill comes after SIGKILL_AFTER_ROWS).
+SIGKILL_EPISODES = 200
+SIGKILL_PARALLELISM = 20
+SIGKILL_AFTER_ROWS = 30
+#: How long redis-server stays dead before it starts again from its files.
+SIGKILL_DOWN_SECONDS = 2.0
+#: Past the batch's deadline (240 s), the collection grace and the watchdog's margin: a batch
+#: that lost an episode is reported (with that episode lost) before this.
+SIGKILL_REPORT_TIMEOUT_S = 420.0
+
+
+def sigkill_redis_mid_batch(stack: LocalStack, client: RolloutClient, batch_id: str) -> dict:
+    """Once SIGKILL_AFTER_ROWS rows of the batch have arrived, and while its report is not
+    out, SIGKILL the stack's redis-server (an append-only file, fsynced every second), start it
+    again from its files SIGKILL_DOWN_SECONDS later, and return the batch's report."""
+    from rollout_wire import constants as k
+
+    seen = 0
+    for _row in client.stream(batch_id, timeout=120):
+        seen += 1
+        if seen == SIGKILL_AFTER_ROWS:
+            break
+    assert seen == SIGKILL_AFTER_ROWS, f"the batch ended after {seen} rows, before the kill"
+    # Mid-batch: the report is not out (neither the report key nor its stream entry).
+    assert client.report(batch_id) is None
+    kinds = {e[b"type"] for _, e in client.redis.xrange(k.stream_key(batch_id))}
+    assert k.ENTRY_REPORT.encode() not in kinds, kinds
+    stack.kill_redis()
+    killed_at = time.time()
+    time.sleep(SIGKILL_DOWN_SECONDS)
+    stack.start_redis()
+    # Started from its files: every row the trainer had seen before the kill is there.
+    assert client.redis.hlen(k.episodes_key(batch_id)) >= seen
+    report = client.wait(batch_id, timeout=SIGKILL_REPORT_TIMEOUT_S)
+    # Built after the kill (its stamp is taken before it is published): the kill was mid-batch.
+    assert report["reported_at"] > killed_at, (report["reported_at"], killed_at)
+    return report
+
+
+def every_episode_once_problems(client: RolloutClient, report: dict, count: int) -> list[str]:
+    """What keeps `report` from holding each of `count` episodes exactly once, all succeeded
+    (each named with its index and what the report says of it); empty when nothing does."""
+    from collections import Counter
+
+    from rollout_wire import codec
+    from rollout_wire import constants as k
+
+    problems = []
+    totals = {n: report[n] for n in ("episodes", "collected_episodes", "successful_episodes")}
+    if set(totals.values()) != {count}:
+        problems.append(f"counts {totals}, expected {count} each; errors {report['errors']}")
+    indexes = Counter(row["index"] for row in report["pods"])
+    missing = sorted(set(range(count)) - set(indexes))
+    if missing:
+        problems.append(f"no row for episodes {missing}")
+    twice = sorted(i for i, n in indexes.items() if n > 1)
+    if twice:
+        problems.append(f"episodes counted more than once: {twice}")
+    for row in report["pods"]:
+        if row["status"] != "ok":
+            problems.append(f"episode {row['index']}: {row['status']}, errors {row['errors']}")
+    raw = client.redis.xrange(k.stream_key(report["batch_id"]))
+    entries = [codec.decode_entry(fields) for _, fields in raw]
+    streamed = Counter(e.index for e in entries if e.type == k.ENTRY_EPISODE)
+    if sorted(streamed.elements()) != list(range(count)):
+        problems.append(
+            f"the stream carried episodes {sorted(streamed.elements())} (not 0..{count - 1} once)"
+        )
+    return problems
+
+
+def test_a_redis_sigkill_mid_batch_loses_no_episode_on_the_local_backend():
+    """A crash of redis-server (SIGKILL: no final AOF write, no fsync, clients cut mid-reply)
+    while rows are being written: started again from its append-only file, the batch still
+    reports every episode exactly once, all succeeded."""
+    env = {"ROLLOUT_MAX_BATCH_EPISODES": str(SIGKILL_EPISODES)}
+    with LocalStack(collectors=2, aof=True, extra_env=env) as stack:
+        stack.wait_ready()
+        client = RolloutClient(stack.redis_url)
+        try:
+            batch = client.submit(count=SIGKILL_EPISODES, parallelism=SIGKILL_PARALLELISM)
+            report = sigkill_redis_mid_batch(stack, client, batch.batch_id)
+            problems = every_episode_once_problems(client, report, SIGKILL_EPISODES)
+            if problems:
+                stack.keep_dir = True  # the workers' and redis-server's logs, for the diagnosis
+            assert not problems, f"logs in {stack.dir}:\n" + "\n".join(problems)
+        finally:
+            client.close()

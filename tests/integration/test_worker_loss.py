@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,16 +52,15 @@ def test_killed_collector_loses_nothing_and_counts_nothing_twice():
         batch_id = submission.batch_id
         next(client.stream(batch_id, timeout=60))  # the batch is under way
         victim = next(w for w in stack.workers if w.name == "collect1")
-        # Freeze it first: from now on it can neither ack nor retry what it holds.
-        os.killpg(victim.proc.pid, signal.SIGSTOP)
-        held = unacked_collects(client.redis, batch_id)
-        assert held, "the collector held no unacknowledged collect task when it was killed"
+        # Freeze it first: from now on it can neither ack, record nor retry what it holds. It is
+        # killed only while it holds a task whose episode has no row yet (thawed and frozen
+        # again a moment later until it does): that row can only come from the recovery.
+        held, rows_before = freeze_holding_an_unrecorded_task(stack, victim, client, batch_id)
         stack.stop_worker(victim, sig=signal.SIGKILL)
         assert victim.proc.returncode == -signal.SIGKILL
         # Killed while holding them: none was acknowledged.
         assert set(held) <= set(unacked_collects(client.redis, batch_id)), held
         held_ids = set(held.values())
-        rows_before = {int(i) for i in client.redis.hkeys(k.episodes_key(batch_id))}
 
         # No collector is running now: the messages come back only through the transport's
         # restore (visibility timeout 10 s, swept every 10 s by the live control worker).
@@ -93,17 +93,49 @@ def test_killed_collector_loses_nothing_and_counts_nothing_twice():
             assert f"{k.TASK_COLLECT}[{task_id}] received" in rescuer_log, task_id
             assert f"{k.TASK_COLLECT}[{task_id}] succeeded" in rescuer_log, task_id
         # A held task whose row was already recorded (killed between recording and acking)
-        # ran again on the rescuer as a no-op; the others recorded their rows there.
+        # ran again on the rescuer as a no-op; the others recorded their rows there, the
+        # episodes in flight at the kill among them.
         for task_id in held_ids:
-            index = int(task_id.rsplit(".", 1)[1])
             line = next(
                 x for x in rescuer_log.splitlines() if f"{k.TASK_COLLECT}[{task_id}] succeeded" in x
             )
-            if index in rows_before:
+            if task_index(task_id) in rows_before:
                 assert "'recorded': False" in line, line
             else:
                 assert "'status': 'ok'" in line, line
         client.close()
+
+
+def task_index(task_id: str) -> int:
+    """The episode index of a collect task id (`<batch id>.<index>`)."""
+    return int(task_id.rsplit(".", 1)[1])
+
+
+def freeze_holding_an_unrecorded_task(stack, victim, client, batch_id, attempts=100):
+    """SIGSTOP the collector at a moment it holds (unacknowledged) a collect task of an episode
+    that has no row yet; returns (its unacked collect tasks, the rows recorded then). Between
+    tries it runs for 0.1 s; fails if no moment qualifies."""
+    seen = []
+    for _ in range(attempts):
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        # Frozen, and the only collector: nothing records a row or acks a task until it dies.
+        held = unacked_collects(client.redis, batch_id)
+        rows = {int(i) for i in client.redis.hkeys(k.episodes_key(batch_id))}
+        if any(task_index(t) not in rows for t in held.values()):
+            return held, rows
+        seen.append((sorted(held.values()), len(rows)))
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+        time.sleep(0.1)
+    stack.check_alive()
+    raise AssertionError(f"the collector never held a task of an unrecorded episode: {seen[-5:]}")
+
+
+def episodes_in_flight(run_dir: Path) -> set[int]:
+    """Episodes the run's supervisor started (their log exists) and has not ended (no status
+    file): what a supervisor that dies now leaves behind."""
+    started = {int(p.stem) for p in (run_dir / "logs").glob("*.log") if p.stem.isdigit()}
+    ended = {int(p.stem) for p in (run_dir / "status").glob("*.json") if p.stem.isdigit()}
+    return started - ended
 
 
 def test_a_killed_local_supervisor_is_revived_and_its_lost_episodes_reported():
@@ -112,18 +144,31 @@ def test_a_killed_local_supervisor_is_revived_and_its_lost_episodes_reported():
         client = RolloutClient(stack.redis_url)
         submission = client.submit(count=30, parallelism=3)
         next(client.stream(submission.batch_id, timeout=60))
-        pid_file = stack.dir / "runs" / submission.batch_id / "supervisor.pid"
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        run_dir = stack.dir / "runs" / submission.batch_id
+        pid = int((run_dir / "supervisor.pid").read_text())
+        # Killed while it runs episodes: frozen first (it can end none of them then), and
+        # thawed and frozen again a moment later until some are in flight.
+        for _ in range(100):
+            os.kill(pid, signal.SIGSTOP)
+            in_flight = episodes_in_flight(run_dir)
+            if in_flight:
+                break
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+        assert in_flight, "the supervisor never had an episode in flight to lose"
+        os.kill(pid, signal.SIGKILL)
         report = client.wait(submission.batch_id, timeout=120)
         rows = report["pods"]
         assert sorted(row["index"] for row in rows) == list(range(30))
-        lost = [row for row in rows if row["status"] != "ok"]
-        assert report["successful_episodes"] == 30 - len(lost)
-        assert report["reward_sum"] == 30 - len(lost)
-        assert report["successful_episodes"] > 0  # the revived supervisor ran the rest
-        # Episodes killed with the supervisor are failed, never silently rerun or dropped.
-        assert all("SupervisorLost" in " ".join(row["errors"]) for row in lost)
-        assert report["ok"] is (not lost)
+        # Exactly the episodes killed with the supervisor are failed, with why; never silently
+        # rerun or dropped. The revived supervisor ran all the others.
+        lost = {row["index"] for row in rows if row["status"] != "ok"}
+        assert lost == in_flight, (lost, in_flight)
+        for row in rows:
+            if row["index"] in lost:
+                assert "SupervisorLost" in " ".join(row["errors"]), row
+        assert report["successful_episodes"] == report["reward_sum"] == 30 - len(lost)
+        assert report["ok"] is False
         client.close()
 
 

@@ -1,16 +1,33 @@
 """The guide's script is rebuilt from the guide's text at run time (benchmarks/guide_script.py)."""
 
 import ast
+from pathlib import Path
 
 import pytest
 
 from benchmarks.guide_script import GUIDE, GuideScriptError, guide_script
 
-pytestmark = pytest.mark.skipif(not GUIDE.exists(), reason=f"{GUIDE} is not on this machine")
+#: Where the guide is: the workplace's shared folder, beside this clone (<repo>/../shared/seed/).
+EXPECTED_GUIDE = Path(__file__).resolve().parents[3] / "shared" / "seed" / "rl-batch-demo-guide.txt"
 
 
-def test_the_rebuilt_script_and_its_episode_program_compile():
-    tree = ast.parse(guide_script())
+@pytest.fixture(scope="module")
+def guide_text() -> str:
+    if not EXPECTED_GUIDE.is_file():
+        pytest.fail(
+            f"the guide is not at {EXPECTED_GUIDE}: it belongs in shared/seed/ beside the clone "
+            f"{Path(__file__).resolve().parents[2]} (the workplace's shared folder)",
+            pytrace=False,
+        )
+    return EXPECTED_GUIDE.read_text()
+
+
+def test_the_script_reads_the_guide_beside_the_clone():
+    assert GUIDE == EXPECTED_GUIDE
+
+
+def test_the_rebuilt_script_and_its_episode_program_compile(guide_text):
+    tree = ast.parse(guide_script(guide_text))
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {"percentile", "collect", "main"} <= functions
     (worker,) = [
@@ -25,7 +42,12 @@ def test_the_rebuilt_script_and_its_episode_program_compile():
     assert {"emit", "test"} <= calls
 
 
-def test_a_changed_guide_is_refused_rather_than_guessed():
-    text = GUIDE.read_text().replace("def kubectl(", "def kube_ctl(")
+def test_the_default_is_the_guide_itself(guide_text):
+    assert guide_script() == guide_script(guide_text)
+
+
+def test_a_changed_guide_is_refused_rather_than_guessed(guide_text):
+    text = guide_text.replace("def kubectl(", "def kube_ctl(")
+    assert text != guide_text, "the guide defines no kubectl() to rename"
     with pytest.raises(GuideScriptError, match="not used"):
         guide_script(text)
