@@ -9,6 +9,7 @@ the same codec the trainer's client reads them with.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +79,20 @@ class Store:
     @classmethod
     def from_url(cls, url: str, ttl: int) -> Store:
         return cls(redis_client(url, health_check_interval=30), ttl)
+
+    def wait_reachable(self, seconds: float) -> bool:
+        """Wait (at most `seconds`) until Redis answers again: after a restart or a failover."""
+        end = time.monotonic() + seconds
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                return bool(self.redis.ping())
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.5)
+
+    def count_episodes(self, batch_id: str) -> int:
+        """How many of the batch's episodes have their row."""
+        return int(self.redis.hlen(k.episodes_key(batch_id)))
 
     # -- receipts: a hash of JSON fields, so updates never race on a whole document ----------
     def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import kombu.exceptions
+import redis
 from celery import Celery, Task, chord, group
 
 from rollout_wire import constants as k
@@ -74,6 +76,10 @@ def worker(app: Celery) -> core.Worker:
     return current
 
 
+# Redis unreachable from inside a task (redis-py's and kombu's own words for it).
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)
+
+
 def _run(task: Task, call: Callable[[], Any]) -> Any:
     try:
         return call()
@@ -81,6 +87,10 @@ def _run(task: Task, call: Callable[[], Any]) -> Any:
         if again.pause:
             time.sleep(again.pause)
         raise task.retry(countdown=again.countdown, exc=again.cause) from again.cause
+    except REDIS_DOWN as exc:
+        # Run it again once Redis answers (the retry is a message in Redis too).
+        worker(task.app).store.wait_reachable(core.REDIS_WAIT_SECONDS)
+        raise task.retry(countdown=0, exc=exc) from exc
 
 
 def submit_batch(self: Task, request: Any) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from rollout_worker.core.state import (
     Receipt,
     load_receipt,
 )
-from rollout_worker.core.worker import MAX_RETRIES, Again, Scheduler, Worker
+from rollout_worker.core.worker import MAX_RETRIES, REDIS_WAIT_SECONDS, Again, Scheduler, Worker
 
 __all__ = [
     "CLEANUP_RECHECK_SECONDS",
@@ -56,6 +56,7 @@ __all__ = [
     "FLAG_HALT",
     "FLAG_STOPPED",
     "MAX_RETRIES",
+    "REDIS_WAIT_SECONDS",
     "RESCUE_ENDED_SECONDS",
     "STORED_LOG_BYTES",
     "SWEEP_STALLED_CLEANUP_SECONDS",

@@ -61,6 +61,10 @@ MAX_RETRIES: dict[str, int | None] = {
 TRANSIENT_PAUSE_SECONDS = 1.0
 CANCEL_RETRY_SECONDS = 1.0
 FILL_RETRY_SECONDS = 5.0
+# A task whose Redis went away mid-run (a restart, a failover) waits this long for it to
+# answer again, then runs again from the start (every task is idempotent). A task that
+# failed instead would be acknowledged, and its batch might never finish.
+REDIS_WAIT_SECONDS = 60.0
 # What the receipt cache holds at most per process (a started batch's receipt never changes).
 RECEIPT_CACHE_SIZE = 10_000
 _UNSAFE_ID = re.compile(r"[^a-z0-9-]")
@@ -221,6 +225,10 @@ class Worker:
             return {"batch_id": batch_id, "status": "reported"}
         receipt = self.started(batch_id)
         if receipt is not None and receipt.run is not None:
+            if self.store.count_episodes(batch_id) == receipt.spec.count:
+                # Every row is in but no report: the chord's count missed a collector (its
+                # result was lost in a Redis restart) and its callback may never come.
+                return self.finalize(batch_id, FinalizedBy.WATCHDOG)
             backend = self.backend(receipt.run.backend)
             if rescue(self.store, backend, receipt, self.limits, time.time()):
                 return self.finalize(batch_id, FinalizedBy.WATCHDOG)

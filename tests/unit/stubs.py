@@ -81,6 +81,12 @@ class MemoryStore:
         steps[index] = dict(trajectory)
         return True
 
+    def wait_reachable(self, seconds: float) -> bool:
+        return True
+
+    def count_episodes(self, batch_id: str) -> int:
+        return len(self.rows.get(batch_id, {}))
+
     def has_episode(self, batch_id: str, index: int) -> bool:
         return index in self.rows.get(batch_id, {})
 

@@ -200,3 +200,14 @@ def test_without_a_breaker_infrastructure_failures_never_halt_a_batch(parts):
         backend.ended[index] = ("Failed", INFRA_LOG)
         w.collect("b1", index)
     assert not store.has_flag("b1", core.FLAG_HALT) and sent.cancels == []
+
+
+def test_the_watchdog_reports_at_once_when_every_row_is_in_but_the_chord_never_fired(parts):
+    w, store, backend, _ = parts
+    w.submit({"batch_id": "b1", "count": 2}, message_id="m1", attempt=0)
+    for index in range(2):
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", backend.origin + 0.5))
+        w.collect("b1", index)
+    # Long before the rescue may start (the run began just now): no need to wait for it.
+    assert w.watchdog("b1")["status"] == "succeeded"
+    assert store.reports["b1"]["finalized_by"] == "watchdog"
