@@ -55,6 +55,8 @@ SETTINGS_DOC: dict[str, str] = {
     "warm_pool refill stops there (default 64)",
     "ROLLOUT_WARM_POOL_IDLE_SECONDS": "a warm pool no batch asked to refill for this long is "
     "emptied by the sweeper (default 900)",
+    "ROLLOUT_REDIS_OUTAGE_SECONDS": "clients (rollout run, trainer-stub, the trainer API): how "
+    "long Redis may be unreachable before the client gives up with one clear error (default 60)",
 }
 
 
