@@ -57,6 +57,8 @@ class LocalStack:
     # default), and with a password and TLS (rediss://, a private CA made here): every client
     # then uses that URL.
     aof: bool = False
+    # With `aof`: when Redis fsyncs its append-only file (always: before each reply).
+    appendfsync: str = REDIS_APPENDFSYNC
     password: str | None = None
     tls: bool = False
 
@@ -117,7 +119,7 @@ class LocalStack:
         args = [server, "--bind", "127.0.0.1", "--save", "", "--dir", str(self.dir)]
         args += ["--daemonize", "no", "--appendonly", "yes" if self.aof else "no"]
         if self.aof:
-            args += ["--appendfsync", REDIS_APPENDFSYNC]
+            args += ["--appendfsync", self.appendfsync]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls:
