@@ -61,6 +61,8 @@ class LocalStack:
     appendfsync: str = REDIS_APPENDFSYNC
     password: str | None = None
     tls: bool = False
+    # Workers only, on a Redis someone else runs (a Sentinel set in tests): no redis-server.
+    external_redis_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.collectors < 1:
@@ -73,6 +75,8 @@ class LocalStack:
 
     @property
     def redis_url(self) -> str:
+        if self.external_redis_url:
+            return self.external_redis_url
         auth = f":{self.password}@" if self.password else ""
         if self.tls:
             ca = self.dir / "tls" / "ca.crt"
@@ -93,7 +97,8 @@ class LocalStack:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LocalStack:
         try:
-            self.start_redis()
+            if not self.external_redis_url:
+                self.start_redis()
             self.start_worker(
                 k.QUEUE_CONTROL, "control", pool="prefork", concurrency=self.control_concurrency
             )

@@ -11,22 +11,9 @@ import pytest
 
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli.stack import free_port
+from tests.integration.procs import sandbox_processes
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
-
-
-def sandbox_processes(run_dir: Path) -> list[int]:
-    """Processes of the run's sandboxes (not its supervisor)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmdline = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(run_dir).encode() in cmdline and b"backends.local.supervisor" not in cmdline:
-                found.append(int(proc.name))
-    return found
 
 
 def test_a_dead_policy_endpoint_halts_the_batch_after_n_failures_with_nothing_left(client):

@@ -16,6 +16,7 @@ from kombu import Connection, Exchange, Producer
 
 from rollout_wire import constants as k
 from rollout_wire.errors import InvalidSpec
+from tests.integration.procs import sandbox_processes
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers]
 
@@ -142,19 +143,6 @@ def test_a_pickled_message_is_refused_and_logged(stack, client):
     assert client.receipt(task_id) == {} and client.report(task_id) is None
 
 
-def episode_processes(run_dir: Path) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmdline = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(run_dir).encode() in cmdline and b"backends.local.supervisor" not in cmdline:
-                found.append(int(proc.name))
-    return found
-
-
 #: A cancel is reported within this long; the batch's own deadline (HANG_DEADLINE_S from the
 #: submit) is far beyond it, so a report in time was brought by the cancel, not the deadline.
 CANCEL_REPORTED_WITHIN_S = 60
@@ -168,7 +156,7 @@ def test_cancel_stops_the_sandboxes_and_reports_what_had_finished(stack, client)
         assert time.monotonic() < deadline
         time.sleep(0.1)
     run_dir = Path(client.receipt(batch.batch_id)["run"]["run_dir"])
-    while len(episode_processes(run_dir)) < 3:
+    while len(sandbox_processes(run_dir)) < 3:
         assert time.monotonic() < deadline, "the hanging episodes never started"
         time.sleep(0.1)
     batch.cancel()
@@ -176,4 +164,4 @@ def test_cancel_stops_the_sandboxes_and_reports_what_had_finished(stack, client)
     assert report["status"] == "cancelled" and report["ok"] is False
     assert report["lost_episodes"] == 6 and report["collected_episodes"] == 6
     assert all("cancelled" in row["errors"][0] for row in report["pods"])
-    assert episode_processes(run_dir) == [], "sandboxes survived the cancel"
+    assert sandbox_processes(run_dir) == [], "sandboxes survived the cancel"

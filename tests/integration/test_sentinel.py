@@ -8,8 +8,6 @@ and sandboxes. Every wait is bounded.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -24,9 +22,7 @@ import redis
 
 from rollout_wire import constants as k
 from rollout_wire.redis_url import master_address
-from rollout_worker.celery_app import create_app
-from rollout_worker.cli.stack import free_port
-from rollout_worker.settings import Settings
+from rollout_worker.cli.stack import LocalStack, free_port
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
@@ -171,82 +167,6 @@ class SentinelSet:
                 p.proc.wait(10)
 
 
-@dataclass
-class Workers:
-    """A control worker and a collector, real `rollout worker` processes on the Sentinel URL."""
-
-    root: Path
-    url: str
-    procs: list[Proc] = field(default_factory=list)
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "ROLLOUT_REDIS_URL": self.url,
-            "ROLLOUT_LOCAL_ROOT": str(self.root / "runs"),
-            "KUBECONFIG": "",
-            # Tasks running when the primary dies cannot be acknowledged: they come back after
-            # the visibility timeout (kept short here, as in test_worker_loss).
-            "ROLLOUT_VISIBILITY_TIMEOUT": "10",
-            "ROLLOUT_COLLECT_BLOCK_SECONDS": "2",
-        }
-
-    def start(self, queue: str, name: str, pool: str, concurrency: int) -> None:
-        log = self.root / f"worker-{name}.log"
-        cmd = [sys.executable, "-m", "rollout_worker.cli", "worker", "--queues", queue]
-        cmd += ["--pool", pool, "--concurrency", str(concurrency)]
-        cmd += ["--hostname", f"{name}@%h", "--loglevel", "INFO"]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.procs.append(Proc(name, proc, log))
-
-    def check_alive(self) -> None:
-        dead = [p for p in self.procs if p.proc.poll() is not None]
-        assert not dead, "\n".join(p.tail() for p in dead)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        app = create_app(Settings(redis_url=self.url), with_tasks=False)
-        expected = {f"{p.name}@{socket.gethostname()}" for p in self.procs}
-        try:
-
-            def answered() -> bool:
-                self.check_alive()
-                replies = app.control.ping(timeout=1.0) or []
-                return expected <= {name for reply in replies for name in reply}
-
-            wait_for(f"workers {sorted(expected)} answering a ping", answered, timeout)
-        finally:
-            app.close()
-
-    def logs(self) -> str:
-        return "\n".join(p.tail() for p in self.procs)
-
-    def stop(self) -> None:
-        # The local backend's supervisors (double-forked) end with the test.
-        for pid_file in (self.root / "runs").glob("*/supervisor.pid"):
-            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        for p in self.procs:
-            if p.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.proc.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.proc.pid, signal.SIGKILL)
-                p.proc.wait(10)
-
-
 @pytest.fixture
 def sentinels(open_tmp_path):
     server = shutil.which("redis-server")
@@ -261,15 +181,20 @@ def sentinels(open_tmp_path):
 
 
 @pytest.fixture
-def workers(sentinels, open_tmp_path):
-    running = Workers(open_tmp_path, sentinels.url)
-    try:
-        running.start("control", "control", "prefork", 2)
-        running.start("collect", "collect", "threads", 16)
+def workers(sentinels):
+    """A control worker and a collector, real `rollout worker` processes on the Sentinel URL.
+    Tasks running when the primary dies cannot be acknowledged: they come back after the
+    visibility timeout (kept short here, as in test_worker_loss)."""
+    env = {
+        "KUBECONFIG": "",
+        "ROLLOUT_VISIBILITY_TIMEOUT": "10",
+        "ROLLOUT_COLLECT_BLOCK_SECONDS": "2",
+    }
+    with LocalStack(
+        collectors=1, collect_concurrency=16, external_redis_url=sentinels.url, extra_env=env
+    ) as running:
         running.wait_ready()
         yield running
-    finally:
-        running.stop()
 
 
 def test_the_primary_killed_mid_batch_fails_over_and_every_episode_counts_once(sentinels, workers):
@@ -307,7 +232,7 @@ def test_the_primary_killed_mid_batch_fails_over_and_every_episode_counts_once(s
             report = batch.wait(REPORT_SECONDS)
         except Exception as exc:  # shown with the workers' logs
             raise AssertionError(
-                f"no report after the failover: {exc!r}\n{workers.logs()}"
+                f"no report after the failover: {exc!r}\n{workers_logs(workers)}"
             ) from exc
         report_seconds = time.monotonic() - killed_at
         print(
@@ -343,7 +268,7 @@ def test_the_primary_killed_mid_batch_fails_over_and_every_episode_counts_once(s
 
     # The workers' health check (compose, chart) on the same URL: `celery -A` the app.
     app = "rollout_worker.celery_app:app"
-    destination = f"collect@{socket.gethostname()}"
+    destination = f"collect1@{socket.gethostname()}"
     probe = subprocess.run(
         [
             sys.executable,
@@ -364,3 +289,7 @@ def test_the_primary_killed_mid_batch_fails_over_and_every_episode_counts_once(s
         env={**workers.env, "ROLLOUT_REDIS_URL": url},
     )
     assert probe.returncode == 0 and "pong" in probe.stdout, probe.stdout + probe.stderr
+
+
+def workers_logs(stack: LocalStack) -> str:
+    return "\n".join(w.log.read_text(errors="replace")[-3000:] for w in stack.workers)
