@@ -46,12 +46,13 @@ SUBMIT_RETRIES = 5
 MAX_RETRIES: dict[str, int | None] = {
     k.TASK_SUBMIT: SUBMIT_RETRIES,
     k.TASK_COLLECT: None,
-    k.TASK_AGGREGATE: 0,
+    # These two run again only when Redis went away under them (see REDIS_WAIT_SECONDS).
+    k.TASK_AGGREGATE: 3,
     k.TASK_WATCHDOG: None,
     # x CLEANUP_RECHECK_SECONDS: ten minutes of a namespace terminating.
     k.TASK_CLEANUP: 300,
     k.TASK_CANCEL: SUBMIT_RETRIES,
-    k.TASK_SWEEP: 0,
+    k.TASK_SWEEP: 3,
     # x FILL_RETRY_SECONDS: long enough for a drained pool's namespace to go.
     k.TASK_FILL_POOL: SUBMIT_RETRIES,
 }
