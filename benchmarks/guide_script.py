@@ -34,15 +34,24 @@ from __future__ import annotations
 import argparse
 import ast
 import keyword
+import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The guide lives in the workplace's shared folder, beside the clone (<repo>/../shared/seed/),
-# wherever the clone is.
-GUIDE = REPO.parent / "shared" / "seed" / "rl-batch-demo-guide.txt"
+GUIDE_NAME = Path("shared") / "seed" / "rl-batch-demo-guide.txt"
+# Where the guide may be, first match wins: ROLLOUT_GUIDE names it; else the workplace's
+# shared folder beside the clone (<repo>/../shared/seed/) or beside any folder above it (a
+# clone made deeper, e.g. a CI checkout under the workplace); else the workplace's own
+# shared folder (/work/shared), for a clone made outside the workplace on the same machine.
+GUIDE_PLACES = (
+    *([Path(os.environ["ROLLOUT_GUIDE"])] if os.environ.get("ROLLOUT_GUIDE") else []),
+    *(folder / GUIDE_NAME for folder in REPO.parents),
+    Path("/work") / GUIDE_NAME,
+)
+GUIDE = next((place for place in GUIDE_PLACES if place.is_file()), GUIDE_PLACES[0])
 START = "#!/usr/bin/env python3"
 
 # Where the layout leaves the level open and only meaning decides: (first words of the
@@ -442,9 +451,8 @@ def guide_script(text: str | None = None) -> str:
     """The guide's script as a runnable program."""
     if text is None:
         if not GUIDE.is_file():
-            raise GuideScriptError(
-                f"the guide is not at {GUIDE} (shared/seed/ beside the clone {REPO})"
-            )
+            places = ", ".join(str(place) for place in GUIDE_PLACES)
+            raise GuideScriptError(f"the guide is in none of: {places} (or set ROLLOUT_GUIDE)")
         text = GUIDE.read_text()
     raw = script_line(text)
     code = fix_dashes(raw[len(START) :].replace("\\\\", "\\"))
