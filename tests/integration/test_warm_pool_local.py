@@ -60,6 +60,10 @@ def _parent(pid: int) -> int:
         return 0
 
 
+def _pythons_under(pid: int) -> list[int]:
+    return [p for p in _descendants(pid) if b"python" in Path(f"/proc/{p}/comm").read_bytes()]
+
+
 def _descendants(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -89,10 +93,12 @@ def test_local_batches_take_episodes_from_a_warm_pool(open_tmp_path):
         for pid in bwraps:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert b"--unshare-all" in argv and argv[argv.index(b"--cap-drop") + 1] == b"ALL"
-            inside = [
-                p for p in _descendants(pid) if b"python" in Path(f"/proc/{p}/comm").read_bytes()
-            ]
-            assert inside, _descendants(pid)
+            # The pool counts a sandbox waiting once bwrap started it; its python may still be
+            # a moment from exec (then its comm is still bwrap's).
+            deadline = time.monotonic() + 10
+            while not (inside := _pythons_under(pid)):
+                assert time.monotonic() < deadline, _descendants(pid)
+                time.sleep(0.05)
             status = Path(f"/proc/{inside[-1]}/status").read_text()
             assert "\nUid:\t1000\t1000\t1000\t1000" in status
             assert "\nCapEff:\t0000000000000000" in status
