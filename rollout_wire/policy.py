@@ -28,7 +28,17 @@ DEFAULT_MAX_RETRIES = 2
 MAX_REQUEST_TIMEOUT_SECONDS = 600
 MAX_RETRIES = 10
 # The policy object's fields, in their wire order.
-WIRE_FIELDS = ("url", "model", "sampling", "request_timeout_seconds", "max_retries")
+WIRE_FIELDS = (
+    "url",
+    "model",
+    "sampling",
+    "request_timeout_seconds",
+    "max_retries",
+    "max_policy_lag",
+    "trainer",
+)
+DEFAULT_TRAINER = "default"
+_TRAINER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # What the runner sends itself; sampling parameters may not override them.
 _RUNNER_OWNED = {"model", "messages", "tools", "tool_choice", "stream", "n"}
 _URL = re.compile(r"^https?://[A-Za-z0-9.-]+(:(?P<port>[0-9]{1,5}))?(/[A-Za-z0-9._~/-]*)?$")
@@ -52,6 +62,11 @@ class PolicyEndpoint:
     sampling: dict[str, Any] = field(default_factory=dict)
     request_timeout_seconds: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
     max_retries: int = DEFAULT_MAX_RETRIES
+    # The staleness bound: an episode whose first turn is more than this many policy versions
+    # behind its trainer's published version is stopped and recorded `stale` (None: no bound).
+    max_policy_lag: int | None = None
+    # Whose published policy version (`RolloutClient.publish_policy_version`) the bound reads.
+    trainer: str = DEFAULT_TRAINER
     # Parsed from `url` (derived: not compared, not on the wire).
     scheme: str = field(init=False, repr=False, compare=False)
     host: str = field(init=False, repr=False, compare=False)
@@ -101,12 +116,17 @@ class PolicyEndpoint:
     def runner_config(self) -> dict[str, Any]:
         """What the agent runner reads from ROLLOUT_POLICY: the policy without its URL (the
         runner reaches the policy by ROLLOUT_POLICY_URL or the local backend's socket)."""
-        return {
+        config: dict[str, Any] = {
             "model": self.model,
             "sampling": dict(self.sampling),
             "request_timeout_seconds": self.request_timeout_seconds,
             "max_retries": self.max_retries,
         }
+        if self.max_policy_lag is not None:
+            # The runner stops an episode whose policy moved on too far (it sees the version
+            # of every turn); without a bound the configuration is as before.
+            config["max_policy_lag"] = self.max_policy_lag
+        return config
 
     def runner_json(self) -> str:
         """The value of the runner's ROLLOUT_POLICY variable (JSON of `runner_config`)."""
@@ -114,7 +134,12 @@ class PolicyEndpoint:
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form: the request's policy object, with every default filled in."""
-        return {"url": self.url, **self.runner_config()}
+        return {
+            "url": self.url,
+            **self.runner_config(),
+            "max_policy_lag": self.max_policy_lag,
+            "trainer": self.trainer,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PolicyEndpoint:
@@ -168,6 +193,14 @@ def parse_policy(value: Any, problems: list[str]) -> PolicyEndpoint | None:
     if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
         problems.append("policy.max_retries must be an integer within 0..10")
         retries = DEFAULT_MAX_RETRIES
+    lag = value.get("max_policy_lag")
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+        problems.append("policy.max_policy_lag must be an integer >= 0 (versions), or null")
+        lag = None
+    trainer = value.get("trainer", DEFAULT_TRAINER)
+    if not isinstance(trainer, str) or not _TRAINER.match(trainer):
+        problems.append("policy.trainer must be 1-64 letters, digits, '_', '.' or '-'")
+        trainer = DEFAULT_TRAINER
     if not usable:
         return None
     return PolicyEndpoint(
@@ -176,4 +209,6 @@ def parse_policy(value: Any, problems: list[str]) -> PolicyEndpoint | None:
         sampling=dict(sampling),
         request_timeout_seconds=timeout,
         max_retries=retries,
+        max_policy_lag=lag,
+        trainer=trainer,
     )

@@ -18,6 +18,7 @@ import orjson
 
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.policy import PolicyEndpoint, parse_policy
+from rollout_wire.states import GroupFilter
 
 BACKENDS = ("local", "kubernetes")
 # The episode's action: `fix` is the guide's deterministic stand-in for an agent; `none`
@@ -105,6 +106,20 @@ class BatchSpec:
     # endpoint down, sandboxes that never get ready), the batch halts: the rest is aborted and
     # the report says `halted` with the failures that tripped it (0: never halt).
     max_consecutive_infra_failures: int = DEFAULT_MAX_CONSECUTIVE_INFRA_FAILURES
+    # The quota: once this many groups passing `group_filter` are complete, the batch is over
+    # and every episode not yet ended is aborted (0: no quota, every episode runs).
+    groups_wanted: int = 0
+    group_filter: str = GroupFilter.ANY
+    # The trainer's policy version when the batch was submitted (the client fills it in from
+    # the version the trainer published, if any).
+    policy_version: str | None = None
+
+    def group_of(self, index: int) -> range:
+        """The indexes of the group episode `index` belongs to (a task's samples)."""
+        if not self.tasks:
+            return range(self.count)
+        start = index - index % self.samples_per_task
+        return range(start, start + self.samples_per_task)
 
     def episode(self, index: int) -> EpisodeTask:
         """Which task and sample episode `index` runs, and its group."""
@@ -287,6 +302,25 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         )
         breaker = DEFAULT_MAX_CONSECUTIVE_INFRA_FAILURES
 
+    wanted = _int_field(data, "groups_wanted", 0, problems)
+    groups = len(tasks) if tasks else 1
+    if not 0 <= wanted <= groups:
+        problems.append(
+            f"groups_wanted must be within 0..{groups} (the batch's groups: one per task; "
+            f"0: no quota), got {wanted}"
+        )
+        wanted = 0
+    group_filter = data.get("group_filter", GroupFilter.ANY)
+    if group_filter not in tuple(GroupFilter):
+        problems.append(
+            f"group_filter {group_filter!r} is not one of {[f.value for f in GroupFilter]}"
+        )
+        group_filter = GroupFilter.ANY
+    version = data.get("policy_version")
+    if version is not None and (not isinstance(version, str) or not 0 < len(version) <= 128):
+        problems.append(f"policy_version must be text of 1..128 characters, got {version!r}")
+        version = None
+
     placement = _parse_placement(data, problems)
     raw_policy = data.get("policy")
     if isinstance(raw_policy, PolicyEndpoint):
@@ -339,6 +373,9 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         infra_retries=retries,
         warm_pool=warm,
         max_consecutive_infra_failures=breaker,
+        groups_wanted=wanted,
+        group_filter=GroupFilter(group_filter),
+        policy_version=version,
         **placement,
     )
 

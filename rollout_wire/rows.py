@@ -67,6 +67,9 @@ class EpisodeRow:
     # Earlier attempts run again under the batch's retry budget (infra_retries), oldest first:
     # each {episode_id, exit_code, reason, cause, finished_at}. `pod` is the last attempt.
     retried: list[dict[str, Any]] = field(default_factory=list)
+    # The policy versions its turns were answered by (X-Policy-Version, or the server's
+    # `weight_version`): {"first": ..., "last": ...}; None when the server names none.
+    policy_versions: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

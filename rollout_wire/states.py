@@ -11,11 +11,21 @@ from enum import StrEnum
 
 class EpisodeStatus(StrEnum):
     """A row's status. `ok` passed every rule of the guide; `failed` ended but broke a rule
-    (its reward is 0); `lost` never gave a usable outcome before the deadline."""
+    (its reward is 0); `lost` never gave a usable outcome before the deadline. `aborted` (the
+    batch had its quota of groups, so the rest was stopped) and `stale` (its first turn was
+    more than `max_policy_lag` versions behind the trainer) are neither a failure nor a
+    reward: they enter no group's figures."""
 
     OK = "ok"
     FAILED = "failed"
     LOST = "lost"
+    ABORTED = "aborted"
+    STALE = "stale"
+
+    @property
+    def withdrawn(self) -> bool:
+        """Stopped on purpose by the service (aborted, stale): no sample, no failure."""
+        return self in (EpisodeStatus.ABORTED, EpisodeStatus.STALE)
 
 
 class FailureKind(StrEnum):
@@ -45,6 +55,7 @@ class BatchStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     HALTED = "halted"  # the circuit breaker stopped it (max_consecutive_infra_failures)
+    QUOTA_NOT_MET = "quota-not-met"  # every group ended, fewer than groups_wanted passed
     REJECTED = "rejected"
     ERROR = "error"
 
@@ -92,3 +103,13 @@ class GroupStatus(StrEnum):
     COMPLETE = "complete"
     FAILED = "failed"
     INCOMPLETE = "incomplete"
+    ABORTED = "aborted"  # some sample was aborted (the quota was met) or stale
+
+
+class GroupFilter(StrEnum):
+    """Which complete groups count towards a batch's `groups_wanted`: `any`, or `varied` (at
+    least two distinct rewards: DAPO's rule, a group whose rewards are all equal gives no
+    group-relative signal)."""
+
+    ANY = "any"
+    VARIED = "varied"

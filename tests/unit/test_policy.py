@@ -20,6 +20,8 @@ WIRE = {
     "sampling": {"temperature": 0.7},
     "request_timeout_seconds": 30,
     "max_retries": 1,
+    "max_policy_lag": None,
+    "trainer": "default",
 }
 
 
