@@ -147,9 +147,8 @@ def test_the_handover_line_carries_what_a_cold_pod_gets_from_its_spec(tmp_path, 
         f"{s.batch_id}:t2",
     )
     assert env["ROLLOUT_POLICY_URL"] == POLICY["url"]
-    assert json.loads(env["ROLLOUT_POLICY"]) == {
-        n: v for n, v in s.policy.to_dict().items() if n != "url"
-    }
+    assert json.loads(env["ROLLOUT_POLICY"]) == s.policy.runner_config()
+    assert "url" not in s.policy.runner_config()
     # The runner applies it: the same identity a cold Pod works out from its index.
     tasks_file = tmp_path / "tasks.json"
     env["ROLLOUT_TASKS_FILE"] = str(tasks_file)
