@@ -36,12 +36,15 @@ def decode_text_hash(raw: Mapping[bytes, bytes]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Entry:
-    """One entry of a batch's stream: an episode's progress state, its row, or the report."""
+    """One entry of a batch's stream: an episode's progress state, its row, a group whose
+    samples all have their row, or the report."""
 
     type: str
     index: int | None = None
     row: dict[str, Any] | None = None
     status: str | None = None  # the progress state, or the report's status
+    # A group entry: the group's figures, with `counted` (it made the batch's quota) added.
+    group: dict[str, Any] | None = None
 
 
 def state_entry(index: int, state: str) -> list[Any]:
@@ -53,6 +56,11 @@ def episode_entry(index: int, row_json: bytes) -> list[Any]:
     return ["type", k.ENTRY_EPISODE, "index", index, "row", row_json]
 
 
+def group_entry(group_id: str, group_json: bytes) -> list[Any]:
+    """Without `counted`: the store's script appends it (only the script knows it)."""
+    return ["type", k.ENTRY_GROUP, "group_id", group_id, "group", group_json]
+
+
 def report_entry(status: str) -> list[Any]:
     return ["type", k.ENTRY_REPORT, "status", status]
 
@@ -61,6 +69,9 @@ def decode_entry(data: Mapping[bytes, bytes]) -> Entry:
     kind = data[b"type"].decode()
     if kind == k.ENTRY_EPISODE:
         return Entry(kind, index=int(data[b"index"]), row=loads(data[b"row"]))
+    if kind == k.ENTRY_GROUP:
+        group = dict(loads(data[b"group"])) | {"counted": data.get(b"counted") == b"1"}
+        return Entry(kind, group=group, status=str(group.get("status")))
     if kind == k.ENTRY_STATE:
         return Entry(kind, index=int(data[b"index"]), status=data[b"state"].decode())
     return Entry(kind, status=data.get(b"status", b"").decode())

@@ -107,6 +107,22 @@ def collect_copies_key(batch_id: str) -> str:
     return batch_key(batch_id, "collect-copies")
 
 
+def groups_key(batch_id: str) -> str:
+    """Hash group id -> the group's figures (JSON), written once when its last sample has its
+    row (the `group` stream entry is written with it)."""
+    return batch_key(batch_id, "groups")
+
+
+def counted_key(batch_id: str) -> str:
+    """List of the group ids that made the batch's quota (`groups_wanted`), in order."""
+    return batch_key(batch_id, "counted")
+
+
+def policy_version_key(trainer: str) -> str:
+    """A trainer's current policy version, as it published it (`max_policy_lag` reads it)."""
+    return f"{KEY_PREFIX}:trainer:{trainer}:policy-version"
+
+
 def flag_key(batch_id: str, name: str) -> str:
     return batch_key(batch_id, f"flag:{name}")
 
@@ -142,6 +158,7 @@ def cleanup_task_id(batch_id: str) -> str:
 ENTRY_EPISODE = "episode"  # fields: index, row (JSON)
 ENTRY_REPORT = "report"  # fields: status
 ENTRY_STATE = "state"  # fields: index, state (progress of one episode before its row)
+ENTRY_GROUP = "group"  # fields: group_id, counted (0/1), group (JSON): a group's last row is in
 
 # Progress states in the order an episode passes them; a state never goes back.
 STATES = tuple(Progress)

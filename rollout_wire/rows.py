@@ -71,6 +71,10 @@ class EpisodeRow:
     # `weight_version`): {"first": ..., "last": ...}; None when the server names none.
     policy_versions: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        # Typed however it was built (a plain "ok" from a caller reads as the member).
+        self.status = EpisodeStatus(self.status)
+
     @property
     def ok(self) -> bool:
         return self.status == EpisodeStatus.OK

@@ -10,7 +10,13 @@ from typing import Any
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.rows import EpisodeRow
-from rollout_wire.states import BatchStatus, EpisodeStatus, FailureKind, GroupStatus
+from rollout_wire.states import (
+    BatchStatus,
+    EpisodeStatus,
+    FailureKind,
+    GroupFilter,
+    GroupStatus,
+)
 from rollout_worker.backends.base import FinishedRun, RunHandle
 from rollout_worker.metrics import phase_breakdown, spread
 
@@ -33,9 +39,11 @@ def build_report(
     reported_at: float,
     warnings: Sequence[str] = (),
     batch_errors: Sequence[str] = (),
+    counted: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The report of a batch that ran. `finished` is None when the run's records could not be
-    read (`batch_errors` then says why)."""
+    read (`batch_errors` then says why). `counted`: the groups that made a quota
+    (`groups_wanted`), in the order they completed."""
     by_index = dedupe_rows(rows)
     errors = list(batch_errors)
     missing = [i for i in range(spec.count) if i not in by_index]
@@ -46,7 +54,7 @@ def build_report(
         errors.append(f"rows for unknown episode indexes {unexpected[:20]}")
     ordered = [by_index[i] for i in sorted(by_index)]
     for row in ordered:
-        if not row.ok:
+        if not (row.ok or row.status.withdrawn):
             errors.append(f"episode {row.index} ({row.pod}) {row.status}: {'; '.join(row.errors)}")
     if finished is not None and finished.verdict == "Failed":
         errors.append("the run ended Failed (the guide requires the Job to end Complete)")
@@ -75,11 +83,20 @@ def build_report(
                     f"(group {row.group_id!r}), the batch assigned {expected.task_id!r} "
                     f"sample {expected.sample} (group {expected.group_id!r})"
                 )
-    ok = not errors and len(ok_rows) == spec.count
+    withdrawn = [r for r in ordered if r.status.withdrawn]
+    quota = _quota(spec, ordered, groups, counted)
+    if quota is None:
+        ok = not errors and len(ok_rows) + len(withdrawn) == spec.count
+        status = BatchStatus.SUCCEEDED if ok else BatchStatus.FAILED
+    else:
+        # The trainer asked for groups, not episodes: the batch did its job when enough
+        # groups passed, whatever became of the rest (their errors are still listed).
+        ok = quota["met"]
+        status = BatchStatus.SUCCEEDED if ok else BatchStatus.QUOTA_NOT_MET
     return {
         "batch_id": spec.batch_id,
         "ok": ok,
-        "status": BatchStatus.SUCCEEDED if ok else BatchStatus.FAILED,
+        "status": status,
         "errors": errors,
         "warnings": list(warnings),
         "episodes": spec.count,
@@ -87,6 +104,8 @@ def build_report(
         "successful_episodes": len(ok_rows),
         "failed_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.FAILED),
         "lost_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.LOST) + len(missing),
+        "aborted_episodes": sum(1 for r in withdrawn if r.status == EpisodeStatus.ABORTED),
+        "stale_episodes": sum(1 for r in withdrawn if r.status == EpisodeStatus.STALE),
         "reward_sum": sum(r.reward for r in ok_rows),
         "infrastructure_failures": sum(
             1 for r in ordered if r.failure_kind == FailureKind.INFRASTRUCTURE
@@ -100,6 +119,8 @@ def build_report(
         "samples_per_task": spec.samples_per_task if spec.tasks else spec.count,
         "policy": {"url": spec.policy.url, "model": spec.policy.model} if spec.policy else None,
         "groups": groups,
+        "quota": quota,
+        "policy_version": spec.policy_version,
         "parallelism": spec.parallelism,
         "backend": spec.backend,
         "image": spec.image,
@@ -130,6 +151,47 @@ def build_report(
     }
 
 
+def episode_seconds(row: EpisodeRow) -> float | None:
+    """How long the episode's sandbox ran: created -> finished (collected, when it was stopped
+    before it could say)."""
+    end = row.finished_at or row.collected_at
+    if row.created_at is None or end is None:
+        return None
+    return max(0.0, end - row.created_at)
+
+
+def _quota(
+    spec: BatchSpec,
+    rows: Sequence[EpisodeRow],
+    groups: Sequence[Mapping[str, Any]],
+    counted: Sequence[str],
+) -> dict[str, Any] | None:
+    """Which groups counted, which were cut, and what the cut saved. The saving is a lower
+    bound: each aborted episode would have run at least as long as the median finished one
+    (those cut were the slow ones), minus what it had run already; one never started saves the
+    whole median."""
+    if not spec.groups_wanted:
+        return None
+    aborted = [r for r in rows if r.status == EpisodeStatus.ABORTED]
+    finished = [s for r in rows if r.ok and (s := episode_seconds(r)) is not None]
+    typical = statistics.median(finished) if finished else 0.0
+    used = [episode_seconds(r) or 0.0 for r in aborted]
+    return {
+        "groups_wanted": spec.groups_wanted,
+        "group_filter": spec.group_filter,
+        "met": len(counted) >= spec.groups_wanted,
+        "counted": list(counted),
+        "cut": [
+            g["group_id"]
+            for g in groups
+            if any(w["status"] == EpisodeStatus.ABORTED for w in g["withdrawn"])
+        ],
+        "aborted_episodes": len(aborted),
+        "aborted_sandbox_seconds": sum(used),
+        "saved_sandbox_seconds_at_least": sum(max(0.0, typical - u) for u in used),
+    }
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased estimator of pass@k from n samples of which c passed: the chance that at
     least one of k samples drawn without replacement passes."""
@@ -139,59 +201,104 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def build_groups(spec: BatchSpec, by_index: Mapping[int, EpisodeRow]) -> list[dict[str, Any]]:
-    """Per task: its group id, samples (the episodes the batch assigned it), the rewards of
-    its valid samples, mean and population standard deviation, pass@k (a sample passes with
-    reward 1) for k = 1, 2, 4, ... up to the valid samples. Failed and lost episodes are listed
-    with their kind and cause and enter no figure: an infrastructure failure is not a reward-0
-    sample. A group is `complete` when every sample is valid; `failed` as a whole when an
-    infrastructure failure is left after the retry budget (its samples are no fair group for
-    group-relative advantages); else `incomplete` (some samples broke a rule of the episode)."""
-    by_task: dict[str, list[int]] = {}
-    for index in range(spec.count):
-        by_task.setdefault(spec.episode(index).task_id, []).append(index)
-    groups = []
-    for task_id, indexes in by_task.items():
-        rows = [by_index.get(i) for i in indexes]
-        valid = [r for r in rows if r is not None and r.ok]
-        rewards = [r.reward for r in valid]
-        passed = sum(1 for value in rewards if value >= 1)
-        n = len(valid)
-        failed = [
-            {
-                "index": i,
-                "sample": spec.episode(i).sample,
-                "status": r.status if r is not None else EpisodeStatus.LOST,
-                "failure_kind": (r.failure_kind if r is not None else None)
-                or FailureKind.INFRASTRUCTURE,
-                "cause": (r.failure_cause if r is not None else None) or "never collected",
-            }
-            for i, r in zip(indexes, rows, strict=True)
-            if r is None or not r.ok
-        ]
-        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, n) if 1 <= k <= n})
-        groups.append(
-            {
-                "group_id": spec.episode(indexes[0]).group_id,
-                "task_id": task_id,
-                "samples": len(indexes),
-                "indexes": indexes,
-                "valid_samples": n,
-                "rewards": rewards,
-                "mean": statistics.fmean(rewards) if rewards else None,
-                "std": statistics.pstdev(rewards) if rewards else None,
-                "pass_at_k": {str(k): pass_at_k(n, passed, k) for k in ks},
-                "failed": failed,
-                "retries": sum(len(r.retried) for r in rows if r is not None),
-                "status": (
-                    GroupStatus.COMPLETE
-                    if not failed
-                    else GroupStatus.FAILED
-                    if any(f["failure_kind"] == FailureKind.INFRASTRUCTURE for f in failed)
-                    else GroupStatus.INCOMPLETE
-                ),
-            }
-        )
-    return groups
+    """Every task's group (`group_figures`), in the batch's task order."""
+    return [group_figures(spec, spec.group_of(start), by_index) for start in group_starts(spec)]
+
+
+def group_starts(spec: BatchSpec) -> range:
+    """The first index of each group."""
+    return range(0, spec.count, spec.samples_per_task if spec.tasks else spec.count)
+
+
+def group_figures(
+    spec: BatchSpec, indexes: Sequence[int], by_index: Mapping[int, EpisodeRow]
+) -> dict[str, Any]:
+    """One task's group: its group id, samples (the episodes the batch assigned it), the
+    rewards of its valid samples, mean and population standard deviation, pass@k (a sample
+    passes with reward 1) for k = 1, 2, 4, ... up to the valid samples, and `varied` (at least
+    two distinct rewards). Failed and lost episodes are listed with their kind and cause and
+    enter no figure: an infrastructure failure is not a reward-0 sample. Aborted and stale
+    ones are listed apart (`withdrawn`): neither a failure nor a reward.
+
+    Status: `complete` when every sample is valid; `failed` when an infrastructure failure is
+    left after the retry budget (no fair group for group-relative advantages); `aborted` when a
+    sample was withdrawn (the quota cut it, or it was stale); else `incomplete` (some sample
+    broke a rule of the episode)."""
+    rows = [by_index.get(i) for i in indexes]
+    valid = [r for r in rows if r is not None and r.ok]
+    rewards = [r.reward for r in valid]
+    passed = sum(1 for value in rewards if value >= 1)
+    n = len(valid)
+    withdrawn = [
+        {"index": r.index, "sample": r.sample, "status": r.status}
+        for r in rows
+        if r is not None and r.status.withdrawn
+    ]
+    failed = [
+        {
+            "index": i,
+            "sample": spec.episode(i).sample,
+            "status": r.status if r is not None else EpisodeStatus.LOST,
+            "failure_kind": (r.failure_kind if r is not None else None)
+            or FailureKind.INFRASTRUCTURE,
+            "cause": (r.failure_cause if r is not None else None) or "never collected",
+        }
+        for i, r in zip(indexes, rows, strict=True)
+        if r is None or not (r.ok or r.status.withdrawn)
+    ]
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, n) if 1 <= k <= n})
+    if any(f["failure_kind"] == FailureKind.INFRASTRUCTURE for f in failed):
+        status = GroupStatus.FAILED
+    elif withdrawn:
+        status = GroupStatus.ABORTED
+    elif failed:
+        status = GroupStatus.INCOMPLETE
+    else:
+        status = GroupStatus.COMPLETE
+    versions = [r.policy_versions for r in rows if r is not None and r.policy_versions]
+    first = spec.episode(indexes[0])
+    return {
+        "group_id": first.group_id,
+        "task_id": first.task_id,
+        "samples": len(indexes),
+        "indexes": list(indexes),
+        "valid_samples": n,
+        "rewards": rewards,
+        "mean": statistics.fmean(rewards) if rewards else None,
+        "std": statistics.pstdev(rewards) if rewards else None,
+        "varied": len(set(rewards)) >= 2,
+        "pass_at_k": {str(k): pass_at_k(n, passed, k) for k in ks},
+        "failed": failed,
+        "withdrawn": withdrawn,
+        "retries": sum(len(r.retried) for r in rows if r is not None),
+        # The spread of policy versions its samples saw: (oldest first turn, newest last turn).
+        "policy_versions": _version_spread(versions),
+        "status": status,
+    }
+
+
+def passes(group: Mapping[str, Any], group_filter: str) -> bool:
+    """Whether a group counts towards a quota: complete, and varied when the filter says so."""
+    if group["status"] != GroupStatus.COMPLETE:
+        return False
+    return group_filter != GroupFilter.VARIED or bool(group["varied"])
+
+
+def _version_spread(versions: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """{"first", "last"} over the samples' versions (numerically when all are integers)."""
+    firsts = [v.get("first") for v in versions if v.get("first") is not None]
+    lasts = [v.get("last") for v in versions if v.get("last") is not None]
+    if not firsts and not lasts:
+        return None
+
+    def key(value: Any) -> tuple[int, Any]:
+        text = str(value)
+        return (0, int(text)) if text.lstrip("-").isdigit() else (1, text)
+
+    return {
+        "first": min(firsts, key=key) if firsts else None,
+        "last": max(lasts, key=key) if lasts else None,
+    }
 
 
 def error_report(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -57,11 +58,36 @@ return 1
 """
 
 
+# KEYS: groups, stream, counted; ARGV: group id, group JSON, passes (0/1), wanted, ttl, entry
+# fields... A group is streamed once; the first `wanted` passing groups are counted, atomically
+# (concurrent collectors finishing groups at once never count one too many). Returns 0 (done
+# before), 1 (published), 2 (published and counted), 3 (counted and the quota is now met).
+_PUBLISH_GROUP = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local counted, met = 0, 0
+local wanted = tonumber(ARGV[4])
+if ARGV[3] == '1' and wanted > 0 and redis.call('LLEN', KEYS[3]) < wanted then
+  local n = redis.call('RPUSH', KEYS[3], ARGV[1])
+  counted = 1
+  if n == wanted then met = 1 end
+end
+redis.call('XADD', KEYS[2], '*', 'counted', counted, unpack(ARGV, 6))
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+return 1 + counted + met
+"""
+
 # Delete a claim only if this copy still holds it (it may have expired and been taken since).
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class GroupPublished:
+    published: bool  # this call streamed the group (False: it was streamed before)
+    counted: bool  # ... and counted it towards the quota
+    quota_met: bool  # ... and that made the quota: the rest of the batch is to be aborted
 
 
 class Store:
@@ -75,6 +101,7 @@ class Store:
         self._publish_report = client.register_script(_PUBLISH_REPORT)
         self._publish_state = client.register_script(_PUBLISH_STATE)
         self._release = client.register_script(_RELEASE)
+        self._publish_group = client.register_script(_PUBLISH_GROUP)
 
     @classmethod
     def from_url(cls, url: str, ttl: int) -> Store:
@@ -169,6 +196,40 @@ class Store:
     def episode_rows(self, batch_id: str) -> list[EpisodeRow]:
         raw = self.redis.hgetall(k.episodes_key(batch_id))
         return [EpisodeRow.from_dict(codec.loads(value)) for value in raw.values()]
+
+    def rows_of(self, batch_id: str, indexes: Sequence[int]) -> dict[int, EpisodeRow]:
+        """The rows recorded so far among `indexes` (one group's samples)."""
+        raw = self.redis.hmget(k.episodes_key(batch_id), [str(i) for i in indexes])
+        return {
+            i: EpisodeRow.from_dict(codec.loads(value))
+            for i, value in zip(indexes, raw, strict=True)
+            if value is not None
+        }
+
+    # -- groups and the quota ----------------------------------------------------------------
+    def publish_group(
+        self, batch_id: str, group: Mapping[str, Any], passes: bool, wanted: int
+    ) -> GroupPublished:
+        """Stream a group whose samples all have their row, once; count it towards the quota
+        (`wanted` groups that pass) when it passes and the quota is not met yet."""
+        group_id, group_json = str(group["group_id"]), codec.dumps(dict(group))
+        keys = [k.groups_key(batch_id), k.stream_key(batch_id), k.counted_key(batch_id)]
+        args = [group_id, group_json, int(passes), wanted, self.ttl]
+        done = int(
+            self._publish_group(keys=keys, args=[*args, *codec.group_entry(group_id, group_json)])
+        )
+        return GroupPublished(published=done > 0, counted=done >= 2, quota_met=done == 3)
+
+    def has_group(self, batch_id: str, group_id: str) -> bool:
+        return bool(self.redis.hexists(k.groups_key(batch_id), group_id))
+
+    def counted_groups(self, batch_id: str) -> list[str]:
+        return [g.decode() for g in self.redis.lrange(k.counted_key(batch_id), 0, -1)]
+
+    def policy_version(self, trainer: str) -> str | None:
+        """The version the trainer published last (`RolloutClient.publish_policy_version`)."""
+        raw = self.redis.get(k.policy_version_key(trainer))
+        return None if raw is None else raw.decode()
 
     # -- one collecting copy per episode -----------------------------------------------------
     def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool:

@@ -3,6 +3,7 @@
 - `state`: the store protocol, the receipt, the limits, a batch's flags.
 - `admit`: validate a request, write the receipt, start (or adopt) the run.
 - `collect`: one episode's row, the watchdog's rescue, when an episode is given up on.
+- `groups`: each group streamed once as it completes; the quota (`groups_wanted`).
 - `finalize`: the report once, then the run's records.
 - `runs`: cleanup, cancel, the sweeper, which backend reaches a run.
 - `pools`: warm pool refill and drain.
@@ -40,6 +41,7 @@ from rollout_worker.core.state import (
     FLAG_CANCEL,
     FLAG_CHORD,
     FLAG_HALT,
+    FLAG_QUOTA,
     FLAG_STOPPED,
     BatchStore,
     Limits,
@@ -54,6 +56,7 @@ __all__ = [
     "FLAG_CANCEL",
     "FLAG_CHORD",
     "FLAG_HALT",
+    "FLAG_QUOTA",
     "FLAG_STOPPED",
     "MAX_RETRIES",
     "REDIS_WAIT_SECONDS",

@@ -15,6 +15,7 @@ from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.state import (
     FLAG_CANCEL,
     FLAG_HALT,
+    FLAG_QUOTA,
     FLAG_STOPPED,
     BatchStore,
     Limits,
@@ -128,18 +129,20 @@ def collect(
             # killed by the suspended Job ends Failed), so the episode was cancelled, not failed.
             cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
         if cancelled and obs.phase != "Succeeded" and (obs.terminal or stopped):
-            why = (
-                "aborted: the batch halted (too many infrastructure failures in a row)"
-                if store.has_flag(spec.batch_id, FLAG_HALT)
-                else "cancelled before it finished"
-            )
-            row = lost_row(index, obs.episode_id, why, obs)
+            if store.has_flag(spec.batch_id, FLAG_HALT):
+                why = "aborted: the batch halted (too many infrastructure failures in a row)"
+                row = lost_row(index, obs.episode_id, why, obs)
+            elif store.has_flag(spec.batch_id, FLAG_QUOTA):
+                why = f"aborted: the batch had its {spec.groups_wanted} group(s)"
+                row = withdrawn_row(index, obs.episode_id, EpisodeStatus.ABORTED, why, obs)
+            else:
+                row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
         elif cancelled and not obs.terminal and in_time():
             backend.resume_run(run)
             raise NotYet  # the stop is under way: the report must not come before it
         elif obs.terminal:
             text = backend.read_output(run, obs)
-            row = validate_episode(obs, text, run.origin)
+            row = stale_or_not(store, spec, validate_episode(obs, text, run.origin))
             if row.reward_at is not None:
                 store.publish_state(spec.batch_id, index, Progress.REWARDED)
             if spec.policy is not None:
@@ -171,6 +174,52 @@ def collect(
     return row
 
 
+def withdrawn_row(
+    index: int,
+    episode_id: str,
+    status: EpisodeStatus,
+    why: str,
+    obs: EpisodeObservation | None,
+) -> EpisodeRow:
+    """An episode the service stopped on purpose (aborted, stale): no failure, no reward."""
+    row = lost_row(index, episode_id, why, obs)
+    row.status, row.errors, row.failure_kind = status, [], None
+    if obs is not None:
+        row.finished_at = obs.finished_at
+    return row
+
+
+def stale_or_not(store: BatchStore, spec: BatchSpec, row: EpisodeRow) -> EpisodeRow:
+    """The staleness bound, checked when the row is recorded: a sample whose first turn is more
+    than `max_policy_lag` versions behind the version its trainer published since is `stale`
+    (the runner stops an episode itself when it sees the policy move on; this catches a
+    trainer that moved on before the server did). Integer versions only."""
+    lag_limit = spec.policy.max_policy_lag if spec.policy is not None else None
+    first = (row.policy_versions or {}).get("first")
+    if (
+        lag_limit is None
+        or spec.policy is None
+        or first is None
+        or row.status.withdrawn
+        or row.failure_kind == FailureKind.INFRASTRUCTURE
+    ):
+        return row
+    current = store.policy_version(spec.policy.trainer)
+    try:
+        lag = int(str(current)) - int(str(first))
+    except ValueError:
+        return row
+    if lag <= lag_limit:
+        return row
+    why = (
+        f"stale: first turn at policy version {first}, the trainer is at {current} "
+        f"(max_policy_lag {lag_limit})"
+    )
+    row.status, row.reward, row.errors = EpisodeStatus.STALE, 0, []
+    row.failure_kind, row.failure_cause = None, why
+    return row
+
+
 def tripped_by(store: BatchStore, batch_id: str, index: int) -> bool:
     """Whether episode `index`'s row tripped its batch's circuit breaker (the last failure of
     the streak that halted it): its collector is the one that stops the rest."""
@@ -187,7 +236,7 @@ def _count_for_breaker(store: BatchStore, spec: BatchSpec, row: EpisodeRow) -> N
     cancel) does neither. At the limit the batch is flagged halted, with the failures that
     tripped it in its receipt; the worker then stops the rest (`Worker.collect`)."""
     limit = spec.max_consecutive_infra_failures
-    if limit == 0 or row.status == EpisodeStatus.LOST:
+    if limit == 0 or row.status == EpisodeStatus.LOST or row.status.withdrawn:
         return
     if row.failure_kind != FailureKind.INFRASTRUCTURE:
         store.note_outcome(spec.batch_id, None)

@@ -13,9 +13,11 @@ from rollout_wire.rows import EpisodeRow
 from rollout_wire.states import BatchStatus, Cleanup, FinalizedBy, Records
 from rollout_worker.backends.base import Backend, FinishedRun
 from rollout_worker.core.collect import RESCUE_FIRST_BLOCK_SECONDS, collect
+from rollout_worker.core.groups import publish_every_group
 from rollout_worker.core.state import (
     FLAG_CANCEL,
     FLAG_HALT,
+    FLAG_QUOTA,
     BackendFor,
     BatchStore,
     Limits,
@@ -72,6 +74,7 @@ def finalize(
                 "batch %s: collected %d episode(s) again: %s", batch_id, len(missing), missing
             )
             rows = store.episode_rows(batch_id)
+        publish_every_group(store, spec)
         done = _publish(store, backend, receipt, rows, finalized_by, now())
     if receipt.records != Records.COMPLETE:
         _save_records(store, backend, receipt)
@@ -104,10 +107,13 @@ def _publish(
         reported_at=now,
         warnings=receipt.warnings,
         batch_errors=batch_errors,
+        counted=store.counted_groups(spec.batch_id) if spec.groups_wanted else (),
     ) | {"cleanup": cleanup, "records": Records.PENDING}
     if store.has_flag(spec.batch_id, FLAG_HALT):
         halted = (store.load_receipt(spec.batch_id) or {}).get("halted")
         report |= {"ok": False, "status": BatchStatus.HALTED, "halted": halted}
+    elif store.has_flag(spec.batch_id, FLAG_QUOTA):
+        pass  # stopped because it had its groups: the report's quota says how it went
     elif store.has_flag(spec.batch_id, FLAG_CANCEL):
         report |= {"ok": False, "status": BatchStatus.CANCELLED}
     if not store.publish_report(spec.batch_id, report):

@@ -3,7 +3,7 @@ read from the settings once, and the flags a batch carries."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -12,6 +12,7 @@ from rollout_wire.rows import EpisodeRow
 from rollout_wire.states import Cleanup, Records
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.settings import Settings
+from rollout_worker.store import GroupPublished
 
 # The watchdog looks at a batch at least this often, and gives the chord this long after the
 # collectors' own give-up time before it finalises the batch itself.
@@ -53,6 +54,13 @@ class BatchStore(Protocol):
     def registered_pools(self) -> dict[str, dict[str, Any]]: ...
     def forget_pool(self, key: str) -> None: ...
     def note_outcome(self, batch_id: str, failure: Mapping[str, Any] | None) -> list[Any]: ...
+    def rows_of(self, batch_id: str, indexes: Sequence[int]) -> dict[int, EpisodeRow]: ...
+    def publish_group(
+        self, batch_id: str, group: Mapping[str, Any], passes: bool, wanted: int
+    ) -> GroupPublished: ...
+    def has_group(self, batch_id: str, group_id: str) -> bool: ...
+    def counted_groups(self, batch_id: str) -> list[str]: ...
+    def policy_version(self, trainer: str) -> str | None: ...
     def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool: ...
     def count_collect_copy(self, batch_id: str) -> None: ...
     def release_collect(self, batch_id: str, index: int, token: str) -> None: ...
@@ -97,6 +105,7 @@ FLAG_CHORD = "chord"  # the collection chord was sent
 FLAG_CANCEL = "cancel"
 FLAG_STOPPED = "cancel-stopped"  # the backend stopped the run's sandboxes (or gave up trying)
 FLAG_HALT = "halt"  # the circuit breaker tripped: the batch stops (through a cancel)
+FLAG_QUOTA = "quota"  # groups_wanted groups passed: the rest is aborted (through a cancel)
 
 
 class NotYet(Exception):

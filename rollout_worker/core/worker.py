@@ -19,6 +19,7 @@ from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.admit import fail, submit
 from rollout_worker.core.collect import claim, collect, rescue, tripped_by, watchdog_countdown
 from rollout_worker.core.finalize import finalize
+from rollout_worker.core.groups import publish_group_of, quota_unenforced
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
@@ -31,6 +32,7 @@ from rollout_worker.core.runs import (
 )
 from rollout_worker.core.state import (
     FLAG_CHORD,
+    FLAG_QUOTA,
     BatchStore,
     Limits,
     NotYet,
@@ -164,14 +166,18 @@ class Worker:
     def collect(self, batch_id: str, index: int) -> dict[str, Any]:
         """Wait a bounded time for one episode; if it has not ended, `Again` (the slot is
         freed and the task queues behind the others); else validate and record its row once."""
-        if self.store.has_episode(batch_id, index):
-            return {"index": index, "recorded": False}
         receipt = self.started(batch_id)
+        if self.store.has_episode(batch_id, index):
+            if receipt is not None:
+                # A copy of a collector killed after the row: its group may be unstreamed.
+                self._after_row(receipt, index)
+            return {"index": index, "recorded": False}
         if receipt is None or receipt.run is None:
             return {"index": index, "error": "no receipt or run for this batch"}
         token = uuid.uuid4().hex
         if not claim(self.store, batch_id, index, token, self.limits):
             if self.store.has_episode(batch_id, index):
+                self._after_row(receipt, index)
                 return {"index": index, "recorded": False}
             raise Again()
         try:
@@ -197,7 +203,16 @@ class Worker:
             # This row tripped the circuit breaker: stop the rest as a cancel does (no sandbox
             # left); their collectors record them aborted, and the report says `halted`.
             self.scheduler.cancel(batch_id)
+        self._after_row(receipt, index)
         return {"index": index, "status": row.status}
+
+    def _after_row(self, receipt: Receipt, index: int) -> None:
+        """Stream the episode's group if this row completed it; once the quota is met, stop
+        the rest as a cancel does (collectors record it `aborted`)."""
+        published = publish_group_of(self.store, receipt.spec, index)
+        if published is not None and published.quota_met:  # exactly one collector sees this
+            self.store.set_flag(receipt.batch_id, FLAG_QUOTA)
+            self.scheduler.cancel(receipt.batch_id)
 
     def finalize(self, batch_id: str, finalized_by: FinalizedBy) -> dict[str, Any]:
         """Publish the report once; then the cleanup and (behind the batch) the pool refill."""
@@ -226,6 +241,10 @@ class Worker:
             return {"batch_id": batch_id, "status": "reported"}
         receipt = self.started(batch_id)
         if receipt is not None and receipt.run is not None:
+            if quota_unenforced(self.store, receipt.spec):
+                # The collector that met the quota died before it sent the stop.
+                self.store.set_flag(batch_id, FLAG_QUOTA)
+                self.scheduler.cancel(batch_id)
             if self.store.count_episodes(batch_id) == receipt.spec.count:
                 # Every row is in but no report: the chord's count missed a collector (its
                 # result was lost in a Redis restart) and its callback may never come.

@@ -4,7 +4,7 @@ so the lifecycle's decisions are unit-tested without Redis, Celery or a cluster.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from rollout_wire.request import BatchSpec
 from rollout_wire.rows import EpisodeRow
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.observation import EpisodeObservation
+from rollout_worker.store import GroupPublished
 
 
 class MemoryStore:
@@ -34,6 +35,37 @@ class MemoryStore:
         self.claims: dict[tuple[str, int], str] = {}  # (batch, index) -> token (never expire)
         self.copies: dict[str, int] = {}
         self.streaks: dict[str, list[Any]] = {}
+        self.groups: dict[str, dict[str, dict[str, Any]]] = {}
+        self.counted: dict[str, list[str]] = {}
+        self.versions: dict[str, str] = {}
+
+    def rows_of(self, batch_id: str, indexes: Sequence[int]) -> dict[int, EpisodeRow]:
+        rows = self.rows.get(batch_id, {})
+        return {i: rows[i] for i in indexes if i in rows}
+
+    def publish_group(
+        self, batch_id: str, group: Mapping[str, Any], passes: bool, wanted: int
+    ) -> GroupPublished:
+        # Like the store's script: once per group; the first `wanted` passing ones count.
+        groups = self.groups.setdefault(batch_id, {})
+        if group["group_id"] in groups:
+            return GroupPublished(False, False, False)
+        groups[group["group_id"]] = json.loads(json.dumps(dict(group)))
+        counted = self.counted.setdefault(batch_id, [])
+        count = passes and wanted > 0 and len(counted) < wanted
+        if count:
+            counted.append(group["group_id"])
+        self.stream.append((batch_id, "group", (group["group_id"], count)))
+        return GroupPublished(True, count, count and len(counted) == wanted)
+
+    def has_group(self, batch_id: str, group_id: str) -> bool:
+        return group_id in self.groups.get(batch_id, {})
+
+    def counted_groups(self, batch_id: str) -> list[str]:
+        return list(self.counted.get(batch_id, []))
+
+    def policy_version(self, trainer: str) -> str | None:
+        return self.versions.get(trainer)
 
     def note_outcome(self, batch_id: str, failure: Mapping[str, Any] | None) -> list[Any]:
         streak = self.streaks.setdefault(batch_id, [])
