@@ -55,6 +55,11 @@ class BatchTimeout(RolloutError):
     """Waiting for a batch report ran past the caller's timeout."""
 
 
+class SamplingStopped(RolloutError):
+    """Continuous sampling cannot go on: a batch it submitted ended without running (rejected,
+    or the backend refused it), so every batch after it would too. The message says why."""
+
+
 class RedisUnavailable(RolloutError):
     """Redis stayed unreachable for longer than the client is willing to wait (its outage
     limit: every client call, a send included, waits out a restart), or refused the client

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from rollout_wire.states import EpisodeStatus, FailureKind
+from rollout_wire.states import EpisodeStatus, FailureKind, GroupFilter, GroupStatus
 
 # The headline numbers of a report, in the order people read them (CLI tables, summaries).
 REPORT_METRICS = (
@@ -59,7 +59,7 @@ class EpisodeRow:
     sample: int | None = None
     group_id: str | None = None
     steps: int | None = None
-    stop_reason: str | None = None  # submit | max_steps | time_limit
+    stop_reason: str | None = None  # submit | max_steps | time_limit | stale
     tests_passed: int | None = None
     tests_total: int | None = None
     failure_kind: FailureKind | None = None  # when the row is not ok
@@ -89,3 +89,11 @@ class EpisodeRow:
         if values.get("failure_kind") is not None:
             values["failure_kind"] = FailureKind(values["failure_kind"])
         return cls(**values)
+
+
+def group_passes(group: Mapping[str, Any], group_filter: str) -> bool:
+    """Whether a group (a `group` stream entry, a report's group) counts: complete (every
+    sample valid), and with `varied` at least two distinct rewards."""
+    if group.get("status") != GroupStatus.COMPLETE:
+        return False
+    return group_filter != GroupFilter.VARIED or bool(group.get("varied"))

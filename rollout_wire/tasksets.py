@@ -91,6 +91,8 @@ def rollout_fields(
     sampling: dict[str, Any] | None = None,
     policy_timeout: float | None = None,
     infra_retries: int | None = None,
+    groups_wanted: int | None = None,
+    group_filter: str | None = None,
 ) -> dict[str, Any]:
     """The request fields of a real rollout from command-line style options (both CLIs):
     tasks resolved to data here, at the edge; `parse_spec` checks the rest."""
@@ -112,4 +114,8 @@ def rollout_fields(
         raise InvalidSpec(["--model and --sampling need --policy-url"])
     if infra_retries is not None:
         fields["infra_retries"] = infra_retries
+    if groups_wanted is not None:
+        fields["groups_wanted"] = groups_wanted
+    if group_filter is not None:
+        fields["group_filter"] = group_filter
     return fields

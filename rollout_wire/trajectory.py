@@ -36,10 +36,11 @@ def events_of(log: str) -> list[dict[str, Any]]:
 
 
 def trajectory_from_log(log: str) -> dict[str, Any]:
-    """{episode_id, task_id, sample, group_id, steps: [...], outcome: reward or error event}."""
+    """{episode_id, task_id, sample, group_id, steps: [...], outcome: the reward, error or
+    stale event}."""
     events = events_of(log)
     ready = next((e for e in events if e["event"] == "ready"), {})
-    outcome = next((e for e in events if e["event"] in ("reward", "error")), None)
+    outcome = next((e for e in events if e["event"] in ("reward", "error", "stale")), None)
     return {
         "episode_id": ready.get("episode_id"),
         "task_id": ready.get("task_id"),

@@ -14,7 +14,6 @@ from rollout_wire.states import (
     BatchStatus,
     EpisodeStatus,
     FailureKind,
-    GroupFilter,
     GroupStatus,
 )
 from rollout_worker.backends.base import FinishedRun, RunHandle
@@ -275,13 +274,6 @@ def group_figures(
         "policy_versions": _version_spread(versions),
         "status": status,
     }
-
-
-def passes(group: Mapping[str, Any], group_filter: str) -> bool:
-    """Whether a group counts towards a quota: complete, and varied when the filter says so."""
-    if group["status"] != GroupStatus.COMPLETE:
-        return False
-    return group_filter != GroupFilter.VARIED or bool(group["varied"])
 
 
 def _version_spread(versions: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:

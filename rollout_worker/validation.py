@@ -2,11 +2,14 @@
 
 Pure functions. Every rule of the guide is checked and every violation is listed on the row:
 an episode is `ok` only when all of them hold, and a row that is not ok never carries reward 1.
+A real rollout the runner stopped because its policy moved on (a well-formed `stale` event in
+place of the reward, every other rule holding) is `stale`: withdrawn, reward 0, no failure.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from typing import Any
 
@@ -27,6 +30,10 @@ ENDED_SLACK = 1.0
 
 # Lines a row lists by name before it only counts the rest.
 MAX_LINE_PROBLEMS = 10
+
+# The runner's outcome when its policy moved past the episode's max_policy_lag.
+STALE_EVENT = "stale"
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def parse_events(log: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -96,14 +103,26 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     errors.extend(problems)
     ready = [e for e in events if e.get("event") == Progress.READY]
     reward = [e for e in events if e.get("event") == "reward"]
-    if len(ready) != 1 or len(reward) != 1:
+    stale = [e for e in events if e.get("event") == STALE_EVENT]
+    steps = [e for e in events if e.get("event") == STEP_EVENT]
+    r = ready[0] if len(ready) == 1 else None
+    agent = r is not None and r.get("mode") == "agent"
+    # A stale event stands in for the reward, once, in a real rollout; anything else with one
+    # (a reward too, two of them, the demo) is a tampered-with log.
+    s = stale[0] if len(stale) == 1 and not reward and agent else None
+    if stale and s is None:
+        errors.append(
+            f"a stale event only ends a real rollout that has no reward: got {len(stale)} "
+            f"stale and {len(reward)} reward event(s)"
+            + ("" if agent else " in an episode without a policy")
+        )
+    if len(ready) != 1 or (len(reward) != 1 and not stale):
         errors.append(
             f"expected exactly one ready and one reward event, got {len(ready)} ready and "
             f"{len(reward)} reward"
         )
-    r = ready[0] if len(ready) == 1 else None
     w = reward[0] if len(reward) == 1 else None
-    for event in filter(None, (r, w)):
+    for event in filter(None, (r, w, s)):
         if event.get("episode_id") != obs.episode_id:
             errors.append(
                 f"{event['event']} event names episode {event.get('episode_id')!r}, "
@@ -111,7 +130,6 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
             )
     if r is not None:
         row.ready_at = _number(r, "at")
-    agent = r is not None and r.get("mode") == "agent"
     if agent and r is not None:
         row.task_id, row.sample, row.group_id = r.get("task_id"), r.get("sample"), r.get("group_id")
     failure = next((e for e in events if e.get("event") == "error"), None)
@@ -134,15 +152,16 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
             row.reward = 1 if reported == 1 else 0
         if row.baseline_exit == 0 or not isinstance(row.baseline_exit, int):
             errors.append(f"baseline_exit is {row.baseline_exit!r}: the baseline must fail")
+    row.policy_versions = _policy_versions(steps, errors)
+    if s is not None and r is not None:
+        _check_stale(row, r, s, steps, errors)
     if agent and r is not None:
-        _check_steps(
-            obs.episode_id, r, w, [e for e in events if e.get("event") == STEP_EVENT], errors
-        )
+        _check_steps(obs.episode_id, r, w if w is not None else s, steps, errors)
     if (r is not None and row.ready_at is None) or (w is not None and row.reward_at is None):
         errors.append("an event has no numeric 'at' timestamp")
 
-    _check_time_order(row, origin, errors)
-    _cross_check_termination(obs, w, errors)
+    _check_time_order(row, origin, errors, _number(s, "at") if s is not None else None)
+    _cross_check_termination(obs, w, errors, s)
 
     if row.ready_at is not None and row.created_at is not None:
         row.pod_to_ready_seconds = row.ready_at - row.created_at
@@ -163,6 +182,14 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
         row.failure_kind = failure_kind(obs, r, failure)
         row.failure_cause = (
             str(failure.get("cause")) if failure is not None and failure.get("cause") else errors[0]
+        )
+    elif s is not None:
+        # Withdrawn, not failed: no failure kind, and no reward (the tests never ran).
+        row.status = EpisodeStatus.STALE
+        row.reward = 0
+        row.failure_cause = (
+            f"stale: first turn at version {s['first_version']}, policy at {s['version']} "
+            f"(max lag {s['max_policy_lag']})"
         )
     return row
 
@@ -216,6 +243,68 @@ def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -
     row.reward = float(reported) if rule == "fraction" else int(reported)
 
 
+def _policy_versions(steps: list[dict[str, Any]], errors: list[str]) -> dict[str, Any] | None:
+    """{"first", "last"}: the first and last version the steps name; None when none does."""
+    named = []
+    for step in steps:
+        version = step.get("policy_version")
+        if version is None:
+            continue
+        if not isinstance(version, str):
+            errors.append(
+                f"step event {step.get('step')!r} has policy_version {version!r}, expected a "
+                "string or null"
+            )
+            continue
+        named.append(version)
+    return {"first": named[0], "last": named[-1]} if named else None
+
+
+def _integer(value: Any) -> int | None:
+    return int(value) if isinstance(value, str) and _INTEGER.fullmatch(value) else None
+
+
+def _check_stale(
+    row: EpisodeRow,
+    ready: dict[str, Any],
+    stale: dict[str, Any],
+    steps: list[dict[str, Any]],
+    errors: list[str],
+) -> None:
+    """The runner's own arithmetic, checked: integer versions, the first one the first step's,
+    a lag that is their difference and exceeds the bound. Anything else is a forged outcome."""
+    row.steps = stale.get("steps") if isinstance(stale.get("steps"), int) else None
+    row.stop_reason = STALE_EVENT
+    first, version = _integer(stale.get("first_version")), _integer(stale.get("version"))
+    lag, bound = stale.get("lag"), stale.get("max_policy_lag")
+    if _number(stale, "at") is None:
+        errors.append("the stale event has no numeric 'at' timestamp")
+    if "reward" in stale:
+        errors.append("the stale event carries a reward: a stale episode has none")
+    for key in ("task_id", "group_id"):
+        if stale.get(key) != ready.get(key):
+            errors.append(
+                f"stale event names {key} {stale.get(key)!r}, the episode's is {ready.get(key)!r}"
+            )
+    if first is None or version is None:
+        errors.append(
+            f"stale event versions {stale.get('first_version')!r} and {stale.get('version')!r} "
+            "must be integer strings"
+        )
+    elif isinstance(lag, bool) or lag != version - first:
+        errors.append(f"stale event lag {lag!r} is not {version} - {first}")
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        errors.append(f"stale event max_policy_lag {bound!r} is not an integer >= 0")
+    elif isinstance(lag, int) and not isinstance(lag, bool) and lag <= bound:
+        errors.append(f"stale event lag {lag} is within its max_policy_lag {bound}")
+    if not steps or steps[0].get("policy_version") != stale.get("first_version"):
+        named = steps[0].get("policy_version") if steps else None
+        errors.append(
+            f"stale event's first_version {stale.get('first_version')!r} is not the first "
+            f"step's policy_version ({named!r})"
+        )
+
+
 def _check_steps(
     episode_id: str,
     ready: dict[str, Any],
@@ -224,7 +313,7 @@ def _check_steps(
     errors: list[str],
 ) -> None:
     """Each step names this episode and its task, numbered 1, 2, ... in time order between
-    ready and reward; the reward counts them."""
+    ready and the outcome (reward, or stale); the outcome counts them."""
     previous = _number(ready, "at")
     for position, step in enumerate(steps, start=1):
         if step.get("episode_id") != episode_id:
@@ -246,18 +335,22 @@ def _check_steps(
         previous = at if at is not None else previous
     if reward is not None:
         end = _number(reward, "at")
+        name = reward.get("event")
         if previous is not None and end is not None and end < previous:
-            errors.append("the reward event is earlier than the last step event")
+            errors.append(f"the {name} event is earlier than the last step event")
         if reward.get("steps") != len(steps):
-            errors.append(f"reward counts {reward.get('steps')!r} steps, the log has {len(steps)}")
+            errors.append(f"{name} counts {reward.get('steps')!r} steps, the log has {len(steps)}")
 
 
-def _check_time_order(row: EpisodeRow, origin: float, errors: list[str]) -> None:
+def _check_time_order(
+    row: EpisodeRow, origin: float, errors: list[str], stale_at: float | None = None
+) -> None:
     chain = [
         ("run created", origin),
         ("sandbox created", row.created_at),
         ("ready", row.ready_at),
         ("reward", row.reward_at),
+        ("stale", stale_at),
     ]
     known = [(name, at) for name, at in chain if at is not None]
     for (name_a, a), (name_b, b) in itertools.pairwise(known):
@@ -277,7 +370,10 @@ def _check_time_order(row: EpisodeRow, origin: float, errors: list[str]) -> None
 
 
 def _cross_check_termination(
-    obs: EpisodeObservation, reward: dict[str, Any] | None, errors: list[str]
+    obs: EpisodeObservation,
+    reward: dict[str, Any] | None,
+    errors: list[str],
+    stale: dict[str, Any] | None = None,
 ) -> None:
     if not obs.termination_message:
         return
@@ -286,21 +382,32 @@ def _cross_check_termination(
     except orjson.JSONDecodeError:
         errors.append("termination message is not JSON")
         return
-    if isinstance(message, dict) and message.get("error"):
-        # The runner's error summary: the log's error event already says what went wrong.
-        if reward is not None:
-            errors.append("termination message reports an error, but the log has a reward")
+    if not isinstance(message, dict):
+        errors.append("termination message is not a JSON object")
         return
-    if reward is None:
+    if message.get("error"):
+        # The runner's error summary: the log's error event already says what went wrong.
+        if reward is not None or stale is not None:
+            errors.append("termination message reports an error, but the log has an outcome")
+        return
+    if message.get("stale"):
+        if stale is None:
+            errors.append("termination message reports a stale episode, the log does not")
+            return
+        keys: tuple[str, ...] = ("first_version", "version", "lag", "episode_id")
+        outcome = stale
+    elif reward is None:
         errors.append(
             "termination message reports an outcome the log does not contain (log cut or lost)"
         )
         return
-    for key in ("reward", "baseline_exit", "tests_exit", "episode_id"):
-        if message.get(key) != reward.get(key):
+    else:
+        keys, outcome = ("reward", "baseline_exit", "tests_exit", "episode_id"), reward
+    for key in keys:
+        if message.get(key) != outcome.get(key):
             errors.append(
                 f"termination message {key}={message.get(key)!r} disagrees with the log's "
-                f"{reward.get(key)!r}"
+                f"{outcome.get(key)!r}"
             )
 
 

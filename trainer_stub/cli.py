@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import click
@@ -10,12 +11,20 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from rollout_wire import constants as k
 from rollout_wire.errors import InvalidSpec, RolloutError
 from rollout_wire.states import EpisodeStatus
 from rollout_wire.tasksets import parse_sampling, rollout_fields
 from trainer_stub import options
 from trainer_stub.client import RolloutClient
-from trainer_stub.display import follow, print_errors, summary_table
+from trainer_stub.display import (
+    GROUP_COLUMNS,
+    follow,
+    group_cells,
+    group_table,
+    print_errors,
+    summary_table,
+)
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -50,6 +59,20 @@ err = Console(stderr=True, soft_wrap=True)
 @options.infra_retries(
     "Retries of an episode failed for infrastructure reasons (fresh sandbox each)."
 )
+@options.groups_wanted()
+@options.group_filter()
+@click.option(
+    "--continuous",
+    is_flag=True,
+    help="With --tasks: continuous sampling instead of rounds: --groups-in-flight groups kept "
+    "running, each complete group printed as it comes, until ROUNDS x tasks groups were given.",
+)
+@click.option(
+    "--groups-in-flight",
+    type=int,
+    default=None,
+    help="With --continuous: groups kept running. [default: the number of tasks]",
+)
 def main(
     redis_url: str,
     rounds: int,
@@ -65,15 +88,37 @@ def main(
     model: str | None,
     sampling: tuple[str, ...],
     infra_retries: int | None,
+    groups_wanted: int | None,
+    group_filter: str | None,
+    continuous: bool,
+    groups_in_flight: int | None,
 ) -> None:
     """Submit ROUNDS batches concurrently, follow them live, print every report.
 
     With --tasks and --policy-url: the shape of a training loop instead. Each round submits
     every task x --samples, streams the trajectories as episodes finish, and prints each task's
     group rewards (mean, std, pass@k) before the next round (where a trainer would update the
-    policy)."""
+    policy). With --continuous: groups as they complete, never a round waiting for its slowest
+    episode."""
     if rounds < 1:
         raise click.UsageError("--rounds must be at least 1")
+    if continuous:
+        if task_set is None:
+            raise click.UsageError("--continuous needs --tasks")
+        fields = _rollout_fields(
+            task_set, only_tasks, samples, policy_url, model, sampling, infra_retries
+        )
+        continuous_sampling(
+            redis_url,
+            fields,
+            rounds * len(fields["tasks"]),
+            groups_in_flight or len(fields["tasks"]),
+            group_filter or "any",
+            {"parallelism": parallelism, "backend": backend},
+            timeout,
+            as_json,
+        )
+        return
     if task_set is not None:
         training_loop(
             redis_url,
@@ -89,6 +134,8 @@ def main(
             timeout,
             as_json,
             infra_retries,
+            groups_wanted,
+            group_filter,
         )
         return
     client = _client(redis_url)
@@ -135,18 +182,18 @@ def training_loop(
     timeout: float,
     as_json: bool,
     infra_retries: int | None = None,
+    groups_wanted: int | None = None,
+    group_filter: str | None = None,
 ) -> None:
     client = _client(redis_url)
     try:
-        fields = rollout_fields(
-            tasks=task_set,
-            only=only_tasks,
-            samples=samples,
-            policy_url=policy_url,
-            model=model,
-            sampling=parse_sampling(sampling),
-            infra_retries=infra_retries,
+        fields = _rollout_fields(
+            task_set, only_tasks, samples, policy_url, model, sampling, infra_retries
         )
+        if groups_wanted is not None:
+            fields["groups_wanted"] = groups_wanted
+        if group_filter is not None:
+            fields["group_filter"] = group_filter
         prepared = [
             client.prepare(
                 fields
@@ -164,18 +211,30 @@ def training_loop(
             raise click.ClickException(str(exc)) from exc
         err.print(f"round {n}: batch {spec.batch_id}, {spec.count} episodes", highlight=False)
         try:
-            for row, trajectory in client.trajectories(spec.batch_id, timeout):
-                steps = len(trajectory["steps"]) if trajectory else 0
-                what = (
-                    f"reward {row['reward']:g}"
-                    if row["status"] == EpisodeStatus.OK
-                    else f"{row['status']} ({row.get('failure_kind')}: {row.get('failure_cause')})"
-                )
-                err.print(
-                    f"  episode {row['index']:>3} {row.get('task_id')} #{row.get('sample')}: "
-                    f"{steps} steps, {what}",
-                    highlight=False,
-                )
+            groups_done = 0
+            for _, entry in client.entries([spec.batch_id], timeout):
+                if entry.type == k.ENTRY_EPISODE and entry.row is not None:
+                    row = entry.row
+                    trajectory = client.trajectory(spec.batch_id, int(row["index"]))
+                    steps = len(trajectory["steps"]) if trajectory else 0
+                    what = (
+                        f"reward {row['reward']:g}"
+                        if row["status"] == EpisodeStatus.OK
+                        else f"{row['status']} ({row.get('failure_kind')}: "
+                        f"{row.get('failure_cause')})"
+                    )
+                    err.print(
+                        f"  episode {row['index']:>3} {row.get('task_id')} "
+                        f"#{row.get('sample')}: {steps} steps, {what}",
+                        highlight=False,
+                    )
+                elif entry.type == k.ENTRY_GROUP and entry.group is not None:
+                    groups_done += 1
+                    err.print(
+                        f"  group {groups_done}/{len(spec.tasks)} done: "
+                        + _group_line(entry.group),
+                        highlight=False,
+                    )
             report = submission.wait(30)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
@@ -185,9 +244,93 @@ def training_loop(
                 orjson.dumps({"round": n, "groups": report.get("groups", [])}).decode() + "\n"
             )
             continue
-        console.print(group_table(n, report))
+        console.print(group_table(report, f"round {n}: groups of batch {spec.batch_id}"))
     client.close()
     sys.exit(0 if all_ok else 1)
+
+
+def continuous_sampling(
+    redis_url: str,
+    fields: dict[str, Any],
+    total: int,
+    in_flight: int,
+    group_filter: str,
+    request: dict[str, Any],
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """`client.sample`: print each group as it completes; then groups per second."""
+    client = _client(redis_url)
+    tasks, samples = fields.pop("tasks"), fields.pop("samples_per_task", 4)
+    started, given = time.monotonic(), []
+    try:
+        groups = client.sample(
+            tasks,
+            samples,
+            groups_in_flight=in_flight,
+            total_groups=total,
+            group_filter=group_filter,
+            timeout=timeout,
+            **fields,
+            **request,
+        )
+        for group in groups:
+            given.append(group)
+            if as_json:
+                sys.stdout.write(orjson.dumps(group).decode() + "\n")
+            else:
+                err.print(f"group {len(given)}/{total}: " + _group_line(group), highlight=False)
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
+    except (RolloutError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    took = time.monotonic() - started
+    if not as_json:
+        table = Table(
+            title=f"continuous sampling: {len(given)} groups in {took:.1f}s "
+            f"({len(given) / took:.2f} groups/s, {in_flight} in flight)"
+        )
+        for column in GROUP_COLUMNS:
+            table.add_column(column)
+        for group in given:
+            table.add_row(*group_cells(group))
+        console.print(table)
+    client.close()
+    sys.exit(0 if len(given) == total else 1)
+
+
+def _group_line(group: dict[str, Any]) -> str:
+    mean = group.get("mean")
+    rewards = " ".join(f"{r:g}" for r in group.get("rewards", []))
+    shown = "-" if mean is None else f"{mean:.3f}"
+    return (
+        f"{group.get('task_id')} [{rewards}] mean {shown} pass@1 "
+        f"{(group.get('pass_at_k') or {}).get('1', '-')} {group.get('status')}"
+        + (" (counted)" if group.get("counted") else "")
+    )
+
+
+def _rollout_fields(
+    task_set: str,
+    only_tasks: tuple[str, ...],
+    samples: int,
+    policy_url: str | None,
+    model: str | None,
+    sampling: tuple[str, ...],
+    infra_retries: int | None,
+) -> dict[str, Any]:
+    try:
+        return rollout_fields(
+            tasks=task_set,
+            only=only_tasks,
+            samples=samples,
+            policy_url=policy_url,
+            model=model,
+            sampling=parse_sampling(sampling),
+            infra_retries=infra_retries,
+        )
+    except InvalidSpec as exc:
+        raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
 
 
 def _client(redis_url: str) -> RolloutClient:
@@ -197,30 +340,6 @@ def _client(redis_url: str) -> RolloutClient:
         return RolloutClient(redis_url)
     except RolloutError as exc:  # a bad ROLLOUT_REDIS_OUTAGE_SECONDS
         raise click.UsageError(str(exc)) from exc
-
-
-def group_table(round_no: int, report: dict[str, Any]) -> Table:
-    batch = report.get("batch_id")
-    table = Table(title=f"round {round_no}: group rewards (group id = {batch}:<task>)")
-    for column in ("task", "rewards", "mean", "std", "pass@1", "pass@k", "failed"):
-        table.add_column(column)
-    for group in report.get("groups", []):
-        passes = group["pass_at_k"]
-        top = max(passes, key=int) if passes else None
-
-        def num(value: Any) -> str:
-            return "-" if value is None else f"{value:.3f}"
-
-        table.add_row(
-            group["task_id"],
-            " ".join(f"{r:g}" for r in group["rewards"]),
-            num(group["mean"]),
-            num(group["std"]),
-            num(passes.get("1")),
-            f"{num(passes[top])} (k={top})" if top else "-",
-            ", ".join(f"#{f['sample']} {f['failure_kind']}" for f in group["failed"]) or "",
-        )
-    return table
 
 
 if __name__ == "__main__":

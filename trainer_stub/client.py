@@ -12,7 +12,7 @@ import os
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,10 +24,13 @@ from rollout_wire import codec
 from rollout_wire import constants as k
 from rollout_wire.codec import Entry
 from rollout_wire.errors import BatchTimeout, ConfigError, RedisUnavailable
+from rollout_wire.policy import DEFAULT_TRAINER
 from rollout_wire.redis_url import celery_settings, redis_client
 from rollout_wire.request import BatchSpec, parse_spec
+from rollout_wire.states import GroupFilter
 from rollout_wire.trajectory import trajectory_from_log
 from rollout_wire.urls import redacted
+from trainer_stub.sampling import ContinuousSampler, Following
 
 BLOCK_MS = 1000
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -207,7 +210,54 @@ class RolloutClient:
         )
 
     def submit(self, **request: Any) -> Submission:
+        """Validate and send. A real rollout records the policy version its trainer published
+        last (`publish_policy_version`) unless the request names one."""
+        policy = request.get("policy")
+        if isinstance(policy, Mapping) and request.get("policy_version") is None:
+            version = self.policy_version(str(policy.get("trainer") or DEFAULT_TRAINER))
+            if version is not None:
+                request = request | {"policy_version": version}
         return self.send(self.prepare(request))
+
+    # -- policy versions ----------------------------------------------------------------------
+    def publish_policy_version(self, version: int | str, trainer: str = DEFAULT_TRAINER) -> None:
+        """Say which policy version the trainer is at now: batches with `max_policy_lag` call
+        a sample stale when its first turn is more than that many versions behind (integers
+        are compared; other versions are only recorded)."""
+        key = k.policy_version_key(trainer)
+        self.call(f"publishing policy version {version}", lambda: self.redis.set(key, str(version)))
+
+    def policy_version(self, trainer: str = DEFAULT_TRAINER) -> str | None:
+        key = k.policy_version_key(trainer)
+        raw = self.call("reading the policy version", lambda: self.redis.get(key))
+        return None if raw is None else raw.decode()
+
+    def sample(
+        self,
+        tasks: Sequence[Mapping[str, Any]],
+        samples_per_task: int,
+        *,
+        groups_in_flight: int,
+        total_groups: int | None = None,
+        group_filter: str = GroupFilter.ANY,
+        refill_at: int | None = None,
+        timeout: float | None = None,
+        **request: Any,
+    ) -> Iterator[dict[str, Any]]:
+        """Continuous sampling (`sampling.ContinuousSampler`): groups as they complete, with
+        `groups_in_flight` groups kept running by submitting batches as groups finish. See
+        the sampler for the arguments; closing the iterator cancels what is in flight."""
+        sampler = ContinuousSampler(
+            self,
+            tasks,
+            samples_per_task,
+            groups_in_flight=groups_in_flight,
+            total_groups=total_groups,
+            group_filter=group_filter,
+            refill_at=refill_at,
+            request=request,
+        )
+        return sampler.groups(timeout)
 
     def cancel(self, batch_id: str) -> None:
         """Ask the workers to stop a batch; its report then says `cancelled` with what had
@@ -225,36 +275,47 @@ class RolloutClient:
 
         `heartbeat` runs about once a second while waiting; an exception from it stops the wait.
         """
-        cursors = {k.stream_key(b): "0-0" for b in batch_ids}
-        names = {k.stream_key(b): b for b in batch_ids}
+        return self.follow(Following(batch_ids), timeout, heartbeat)
+
+    def follow(
+        self,
+        following: Following,
+        timeout: float | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, Entry]]:
+        """`entries` over a set of batches the caller may add to while it reads (continuous
+        sampling adds the batches it submits); ends when none is left without its report."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        cursors = following.cursors
         while cursors:
             block = BLOCK_MS
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise BatchTimeout(
-                        f"no report within {timeout:.0f}s for batch(es) "
-                        f"{sorted(names[s] for s in cursors)}"
+                        f"no report within {timeout:.0f}s for batch(es) {following.waiting()}"
                     )
                 block = max(1, min(BLOCK_MS, int(remaining * 1000)))
             if heartbeat is not None:
                 heartbeat()
 
             def read(block: int = block) -> Any:
-                return self.redis.xread(cursors, block=block)
+                return self.redis.xread(dict(cursors), block=block)
 
             # A restarting Redis (with its AOF) comes back with every entry: wait it out.
-            waiting = f"waiting for batch(es) {sorted(names[s] for s in cursors)}"
+            waiting = f"waiting for batch(es) {following.waiting()}"
             found = self.call(waiting, read) or []
             for stream, items in found:
                 stream = stream.decode()
                 for entry_id, data in items:
+                    if stream not in cursors:
+                        break  # reported (or dropped by the caller) while this was read
                     cursors[stream] = entry_id
                     entry = codec.decode_entry(data)
-                    yield names[stream], entry
                     if entry.type == k.ENTRY_REPORT:
                         del cursors[stream]
+                    yield following.names[stream], entry
+                    if entry.type == k.ENTRY_REPORT:
                         break
 
     def stream(self, batch_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
@@ -262,6 +323,14 @@ class RolloutClient:
         for _, entry in self.entries([batch_id], timeout):
             if entry.type == k.ENTRY_EPISODE and entry.row is not None:
                 yield entry.row
+
+    def groups(self, batch_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """The batch's groups as each completes (its last sample has its row, whatever its
+        status), ending when the report is out. Each carries the report's group figures plus
+        `varied` and `counted` (it made the batch's `groups_wanted`)."""
+        for _, entry in self.entries([batch_id], timeout):
+            if entry.type == k.ENTRY_GROUP and entry.group is not None:
+                yield entry.group
 
     def wait(self, batch_id: str, timeout: float | None = None) -> dict[str, Any]:
         return self.wait_many([batch_id], timeout)[batch_id]

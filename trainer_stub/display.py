@@ -22,10 +22,13 @@ COLUMNS = (*Progress, *EpisodeStatus)
 
 class BatchProgress:
     """Per batch, where each episode is: pending -> running -> ready -> rewarded, then its
-    collected outcome (ok, failed, lost). Updated as stream entries arrive."""
+    collected outcome (ok, failed, lost, aborted, stale); and how many of its groups are
+    complete. Updated as stream entries arrive."""
 
-    def __init__(self, batches: dict[str, int]) -> None:
+    def __init__(self, batches: dict[str, int], groups: dict[str, int] | None = None) -> None:
         self.totals = dict(batches)
+        self.groups = dict(groups or {})
+        self.groups_done: dict[str, int] = dict.fromkeys(batches, 0)
         self.where: dict[str, dict[int, str]] = {b: {} for b in batches}
         self.rewards: dict[str, float] = dict.fromkeys(batches, 0.0)
         self.status: dict[str, str] = dict.fromkeys(batches, Progress.RUNNING)
@@ -39,6 +42,8 @@ class BatchProgress:
         elif entry.type == k.ENTRY_EPISODE and entry.row is not None and entry.index is not None:
             where[entry.index] = entry.row.get("status", EpisodeStatus.FAILED)
             self.rewards[batch_id] += float(entry.row.get("reward") or 0)
+        elif entry.type == k.ENTRY_GROUP:
+            self.groups_done[batch_id] += 1
         elif entry.type == k.ENTRY_REPORT:
             self.status[batch_id] = entry.status or "reported"
 
@@ -55,18 +60,27 @@ class BatchProgress:
         """One plain line, for logs and captured terminals."""
         counts = self.counts(batch_id)
         parts = " ".join(f"{name}={counts[name]}" for name in COLUMNS)
-        return f"batch {batch_id}: {parts} reward_sum={self.rewards[batch_id]:g}"
+        return (
+            f"batch {batch_id}: {parts} groups={self.groups_of(batch_id)} "
+            f"reward_sum={self.rewards[batch_id]:g}"
+        )
+
+    def groups_of(self, batch_id: str) -> str:
+        """Groups complete / groups ("-" for a batch without tasks)."""
+        total = self.groups.get(batch_id, 0)
+        return f"{self.groups_done[batch_id]}/{total}" if total else "-"
 
     def table(self) -> Table:
         table = Table(title="rollout progress", expand=False)
         table.add_column("batch")
-        for column in (*COLUMNS, "reward_sum", "status"):
+        for column in (*COLUMNS, "groups", "reward_sum", "status"):
             table.add_column(column, justify="right")
         for batch_id in self.totals:
             counts = self.counts(batch_id)
             table.add_row(
                 batch_id,
                 *(str(counts[c]) for c in COLUMNS),
+                self.groups_of(batch_id),
                 f"{self.rewards[batch_id]:g}",
                 self.status[batch_id],
             )
@@ -84,7 +98,7 @@ def follow(
     submission learns when its report was seen here (`submit_to_report_seconds`)."""
     started = {s.batch_id: s for s in submissions}
     batches = {b: s.spec.count for b, s in started.items()}
-    progress = BatchProgress(batches)
+    progress = BatchProgress(batches, {b: len(s.spec.tasks) for b, s in started.items()})
     reports: dict[str, dict[str, Any]] = {}
     # A terminal gets a live table; a pipe or log gets a plain line per batch every second.
     live = (
@@ -129,6 +143,47 @@ def summary_table(
     for name, values in rows:
         table.add_row(name, *(f"{v:.3f}" if isinstance(v, float) else str(v) for v in values))
     return table
+
+
+GROUP_COLUMNS = ("task", "rewards", "mean", "std", "pass@1", "pass@k", "status", "not samples")
+
+
+def group_table(report: dict[str, Any], title: str | None = None) -> Table:
+    """Each group of a report: rewards, mean, std, pass@1 and the largest k, status (and
+    whether it made the quota), the samples that are no sample (failed, aborted, stale)."""
+    batch = report.get("batch_id")
+    table = Table(title=title or f"groups of batch {batch} (group id = {batch}:<task>)")
+    quota = report.get("quota") or {}
+    counted = set(quota.get("counted") or ())
+    for column in GROUP_COLUMNS:
+        table.add_column(column)
+    for group in report.get("groups", []):
+        table.add_row(*group_cells(group, group["group_id"] in counted if quota else None))
+    return table
+
+
+def group_cells(group: dict[str, Any], counted: bool | None = None) -> list[str]:
+    passes = group.get("pass_at_k") or {}
+    top = max(passes, key=int) if passes else None
+
+    def num(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    status = str(group.get("status"))
+    if counted is not None:
+        status += " (counted)" if counted else ""
+    others = [f"#{f['sample']} {f['failure_kind']}" for f in group.get("failed", [])]
+    others += [f"#{w['sample']} {w['status']}" for w in group.get("withdrawn", [])]
+    return [
+        str(group.get("task_id")),
+        " ".join(f"{r:g}" for r in group.get("rewards", [])),
+        num(group.get("mean")),
+        num(group.get("std")),
+        num(passes.get("1")),
+        f"{num(passes[top])} (k={top})" if top else "-",
+        status,
+        ", ".join(others),
+    ]
 
 
 def print_errors(console: Console, report: dict[str, Any], limit: int = 20) -> None:

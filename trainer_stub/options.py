@@ -68,3 +68,23 @@ def sampling(help: str) -> Decorator:
 
 def infra_retries(help: str) -> Decorator:
     return click.option("--infra-retries", type=int, default=None, help=help)
+
+
+def groups_wanted() -> Decorator:
+    return click.option(
+        "--groups-wanted",
+        type=int,
+        default=None,
+        help="Quota: the batch is over once this many groups passing --group-filter are "
+        "complete; the rest is aborted (README: Groups as they finish).",
+    )
+
+
+def group_filter() -> Decorator:
+    return click.option(
+        "--group-filter",
+        type=click.Choice(["any", "varied"]),
+        default=None,
+        help="Which complete groups count: any, or varied (two distinct rewards at least). "
+        "[default: any]",
+    )

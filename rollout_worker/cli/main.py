@@ -356,17 +356,71 @@ def cleanup(output: Path) -> None:
     help="Extra scripted tasks (JSON {'tasks': {id: {'plans': [[turn, ...]]}}}).",
 )
 @click.option(
+    "--hangs",
+    is_flag=True,
+    help="Make the script's 'hang' turns hang (policy timeouts); without it they submit.",
+)
+@click.option(
     "--hang-seconds", type=float, default=30.0, show_default=True, help="A scripted 'hang'."
+)
+@click.option(
+    "--turn-seconds",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Every turn waits this long before its answer.",
+)
+@click.option(
+    "--slow-fraction",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    show_default=True,
+    help="The fraction of samples (a stable hash of group and sample) whose turns are slow.",
+)
+@click.option(
+    "--slow-factor",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="A slow sample's turns wait turn-seconds times this.",
+)
+@click.option(
+    "--policy-version",
+    type=int,
+    default=0,
+    show_default=True,
+    help="The first policy version (X-Policy-Version; POST /version changes it).",
 )
 @click.option("--verbose", is_flag=True, help="Log every request.")
 def policy_server(
-    host: str, port: int, script: Path | None, hang_seconds: float, verbose: bool
+    host: str,
+    port: int,
+    script: Path | None,
+    hangs: bool,
+    hang_seconds: float,
+    turn_seconds: float,
+    slow_fraction: float,
+    slow_factor: float,
+    policy_version: int,
+    verbose: bool,
 ) -> None:
     """Serve the scripted policy (OpenAI-compatible chat completions, no GPU) for the bundled
-    task set: right and wrong fixes, malformed, slow and timed-out replies."""
+    task set: right and wrong fixes, malformed and slow replies, timed-out ones with --hangs;
+    a latency tail and a policy version for scheduling and staleness experiments."""
     from rollout_worker.cli.policy_server import PolicyServer, load_script
 
-    server = PolicyServer(host, port, load_script(script), hang_seconds, verbose)
+    server = PolicyServer(
+        host,
+        port,
+        load_script(script),
+        hang_seconds,
+        verbose,
+        hangs=hangs,
+        turn_seconds=turn_seconds,
+        slow_fraction=slow_fraction,
+        slow_factor=slow_factor,
+        version=policy_version,
+    )
     err(f"scripted policy on {server.url} (episodes call {server.url}/rollout/<id>/v1)")
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()

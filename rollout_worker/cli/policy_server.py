@@ -5,15 +5,31 @@ plans, lists of turns; sample n of a task follows plan n % len(plans), and the t
 number of assistant messages already in the conversation (the server keeps no state, so a
 retried request gets the same answer). A turn is a tool call (`write_file`, `read_file`, `run`,
 `submit`), a malformed reply (`text`: no tool call), a slow reply (`delay` seconds before it)
-or no reply in time (`hang`). A turn with `unavailable_on_attempts` (a list of attempt
-numbers, from `X-Rollout-Attempt`) answers HTTP 503 to those attempts of the episode and acts
-normally for the others: an infrastructure failure that a retry in a fresh sandbox gets past.
-Past its plan, or for a task it does not know, it submits.
+or no reply in time (`hang`: only when the server was started with `hangs=True`, `--hangs`;
+otherwise a hang turn submits, so a quick start never waits out policy timeouts). A turn with
+`unavailable_on_attempts` (a list of attempt numbers, from `X-Rollout-Attempt`) answers HTTP
+503 to those attempts of the episode and acts normally for the others: an infrastructure
+failure that a retry in a fresh sandbox gets past. Past its plan, or for a task it does not
+know, it submits.
+
+A latency tail, for scheduling experiments: every answered turn waits `turn_seconds` first,
+and a fixed fraction (`slow_fraction`) of samples is slow, each of its turns waiting
+`turn_seconds * slow_factor`. Which samples are slow is a stable hash of (group id, sample),
+so another batch picks other samples and a retried request waits the same.
+
+A policy version (an integer, `version`): every completion carries it in the
+`X-Policy-Version` response header and in the body as `metadata.weight_version` (a string).
+That is where SGLang's OpenAI-compatible server puts its weight version (non-streaming
+responses, "default" until an update names one); vLLM keeps a weight version on its engine
+(`finish_weight_update`, `/weight_info`) but its chat completions do not carry it. `POST
+/version` with `{"version": n}` sets it, with an empty body adds one; it answers `{"version":
+n}` (also GET). `PolicyServer.set_version` / `bump_version` do the same in process.
 
 The task comes from the `X-Rollout-Task-Id` header (else the group id's tail, `<batch>:<task>`),
 the sample from `X-Rollout-Sample`. Routes: POST `/rollout/<episode id>/v1/chat/completions`
 (the per-episode base URL trainers use) and `/v1/chat/completions`; GET `/v1/models`; GET
-`/calls` lists what it was asked (episode, group, task, sample, turn), for tests.
+`/calls` lists what it was asked (episode, group, task, sample, turn, whether the sample is
+slow, the version it answered with), for tests.
 
 Responses look like vLLM's: `logprobs` when the request asks for them, `prompt_token_ids` and
 per-choice `token_ids` when it sets `return_token_ids` (made-up but deterministic values), so
@@ -21,6 +37,7 @@ trainers' code paths that keep them can be exercised.
 
     rollout policy-server --port 8000                 # the bundled set's script
     rollout policy-server --port 8000 --script my.json
+    rollout policy-server --hangs --turn-seconds 0.5 --slow-fraction 0.1 --policy-version 3
 """
 
 from __future__ import annotations
@@ -43,6 +60,7 @@ TASK_HEADER = "X-Rollout-Task-Id"
 SAMPLE_HEADER = "X-Rollout-Sample"
 EPISODE_HEADER = "X-Rollout-Episode-Id"
 ATTEMPT_HEADER = "X-Rollout-Attempt"
+VERSION_HEADER = "X-Policy-Version"
 _ROUTE = re.compile(r"^(?:/rollout/(?P<episode>[^/]+))?/v1/chat/completions$")
 MAX_BODY = 16 * 2**20
 
@@ -62,23 +80,62 @@ def load_script(path: Path | None) -> dict[str, Any]:
     return script
 
 
+SUBMIT: dict[str, Any] = {"tool": "submit", "arguments": {}}
+
+
 class ScriptedPolicy:
-    def __init__(self, script: Mapping[str, Any], hang_seconds: float = 30.0) -> None:
+    """The script and the server's behaviour around it (hangs, the latency tail); no state."""
+
+    def __init__(
+        self,
+        script: Mapping[str, Any],
+        hang_seconds: float = 30.0,
+        *,
+        hangs: bool = False,
+        turn_seconds: float = 0.0,
+        slow_fraction: float = 0.0,
+        slow_factor: float = 10.0,
+    ) -> None:
+        if turn_seconds < 0 or slow_factor < 0 or not 0 <= slow_fraction <= 1:
+            raise ValueError("turn_seconds and slow_factor must be >= 0, slow_fraction within 0..1")
         self.tasks: dict[str, Any] = dict(script.get("tasks", {}))
         self.hang_seconds = hang_seconds
+        self.hangs = hangs
+        self.turn_seconds = turn_seconds
+        self.slow_fraction = slow_fraction
+        self.slow_factor = slow_factor
 
     def turn(self, task_id: str | None, sample: int, turn: int) -> dict[str, Any]:
         plans = (self.tasks.get(task_id or "") or {}).get("plans") or [[]]
         plan = plans[sample % len(plans)]
-        return plan[turn] if turn < len(plan) else {"tool": "submit", "arguments": {}}
+        chosen = plan[turn] if turn < len(plan) else SUBMIT
+        if chosen.get("hang") and not self.hangs:
+            return SUBMIT
+        return chosen
+
+    def is_slow(self, group_id: str | None, sample: int) -> bool:
+        """Whether this sample of this group is in the slow tail: a stable hash, not a random
+        draw, so a retried request (or a second look) gets the same answer."""
+        if self.slow_fraction <= 0:
+            return False
+        digest = hashlib.sha256(f"{group_id or ''}\n{sample}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < self.slow_fraction
+
+    def turn_wait(self, group_id: str | None, sample: int) -> tuple[float, bool]:
+        """(seconds every turn of this sample waits before its answer, whether it is slow)."""
+        slow = self.is_slow(group_id, sample)
+        return self.turn_seconds * (self.slow_factor if slow else 1.0), slow
 
 
 def _fake_tokens(text: str) -> list[int]:
     return list(hashlib.sha256(text.encode()).digest()[:16])
 
 
-def completion(request: Mapping[str, Any], turn: dict[str, Any], call_id: str) -> dict[str, Any]:
-    """A chat.completion object answering `request` with the scripted `turn`."""
+def completion(
+    request: Mapping[str, Any], turn: dict[str, Any], call_id: str, version: int | None = None
+) -> dict[str, Any]:
+    """A chat.completion object answering `request` with the scripted `turn` (and the policy
+    `version` as SGLang reports it, when given)."""
     if "tool" in turn:
         arguments = orjson.dumps(turn.get("arguments") or {}).decode()
         message: dict[str, Any] = {
@@ -121,6 +178,8 @@ def completion(request: Mapping[str, Any], turn: dict[str, Any], call_id: str) -
     if request.get("return_token_ids"):
         choice["token_ids"] = tokens
         body["prompt_token_ids"] = _fake_tokens(prompt.decode())
+    if version is not None:
+        body["metadata"] = {"weight_version": str(version)}
     return body
 
 
@@ -132,12 +191,14 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.verbose:
             super().log_message(format, *args)
 
-    def _send(self, status: int, body: Any) -> None:
+    def _send(self, status: int, body: Any, headers: Mapping[str, str] | None = None) -> None:
         data = orjson.dumps(body)
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
         except OSError:
@@ -147,16 +208,22 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/calls":
             with self.server.lock:
                 self._send(200, list(self.server.calls))
+        elif self.path == "/version":
+            self._send(200, {"version": self.server.current_version()})
         elif self.path.endswith("/v1/models"):
             self._send(200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
         else:
             self._send(404, {"error": {"message": f"no route {self.path}"}})
 
     def do_POST(self) -> None:
-        route = _ROUTE.match(self.path.split("?")[0])
+        path = self.path.split("?")[0]
+        route = _ROUTE.match(path)
         length = int(self.headers.get("Content-Length") or 0)
-        if route is None or length > MAX_BODY:
+        if length > MAX_BODY or (route is None and path != "/version"):
             self._send(404, {"error": {"message": f"no route {self.path}"}})
+            return
+        if route is None:
+            self._set_version(self.rfile.read(length))
             return
         try:
             request = orjson.loads(self.rfile.read(length))
@@ -174,44 +241,85 @@ class _Handler(BaseHTTPRequestHandler):
             sample = attempt = 0
         turn_no = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
         episode = route.group("episode")
+        policy = self.server.policy
+        wait, slow = policy.turn_wait(group, sample)
+        call: dict[str, Any] = {
+            "path": self.path,
+            "episode_id": episode,
+            "header_episode_id": self.headers.get(EPISODE_HEADER),
+            "group_id": group,
+            "task_id": task,
+            "sample": sample,
+            "attempt": attempt,
+            "turn": turn_no,
+            "slow": slow,
+            "policy_version": None,  # the version answered with; none for a 503 or a hang
+            "at": time.time(),
+        }
         with self.server.lock:
-            self.server.calls.append(
-                {
-                    "path": self.path,
-                    "episode_id": episode,
-                    "header_episode_id": self.headers.get(EPISODE_HEADER),
-                    "group_id": group,
-                    "task_id": task,
-                    "sample": sample,
-                    "attempt": attempt,
-                    "turn": turn_no,
-                    "at": time.time(),
-                }
-            )
-        turn = self.server.policy.turn(task, sample, turn_no)
+            self.server.calls.append(call)
+        turn = policy.turn(task, sample, turn_no)
         if attempt in (turn.get("unavailable_on_attempts") or ()):
             self._send(503, {"error": {"message": f"scripted outage for attempt {attempt}"}})
             return
         if turn.get("hang"):
-            time.sleep(self.server.policy.hang_seconds)
+            time.sleep(policy.hang_seconds)
             self.close_connection = True
             return
+        if wait > 0:
+            time.sleep(wait)
         if turn.get("delay"):
             time.sleep(float(turn["delay"]))
         call_id = f"call-{episode or 'x'}-{turn_no}"
-        self._send(200, completion(request, turn, call_id))
+        # The version when the answer leaves, not when the request came: a bump during a slow
+        # turn shows in that turn, as it would from a server updated mid-generation.
+        with self.server.lock:
+            version = self.server.version
+            call["policy_version"] = version
+        body = completion(request, turn, call_id, version)
+        self._send(200, body, {VERSION_HEADER: str(version)})
+
+    def _set_version(self, raw: bytes) -> None:
+        try:
+            value = orjson.loads(raw) if raw.strip() else {}
+            wanted = value.get("version") if isinstance(value, dict) else "not an object"
+            if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int)):
+                raise ValueError(wanted)
+        except (orjson.JSONDecodeError, ValueError):
+            self._send(400, {"error": {"message": 'body must be {"version": <int>} or empty'}})
+            return
+        server = self.server
+        version = server.bump_version() if wanted is None else server.set_version(wanted)
+        self._send(200, {"version": version})
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], policy: ScriptedPolicy, verbose: bool) -> None:
+    def __init__(
+        self, address: tuple[str, int], policy: ScriptedPolicy, verbose: bool, version: int
+    ) -> None:
         super().__init__(address, _Handler)
         self.policy = policy
         self.verbose = verbose
         self.lock = threading.Lock()
         self.calls: list[dict[str, Any]] = []
+        self.version = version
+
+    def current_version(self) -> int:
+        with self.lock:
+            return self.version
+
+    def set_version(self, version: int) -> int:
+        with self.lock:
+            self.version = int(version)
+            return self.version
+
+    def bump_version(self) -> int:
+        with self.lock:
+            self.version += 1
+            return self.version
 
 
 class PolicyServer:
@@ -224,9 +332,22 @@ class PolicyServer:
         script: Mapping[str, Any] | None = None,
         hang_seconds: float = 30.0,
         verbose: bool = False,
+        *,
+        hangs: bool = False,
+        turn_seconds: float = 0.0,
+        slow_fraction: float = 0.0,
+        slow_factor: float = 10.0,
+        version: int = 0,
     ) -> None:
-        policy = ScriptedPolicy(script if script is not None else bundled_script(), hang_seconds)
-        self._server = _Server((host, port), policy, verbose)
+        policy = ScriptedPolicy(
+            script if script is not None else bundled_script(),
+            hang_seconds,
+            hangs=hangs,
+            turn_seconds=turn_seconds,
+            slow_fraction=slow_fraction,
+            slow_factor=slow_factor,
+        )
+        self._server = _Server((host, port), policy, verbose, version)
         self._thread: threading.Thread | None = None
 
     @property
@@ -240,7 +361,19 @@ class PolicyServer:
 
     def calls(self) -> list[dict[str, Any]]:
         with self._server.lock:
-            return list(self._server.calls)
+            return [dict(call) for call in self._server.calls]
+
+    @property
+    def version(self) -> int:
+        return self._server.current_version()
+
+    def set_version(self, version: int) -> int:
+        """Make `version` the policy version of every answer from now on; returns it."""
+        return self._server.set_version(version)
+
+    def bump_version(self) -> int:
+        """The next policy version (a trainer's update); returns it."""
+        return self._server.bump_version()
 
     def start(self) -> PolicyServer:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

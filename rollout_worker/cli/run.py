@@ -148,6 +148,8 @@ RECORDS_WAIT_SECONDS = 60.0
     "Run an episode that failed for infrastructure reasons again, in a fresh sandbox, "
     "at most this many times. [default: 0]"
 )
+@options.groups_wanted()
+@options.group_filter()
 @click.option(
     "--warm-pool",
     type=int,
@@ -186,6 +188,8 @@ def run(
     sampling: tuple[str, ...],
     policy_timeout: float | None,
     infra_retries: int | None,
+    groups_wanted: int | None,
+    group_filter: str | None,
     warm_pool: int,
     redis_url: str | None,
 ) -> None:
@@ -230,6 +234,8 @@ def run(
             sampling=parse_sampling(sampling),
             policy_timeout=policy_timeout,
             infra_retries=infra_retries,
+            groups_wanted=groups_wanted,
+            group_filter=group_filter,
         )
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
@@ -438,7 +444,7 @@ def _wait_for_cleanup(submission: Submission, heartbeat: Any) -> None:
 
 def _print_report(report: dict[str, Any], submission: Submission, as_json: bool) -> None:
     from rollout_worker.report import summary
-    from trainer_stub.display import print_errors, summary_table
+    from trainer_stub.display import group_table, print_errors, summary_table
 
     if as_json:
         text = summary(report) | {
@@ -448,4 +454,6 @@ def _print_report(report: dict[str, Any], submission: Submission, as_json: bool)
         sys.stdout.write(orjson.dumps(text, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
     out(summary_table([report], [submission]))
+    if report.get("groups") and submission.spec.tasks:
+        out(group_table(report))
     print_errors(console(True), report)

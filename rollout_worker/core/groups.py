@@ -6,8 +6,9 @@ it, and recorded `aborted`)."""
 from __future__ import annotations
 
 from rollout_wire.request import BatchSpec
+from rollout_wire.rows import group_passes
 from rollout_worker.core.state import FLAG_CANCEL, BatchStore
-from rollout_worker.report import group_figures, group_starts, passes
+from rollout_worker.report import group_figures, group_starts
 from rollout_worker.store import GroupPublished
 
 
@@ -26,7 +27,7 @@ def publish_group_of(store: BatchStore, spec: BatchSpec, index: int) -> GroupPub
         return None
     group = group_figures(spec, indexes, rows)
     return store.publish_group(
-        spec.batch_id, group, passes(group, spec.group_filter), spec.groups_wanted
+        spec.batch_id, group, group_passes(group, spec.group_filter), spec.groups_wanted
     )
 
 

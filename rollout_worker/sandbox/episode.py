@@ -18,15 +18,22 @@ Two modes:
   `fraction`: passed / total). Events: `ready`, one `step` per policy turn (the turn's actions,
   each observation truncated to MAX_OBSERVATION_BYTES with TRUNCATION_MARKER, timings, and the
   server's whole response verbatim, token ids and log-probabilities included when it sends
-  them), then `reward`; or an `error` event with a `kind` (`infrastructure`: the policy endpoint
-  was unreachable, timed out or answered with something that is not a chat completion;
-  `episode`: the task is broken) and no reward. Exit status: 0 with a reward (whatever its
-  value), 3 for an episode error, 4 for an infrastructure error.
+  them, and the turn's `policy_version`), then `reward`; or an `error` event with a `kind`
+  (`infrastructure`: the policy endpoint was unreachable, timed out or answered with something
+  that is not a chat completion; `episode`: the task is broken) and no reward; or, with
+  `max_policy_lag` set, a `stale` event (first_version, version, lag, max_policy_lag, steps)
+  when the policy answering a turn is more than that many versions past the one that
+  answered the first turn: the episode stops there, no tests, no reward. A turn's version is
+  the `X-Policy-Version` response header, else the body's `weight_version` or
+  `metadata.weight_version` (SGLang), else null; only integer versions are compared. Exit
+  status: 0 with a reward (whatever its value) or stale (a withdrawn episode, not a failure
+  nor one to retry), 3 for an episode error, 4 for an infrastructure error.
 
 Environment: EPISODE_ID (the sandbox's name), ROLLOUT_WORKSPACE (default /workspace),
 ROLLOUT_ACTION; for the agent runner ROLLOUT_POLICY (JSON: model, sampling,
-request_timeout_seconds, max_retries), ROLLOUT_POLICY_SOCKET (a unix socket that forwards to
-the policy; the local backend) or ROLLOUT_POLICY_URL (the policy's root URL; Kubernetes),
+request_timeout_seconds, max_retries, optionally max_policy_lag), ROLLOUT_POLICY_SOCKET (a
+unix socket that forwards to the policy; the local backend) or ROLLOUT_POLICY_URL (the
+policy's root URL; Kubernetes),
 ROLLOUT_TASKS_FILE, and either ROLLOUT_TASK_ID / ROLLOUT_SAMPLE / ROLLOUT_GROUP_ID or
 JOB_COMPLETION_INDEX (+ ROLLOUT_INDEX_OFFSET, the first episode of its Job) /
 ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out;
@@ -85,6 +92,10 @@ MAX_RESPONSE_READ = 8 * 2**20
 COMMAND_TIMEOUT_SECONDS = 30
 TESTS_TIMEOUT_SECONDS = 60
 GROUP_HEADER = "X-Rollout-Group-Id"
+VERSION_HEADER = "X-Policy-Version"
+# A version is a label, not a payload: a longer one is cut so events stay small.
+MAX_VERSION_CHARS = 128
+INTEGER = re.compile(r"-?[0-9]+")
 
 EXIT_EPISODE_ERROR = 3
 EXIT_INFRASTRUCTURE = 4
@@ -177,9 +188,11 @@ def record_outcome(event: dict[str, object]) -> None:
         keys: tuple = ("at", "episode_id", "reward", "baseline_exit", "tests_exit")
         if event.get("event") == "error":
             keys = ("at", "episode_id", "kind", "cause")
+        elif event.get("event") == "stale":
+            keys = ("at", "episode_id", "first_version", "version", "lag", "max_policy_lag")
         summary = {k: event.get(k) for k in keys}
-        if event.get("event") == "error":
-            summary["error"] = True
+        if event.get("event") in ("error", "stale"):
+            summary[str(event["event"])] = True
         try:
             with open(TERMINATION_LOG, "w") as handle:
                 handle.write(json.dumps(summary))
@@ -241,6 +254,47 @@ class InfrastructureError(Exception):
     """The policy could not be used: not the episode's fault, never a reward."""
 
 
+class StalePolicy(Exception):
+    """The policy moved on past the episode's staleness bound: the episode stops, unscored."""
+
+    def __init__(self, first: str, version: str, lag: int, max_lag: int, steps: int) -> None:
+        super().__init__(f"policy at version {version}, first turn at {first}")
+        self.fields = {
+            "first_version": first,
+            "version": version,
+            "lag": lag,
+            "max_policy_lag": max_lag,
+            "steps": steps,
+        }
+
+
+def policy_version(header: object, response: object) -> str | None:
+    """The version that answered a turn: the response header, else the body's
+    `weight_version` (top level, or in `metadata` as SGLang sends it); None if none says."""
+    candidates = [header]
+    if isinstance(response, dict):
+        candidates.append(response.get("weight_version"))
+        metadata = response.get("metadata")
+        if isinstance(metadata, dict):
+            candidates.append(metadata.get("weight_version"))
+    for value in candidates:
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            continue
+        text = str(value).strip()
+        if text:
+            return text[:MAX_VERSION_CHARS]
+    return None
+
+
+def version_lag(first: str | None, current: str | None) -> int | None:
+    """current - first when both are integers; None otherwise (labels are never compared)."""
+    if first is None or current is None:
+        return None
+    if not (INTEGER.fullmatch(first) and INTEGER.fullmatch(current)):
+        return None
+    return int(current) - int(first)
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP over the unix socket the local backend bind-mounts into the sandbox."""
 
@@ -263,6 +317,8 @@ class Policy:
         self.sampling = dict(config.get("sampling") or {})
         self.timeout = float(config.get("request_timeout_seconds", 60))
         self.retries = int(config.get("max_retries", 2))
+        lag = config.get("max_policy_lag")
+        self.max_policy_lag = lag if isinstance(lag, int) and not isinstance(lag, bool) else None
         self.socket_path = os.environ.get("ROLLOUT_POLICY_SOCKET")
         root = os.environ.get("ROLLOUT_POLICY_URL", "http://policy")
         parsed = urllib.parse.urlsplit(root)
@@ -286,10 +342,10 @@ class Policy:
             return http.client.HTTPSConnection(self.netloc, timeout=self.timeout)
         return http.client.HTTPConnection(self.netloc, timeout=self.timeout)
 
-    def complete(self, messages: list) -> tuple[dict, bytes, int]:
-        """(parsed response, raw bytes, attempts). Retries connection failures, timeouts, 429
-        and 5xx; raises InfrastructureError when they are spent or the answer is no chat
-        completion."""
+    def complete(self, messages: list) -> tuple[dict, bytes, int, str | None]:
+        """(parsed response, raw bytes, attempts, X-Policy-Version header or None). Retries
+        connection failures, timeouts, 429 and 5xx; raises InfrastructureError when they are
+        spent or the answer is no chat completion."""
         body = dict(self.sampling)
         body.update({"model": self.model, "messages": messages, "tools": TOOLS})
         payload = json.dumps(body).encode()
@@ -303,6 +359,7 @@ class Policy:
                 response = conn.getresponse()
                 raw = response.read(MAX_RESPONSE_READ + 1)
                 status = response.status
+                header = response.getheader(VERSION_HEADER)
             except (OSError, http.client.HTTPException) as exc:
                 kind = "timed out" if isinstance(exc, socket.timeout) else "unreachable"
                 problem = f"policy endpoint {kind}: {type(exc).__name__}: {exc}"
@@ -327,7 +384,7 @@ class Policy:
                 raise InfrastructureError(
                     f"policy endpoint sent no chat completion ({exc}): {raw[:200]!r}"
                 ) from None
-            return parsed, raw, attempt + 1
+            return parsed, raw, attempt + 1, header
         raise InfrastructureError(f"{problem} (after {self.retries + 1} attempt(s))")
 
 
@@ -509,6 +566,7 @@ class Runner:
         started = time.time()
         deadline = started + self.time_limit
         step = 0
+        first_version: str | None = None
         while True:
             if step >= self.max_steps:
                 return step, "max_steps"
@@ -516,8 +574,17 @@ class Runner:
                 return step, "time_limit"
             step += 1
             asked = time.time()
-            response, raw, attempts = self.policy.complete(messages)
+            response, raw, attempts, header = self.policy.complete(messages)
             answered = time.time()
+            version = policy_version(header, response)
+            if step == 1:
+                first_version = version
+            lag = version_lag(first_version, version)
+            bound = self.policy.max_policy_lag
+            if bound is not None and lag is not None and lag > bound:
+                # This turn's actions come from a policy too far from the first turn's: none of
+                # them runs, and the episode ends without tests (its steps so far are logged).
+                raise StalePolicy(str(first_version), str(version), lag, bound, step - 1)
             message = response["choices"][0]["message"]
             messages.append(message)
             actions, problem = self.actions(message)
@@ -568,6 +635,7 @@ class Runner:
                 error=problem,
                 policy_seconds=answered - asked,
                 policy_attempts=attempts,
+                policy_version=version,
                 action_seconds=time.time() - answered,
                 response=verbatim,
                 **self.identity,
@@ -641,6 +709,10 @@ def agent(workspace: str) -> int:
     except InfrastructureError as exc:
         record_outcome(emit("error", kind="infrastructure", cause=str(exc), **identity))
         return EXIT_INFRASTRUCTURE
+    except StalePolicy as stale:
+        # Exit 0: stopped on purpose, so neither a Job failure nor an infrastructure retry.
+        record_outcome(emit("stale", **stale.fields, **identity))
+        return 0
     removed = runner.remove_shadows()
     tests_exit, tests_output = runner.run_tests()
     passed, total = test_counts(tests_output)

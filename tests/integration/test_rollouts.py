@@ -74,7 +74,7 @@ def run_batch(backend, spec, timeout=120):
 def test_a_mixed_bundled_batch_gets_exactly_the_rewards_the_scripted_actions_produce(backend):
     tasks = bundled_tasks()
     assert {t["id"] for t in tasks} == set(EXPECTED)
-    with running(hang_seconds=5) as server:
+    with running(hangs=True, hang_seconds=5) as server:
         spec = parse_spec(
             {
                 "tasks": tasks,

@@ -60,7 +60,7 @@ def test_a_mixed_batch_on_the_real_node_gets_the_scripted_rewards(
 ):
     host = node_address(k8s_cluster, real_node.name)
     tasks = load_task_set("bundled", only=["fizzbuzz-order", "inventory-two-bugs", "palindrome"])
-    with running(host="0.0.0.0", hang_seconds=25) as server:
+    with running(host="0.0.0.0", hangs=True, hang_seconds=25) as server:
         client, submission = submit(real_stack, real_node, f"http://{host}:{server.port}", tasks, 2)
         seen = dict(
             (row["index"], (row, trajectory))

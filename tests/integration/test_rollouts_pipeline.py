@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
 def test_a_trainer_streams_trajectories_and_gets_group_rewards(client):
     tasks = load_task_set("bundled", only=["fizzbuzz-order", "inventory-two-bugs", "palindrome"])
-    with running(hang_seconds=4) as server:
+    with running(hangs=True, hang_seconds=4) as server:
         submission = client.submit(
             tasks=tasks,
             samples_per_task=2,

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.validation import parse_events, validate_episode
 
@@ -80,3 +82,151 @@ def test_termination_message_is_cross_checked_with_the_log():
 def test_parse_events_reports_non_events():
     events, problems = parse_events('{"event": "ready"}\n\n[1, 2]\nnot json\n')
     assert len(events) == 1 and len(problems) == 2
+
+
+# -- real rollouts: policy versions and stale episodes ------------------------------------------
+IDENTITY = {"task_id": "leap-year", "sample": 0, "group_id": "b:leap-year"}
+
+
+def agent_log(versions=("3", "3"), outcome=None, extra=(), episode="rollout-x-0"):
+    """ready, one step per version, then the outcome: a reward by default, else `outcome`
+    (None for none)."""
+    events = [{"event": "ready", "at": 1002.0, "episode_id": episode, "mode": "agent", **IDENTITY}]
+    for n, version in enumerate(versions, start=1):
+        events.append(
+            {
+                "event": "step",
+                "at": 1002.0 + n * 0.1,
+                "episode_id": episode,
+                "step": n,
+                "actions": [],
+                "policy_version": version,
+                **IDENTITY,
+            }
+        )
+    reward = {
+        "event": "reward",
+        "at": 1003.0,
+        "episode_id": episode,
+        "reward": 1,
+        "reward_rule": "all",
+        "baseline_exit": 1,
+        "tests_exit": 0,
+        "steps": len(versions),
+        "stop_reason": "submit",
+        **IDENTITY,
+    }
+    events.append(reward if outcome == "reward" else outcome)
+    lines = [json.dumps(e) for e in events if e is not None] + list(extra)
+    return "\n".join(lines) + "\n"
+
+
+def stale_event(steps=2, **changes):
+    event = {
+        "event": "stale",
+        "at": 1003.0,
+        "episode_id": "rollout-x-0",
+        "first_version": "3",
+        "version": "6",
+        "lag": 3,
+        "max_policy_lag": 2,
+        "steps": steps,
+        **IDENTITY,
+        "attempt": 0,
+    }
+    return event | changes
+
+
+def test_a_row_keeps_the_first_and_last_policy_version_its_steps_name():
+    row = validate_episode(obs(), agent_log(("3", "4"), "reward"), ORIGIN)
+    assert row.status == "ok" and row.policy_versions == {"first": "3", "last": "4"}
+    row = validate_episode(obs(), agent_log((None, "5", None, "7", None), "reward"), ORIGIN)
+    assert row.status == "ok" and row.policy_versions == {"first": "5", "last": "7"}
+    row = validate_episode(obs(), agent_log((None, None), "reward"), ORIGIN)
+    assert row.status == "ok" and row.policy_versions is None
+    assert validate_episode(obs(), log(), ORIGIN).policy_versions is None  # the demo: no steps
+    check(validate_episode(obs(), agent_log((3, 3), "reward"), ORIGIN), "expected a string")
+
+
+def test_a_well_formed_stale_outcome_is_a_stale_row_not_a_failure():
+    row = validate_episode(obs(), agent_log(outcome=stale_event()), ORIGIN)
+    assert row.status == "stale" and row.status.withdrawn, row.errors
+    assert row.errors == [] and row.reward == 0 and row.failure_kind is None
+    assert row.failure_cause == "stale: first turn at version 3, policy at 6 (max lag 2)"
+    assert (row.steps, row.stop_reason, row.reward_at) == (2, "stale", None)
+    assert row.policy_versions == {"first": "3", "last": "3"}
+    assert (row.task_id, row.group_id) == ("leap-year", "b:leap-year")
+
+
+def failed(row, fragment):
+    check(row, fragment)
+    assert row.failure_kind == "episode"  # a forged outcome is the episode's doing
+
+
+@pytest.mark.parametrize(
+    ("outcome", "extra", "fragment"),
+    [
+        # A stale episode has no reward: not as an event, not as a field.
+        (stale_event(), ["reward"], "1 reward event"),
+        (stale_event(reward=1), [], "carries a reward"),
+        (stale_event(), ["stale"], "got 2 stale"),
+        (stale_event(lag=2), [], "lag 2 is not 6 - 3"),
+        (stale_event(version="5", lag=2), [], "within its max_policy_lag 2"),
+        (stale_event(first_version="step-3", lag=3), [], "must be integer strings"),
+        (stale_event(version=6), [], "must be integer strings"),
+        (stale_event(first_version="2", lag=4), [], "not the first step's policy_version"),
+        (stale_event(max_policy_lag=-1), [], "max_policy_lag -1"),
+        (stale_event(max_policy_lag=None), [], "max_policy_lag None"),
+        (stale_event(steps=5), [], "stale counts 5 steps"),
+        (stale_event(episode_id="rollout-y-0"), [], "names episode 'rollout-y-0'"),
+        (stale_event(group_id="b:other"), [], "names group_id"),
+        (stale_event(at=1002.15), [], "earlier than the last step"),
+        (stale_event(at=None), [], "no numeric 'at'"),
+        (stale_event(at=1009.0), [], "after the sandbox ended"),
+    ],
+)
+def test_a_malformed_stale_outcome_fails_the_row(outcome, extra, fragment):
+    more = {
+        "reward": json.dumps(
+            {"event": "reward", "at": 1003.0, "episode_id": "rollout-x-0", "reward": 1}
+        ),
+        "stale": json.dumps(stale_event()),
+    }
+    forged = agent_log(outcome=outcome, extra=[more[e] for e in extra])
+    failed(validate_episode(obs(), forged, ORIGIN), fragment)
+
+
+def test_a_stale_event_outside_a_real_rollout_fails_the_row():
+    demo = log() + json.dumps(stale_event()) + "\n"
+    failed(validate_episode(obs(), demo, ORIGIN), "without a policy")
+    lone = "\n".join(
+        json.dumps(e)
+        for e in ({"event": "ready", "at": 1002.0, "episode_id": "rollout-x-0"}, stale_event())
+    )
+    failed(validate_episode(obs(), lone, ORIGIN), "stale event only ends a real rollout")
+
+
+def test_the_termination_message_of_a_stale_episode_is_cross_checked():
+    summary = {
+        k: stale_event()[k]
+        for k in ("at", "episode_id", "first_version", "version", "lag", "max_policy_lag")
+    } | {"stale": True}
+    stale_log = agent_log(outcome=stale_event())
+    row = validate_episode(obs(termination_message=json.dumps(summary)), stale_log, ORIGIN)
+    assert row.status == "stale", row.errors
+    liar = json.dumps(summary | {"version": "9"})
+    check(validate_episode(obs(termination_message=liar), stale_log, ORIGIN), "disagrees")
+    # The log says stale, the message a reward; and the other way round.
+    reward_message = json.dumps(
+        {"reward": 1, "baseline_exit": 1, "tests_exit": 0, "episode_id": "rollout-x-0"}
+    )
+    check(
+        validate_episode(obs(termination_message=reward_message), stale_log, ORIGIN),
+        "does not contain",
+    )
+    rewarded = agent_log(outcome="reward")
+    check(
+        validate_episode(obs(termination_message=json.dumps(summary)), rewarded, ORIGIN),
+        "reports a stale episode",
+    )
+    check(validate_episode(obs(termination_message="[1]"), rewarded, ORIGIN), "not a JSON object")
