@@ -165,10 +165,10 @@ def _quota(
     groups: Sequence[Mapping[str, Any]],
     counted: Sequence[str],
 ) -> dict[str, Any] | None:
-    """Which groups counted, which were cut, and what the cut saved. The saving is a lower
-    bound: each aborted episode would have run at least as long as the median finished one
-    (those cut were the slow ones), minus what it had run already; one never started saves the
-    whole median."""
+    """Which groups counted, which were cut, and what the cut saved, as bounds (what a cut
+    episode would have taken is unknowable): at least, each aborted episode would have run as
+    long as the median finished one (those cut were the slow ones) minus what it had run, so
+    one never started saves the whole median; at most, each would have run to its timeout."""
     if not spec.groups_wanted:
         return None
     aborted = [r for r in rows if r.status == EpisodeStatus.ABORTED]
@@ -188,6 +188,9 @@ def _quota(
         "aborted_episodes": len(aborted),
         "aborted_sandbox_seconds": sum(used),
         "saved_sandbox_seconds_at_least": sum(max(0.0, typical - u) for u in used),
+        "saved_sandbox_seconds_at_most": sum(
+            max(0.0, spec.episode_timeout_seconds - u) for u in used
+        ),
     }
 
 

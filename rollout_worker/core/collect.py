@@ -169,6 +169,14 @@ def collect(
         row = lost_row(index, episode_id, "the backend kept failing until the deadline", None)
     except BackendError as exc:
         row = lost_row(index, episode_id, str(exc), None)
+    if spec.tasks and row.task_id is None:
+        # A row the sandbox never spoke for (lost, aborted) still names its task and group.
+        assigned = spec.episode(index)
+        row.task_id, row.sample, row.group_id = (
+            assigned.task_id,
+            assigned.sample,
+            assigned.group_id,
+        )
     if store.record_episode(spec.batch_id, row, _stored_log(text)):
         _count_for_breaker(store, spec, row)
     return row

@@ -75,7 +75,9 @@ def test_a_quota_reports_once_its_groups_are_in_and_aborts_the_slow_rest(client)
     assert report["aborted_episodes"] == 4 and report["failed_episodes"] == 0
     assert report["lost_episodes"] == 0 and report["infrastructure_failures"] == 0
     assert report["reward_sum"] == sum(r["reward"] for r in report["pods"] if r["status"] == "ok")
-    assert quota["saved_sandbox_seconds_at_least"] > 0
+    # The slow samples had run a few seconds of their 120 s timeout when they were cut.
+    assert 0 <= quota["saved_sandbox_seconds_at_least"] < quota["saved_sandbox_seconds_at_most"]
+    assert quota["saved_sandbox_seconds_at_most"] > 4 * 60
     # The stream had every group once, the counted ones flagged, before the report.
     groups = assert_each_group_once_after_its_rows(client, batch.batch_id, len(tasks))
     assert [g["group_id"] for g in streamed] == [g["group_id"] for g in groups]
