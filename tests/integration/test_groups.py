@@ -20,6 +20,7 @@ from tests.integration.procs import sandbox_processes
 from tests.integration.test_pipeline import _results_app, finished_result
 from tests.integration.test_worker_loss import freeze_holding_an_unrecorded_task
 from trainer_stub.client import RolloutClient
+from trainer_stub.sampling import ContinuousSampler
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
@@ -124,3 +125,81 @@ def test_group_entries_are_streamed_exactly_once_with_a_killed_collector_and_a_l
             expected = by_id[group["group_id"]]
             assert group["rewards"] == expected["rewards"] and group["status"] == expected["status"]
         client.close()
+
+
+FAST_TASKS = ["shipping-boundary", "fizzbuzz-order", "leap-year"]
+
+
+def test_continuous_sampling_gives_complete_groups_and_cancels_what_is_left_when_closed(client):
+    tasks = load_task_set("bundled", FAST_TASKS)
+    with running(turn_seconds=0.2) as server:
+        sampler = ContinuousSampler(
+            client,
+            tasks,
+            2,
+            groups_in_flight=3,
+            total_groups=5,
+            request={"policy": {"url": server.url}},
+        )
+        groups = list(sampler.groups(timeout=180))
+        assert len(groups) == 5 and all(g["status"] == "complete" for g in groups)
+        assert len({g["group_id"] for g in groups}) == 5
+        # More than one batch: groups were topped up as others completed.
+        assert sampler.batches >= 2
+        # An early close (a trainer that has enough) cancels what is still running.
+        early = ContinuousSampler(
+            client, tasks, 2, groups_in_flight=3, request={"policy": {"url": server.url}}
+        )
+        iterator = early.groups(timeout=180)
+        next(iterator)
+        running_batches = early.following.waiting()
+        iterator.close()
+    for batch_id in set(sampler.following.names.values()) | set(early.following.names.values()):
+        report = client.wait(batch_id, timeout=120)
+        assert report["status"] in ("succeeded", "cancelled"), (batch_id, report["errors"])
+        if batch_id in running_batches:
+            assert report["status"] == "cancelled" or report["ok"], report["errors"]
+        run_dir = Path(client.receipt(batch_id)["run"]["run_dir"])
+        assert sandbox_processes(run_dir) == [], f"{batch_id} left sandboxes behind"
+
+
+def test_an_episode_whose_policy_moved_on_past_the_bound_is_stopped_stale(client):
+    """The runner sees the policy's version on every turn: once it is more than
+    `max_policy_lag` ahead of the first turn's, the episode stops there, recorded `stale`."""
+    tasks = load_task_set("bundled", ["stack-pop"])  # two turns, each answered after 1 s
+    with running() as server:
+        batch = client.submit(
+            tasks=tasks, samples_per_task=2, policy={"url": server.url, "max_policy_lag": 1}
+        )
+        deadline = time.monotonic() + 60
+        while not any(c["turn"] == 1 for c in server.calls()):  # the first turn answered
+            assert time.monotonic() < deadline, server.calls()
+            time.sleep(0.05)
+        server.set_version(3)  # the trainer updated the weights during the second turn
+        report = client.wait(batch.batch_id, timeout=120)
+    rows = report["pods"]
+    assert [r["status"] for r in rows] == ["stale", "stale"], [r["failure_cause"] for r in rows]
+    assert all(r["policy_versions"] == {"first": "0", "last": "0"} for r in rows)
+    assert all("policy at 3" in r["failure_cause"] for r in rows), rows[0]["failure_cause"]
+    assert report["stale_episodes"] == 2 and report["reward_sum"] == 0
+    assert report["failed_episodes"] == 0 and report["ok"] is True
+    assert report["groups"][0]["status"] == "aborted"
+
+
+def test_a_sample_recorded_after_its_trainer_moved_on_past_the_bound_is_stale(client):
+    """The trainer publishes its version through the client; a row whose first turn is more
+    than `max_policy_lag` behind it when it is recorded is stale, whatever the server said."""
+    trainer = f"t{time.monotonic_ns()}"
+    client.publish_policy_version(10, trainer=trainer)
+    tasks = load_task_set("bundled", ["shipping-boundary"])
+    with running() as server:  # still serving version 0
+        batch = client.submit(
+            tasks=tasks,
+            samples_per_task=2,
+            policy={"url": server.url, "max_policy_lag": 2, "trainer": trainer},
+        )
+        report = client.wait(batch.batch_id, timeout=120)
+    assert report["policy_version"] == "10"  # what the batch was submitted under
+    assert [r["status"] for r in report["pods"]] == ["stale", "stale"]
+    assert "the trainer is at 10" in report["pods"][0]["failure_cause"]
+    assert report["reward_sum"] == 0 and report["stale_episodes"] == 2
