@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from rollout_wire.tasksets import load_task_set
-from rollout_worker.cli.policy_server import running
+from rollout_worker.cli.policy_server import bundled_script, running
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
@@ -149,3 +149,45 @@ def test_a_pod_reaches_its_policy_endpoint_and_nothing_else(real_node, real_stac
         "other": "TimeoutError",
         "ipv6": [],
     }, observation
+
+
+def test_a_quota_on_the_real_node_stops_the_slow_rest_and_counts_none_of_it(
+    real_node, real_stack, k8s_cluster
+):
+    """groups_wanted on Kubernetes: once the fast groups are in, the slow group's Pods are
+    stopped (the Job suspended) and recorded `aborted`, never a failure or a reward."""
+    host = node_address(k8s_cluster, real_node.name)
+    script = bundled_script()
+    script["tasks"]["clamp-range"] = {
+        "plans": [[{"tool": "submit", "arguments": {}, "delay": 120}]]
+    }
+    fast = ["shipping-boundary", "fizzbuzz-order", "stack-pop"]
+    tasks = load_task_set("bundled", only=[*fast, "clamp-range"])
+    with running(host="0.0.0.0", script=script) as server:
+        client = RolloutClient(real_stack.redis_url)
+        request = real_node.batch_fields() | {
+            "backend": "kubernetes",
+            "tasks": tasks,
+            "samples_per_task": 2,
+            "policy": {"url": f"http://{host}:{server.port}", "request_timeout_seconds": 150},
+            "capacity_check": "warn",
+            "groups_wanted": len(fast),
+        }
+        submission = client.submit(**request)
+        report = client.wait(submission.batch_id, timeout=300)
+        pods = k8s_cluster.core.list_namespaced_pod(report["namespace"]).items
+    assert report["status"] == "succeeded", report["errors"]
+    assert {g.split(":")[1] for g in report["quota"]["counted"]} == set(fast)
+    aborted = [r for r in report["pods"] if r["status"] == "aborted"]
+    assert {r["task_id"] for r in aborted} == {"clamp-range"} and len(aborted) == 2
+    assert report["failed_episodes"] == 0 and report["infrastructure_failures"] == 0
+    assert all(r["reward"] == 0 and r["failure_kind"] is None for r in aborted)
+    # When the report came, nothing of the batch was left running: every Pod had ended or
+    # was being deleted by the suspended Job.
+    still = [
+        p.metadata.name
+        for p in pods
+        if p.metadata.deletion_timestamp is None and p.status.phase in ("Pending", "Running")
+    ]
+    assert still == [], still
+    client.close()
