@@ -291,7 +291,7 @@ def continuous_sampling(
             f"({len(given) / took:.2f} groups/s, {in_flight} in flight)"
         )
         for column in GROUP_COLUMNS:
-            table.add_column(column)
+            table.add_column(column, no_wrap=column != "rewards")
         for group in given:
             table.add_row(*group_cells(group))
         console.print(table)

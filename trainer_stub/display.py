@@ -145,18 +145,19 @@ def summary_table(
     return table
 
 
-GROUP_COLUMNS = ("task", "rewards", "mean", "std", "pass@1", "pass@k", "status", "not samples")
+GROUP_COLUMNS = ("task", "rewards", "mean", "pass@1", "pass@k", "status", "no sample")
 
 
 def group_table(report: dict[str, Any], title: str | None = None) -> Table:
-    """Each group of a report: rewards, mean, std, pass@1 and the largest k, status (and
-    whether it made the quota), the samples that are no sample (failed, aborted, stale)."""
+    """Each group of a report: rewards, mean, pass@1 and the largest k, status (`counted`
+    when it made the quota), and how many of its episodes are no sample, by kind (an
+    infrastructure or episode failure, aborted, stale)."""
     batch = report.get("batch_id")
     table = Table(title=title or f"groups of batch {batch} (group id = {batch}:<task>)")
     quota = report.get("quota") or {}
     counted = set(quota.get("counted") or ())
     for column in GROUP_COLUMNS:
-        table.add_column(column)
+        table.add_column(column, no_wrap=column != "rewards")
     for group in report.get("groups", []):
         table.add_row(*group_cells(group, group["group_id"] in counted if quota else None))
     return table
@@ -167,20 +168,19 @@ def group_cells(group: dict[str, Any], counted: bool | None = None) -> list[str]
     top = max(passes, key=int) if passes else None
 
     def num(value: Any) -> str:
-        return "-" if value is None else f"{value:.3f}"
+        return "-" if value is None else f"{value:.2f}"
 
-    status = str(group.get("status"))
-    if counted is not None:
-        status += " (counted)" if counted else ""
-    others = [f"#{f['sample']} {f['failure_kind']}" for f in group.get("failed", [])]
-    others += [f"#{w['sample']} {w['status']}" for w in group.get("withdrawn", [])]
+    # A group that made the quota is complete by definition: "counted" says both.
+    status = "counted" if counted or group.get("counted") else str(group.get("status"))
+    kinds = [str(f["failure_kind"]) for f in group.get("failed", [])]
+    kinds += [str(w["status"]) for w in group.get("withdrawn", [])]
+    others = [f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds)]
     return [
         str(group.get("task_id")),
         " ".join(f"{r:g}" for r in group.get("rewards", [])),
         num(group.get("mean")),
-        num(group.get("std")),
         num(passes.get("1")),
-        f"{num(passes[top])} (k={top})" if top else "-",
+        f"{num(passes[top])} k={top}" if top else "-",
         status,
         ", ".join(others),
     ]
