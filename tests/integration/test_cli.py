@@ -97,6 +97,27 @@ def test_trainer_stub_runs_rounds_concurrently(stack):
     assert sorted(r["labels"]["round"] for r in reports) == ["0", "1", "2"]
 
 
+def test_trainer_stub_samples_continuously_and_shows_each_group(stack):
+    from rollout_worker.cli.policy_server import running
+
+    with running() as server:
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "trainer_stub.cli", "--continuous", "--rounds", "2"),
+                *("--tasks", "bundled", "--task", "shipping-boundary", "--task", "leap-year"),
+                *("--samples", "2", "--policy-url", server.url, "--groups-in-flight", "2"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "ROLLOUT_REDIS_URL": stack.redis_url, "COLUMNS": "120"},
+        )
+    assert done.returncode == 0, done.stderr
+    shown = [line for line in done.stderr.splitlines() if line.startswith("group ")]
+    assert len(shown) == 4 and all("complete" in line for line in shown), done.stderr
+    assert "continuous sampling: 4 groups" in done.stdout and "groups/s" in done.stdout
+
+
 def test_check_reports_workers_per_queue(stack):
     done = rollout(
         "check", "--no-kubernetes", env={"ROLLOUT_REDIS_URL": stack.redis_url}, timeout=60
