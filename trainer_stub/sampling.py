@@ -136,12 +136,10 @@ class ContinuousSampler:
                         )
                     freed += self.in_flight.pop(batch_id, 0)  # groups it never streamed
                 if freed >= self.refill_at:
-                    # Never more in flight than needed for the groups still to give.
-                    wanted = freed
-                    if self.total_groups is not None:
-                        running = sum(self.in_flight.values())
-                        wanted = min(freed, max(0, self.total_groups - given - running))
-                    self._submit(wanted)
+                    # Always N in flight, even near the end: capping at "what is still
+                    # needed" would wait on the slow groups again. What is running when the
+                    # last group is given is cancelled (over-sampling of at most N groups).
+                    self._submit(freed)
                     freed = 0
         finally:
             for batch_id in self.following.waiting():

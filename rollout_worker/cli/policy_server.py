@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -306,6 +307,12 @@ class _Server(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.calls: list[dict[str, Any]] = []
         self.version = version
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A sandbox stopped mid-request (a cancel, a quota's abort) resets its connection:
+        # expected, not worth a traceback. Anything else is still printed.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def current_version(self) -> int:
         with self.lock:
