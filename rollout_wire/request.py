@@ -113,6 +113,13 @@ class BatchSpec:
     # The trainer's policy version when the batch was submitted (the client fills it in from
     # the version the trainer published, if any).
     policy_version: str | None = None
+    # The agent every task without its own runs (`TASK_FIELDS["agent"]`): a command, or
+    # "oracle"; None: the built-in runner loop. Resolved into the tasks by `parse_spec`.
+    agent: Any = None
+    # Local backend: a directory of the worker's machine (a virtual environment holding the
+    # agent) shown read-only to every sandbox at the same path; the worker allows only the
+    # roots it is configured with (ROLLOUT_AGENT_ENV_ROOTS).
+    agent_env: str | None = None
 
     def group_of(self, index: int) -> range:
         """The indexes of the group episode `index` belongs to (a task's samples)."""
@@ -321,6 +328,25 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append(f"policy_version must be text of 1..128 characters, got {version!r}")
         version = None
 
+    agent = data.get("agent")
+    if agent is not None:
+        parse_agent(agent, "agent", problems)
+        if not tasks:
+            problems.append("agent needs tasks: the built-in demo has its fixed action")
+    agent_env = data.get("agent_env")
+    if agent_env is not None and (
+        not isinstance(agent_env, str)
+        or not agent_env.startswith("/")
+        or ".." in agent_env.split("/")
+        or len(agent_env) > 1024
+    ):
+        problems.append(f"agent_env must be an absolute directory path, got {agent_env!r}")
+        agent_env = None
+    if agent_env is not None and backend == "kubernetes":
+        problems.append(
+            "agent_env is for the local backend: on Kubernetes the image holds the agent"
+        )
+
     placement = _parse_placement(data, problems)
     raw_policy = data.get("policy")
     if isinstance(raw_policy, PolicyEndpoint):
@@ -342,7 +368,16 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append("warm_pool cannot go with infra_retries: a warm episode has no retry")
     if warm and len({t.get("image") or image for t in tasks}) > 1:
         problems.append("warm_pool needs one image for all tasks (a pool has one shape)")
-    if tasks and not isinstance(raw_policy, Mapping):
+    if agent is not None and not problems:
+        tasks = [t if "agent" in t else t | {"agent": agent} for t in tasks]
+        if agent == ORACLE:
+            problems += [
+                f"task {t.get('id')!r}: the oracle agent needs solution/solve.sh"
+                for t in tasks
+                if "solve.sh" not in (t.get("solution") or {})
+            ]
+    oracle_only = bool(tasks) and all(t.get("agent") == ORACLE for t in tasks)
+    if tasks and not isinstance(raw_policy, Mapping) and not oracle_only:
         problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
     for task in tasks:
         limit = task.get("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS)
@@ -376,6 +411,8 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         groups_wanted=wanted,
         group_filter=GroupFilter(group_filter),
         policy_version=version,
+        agent=agent,
+        agent_env=agent_env,
         **placement,
     )
 
@@ -458,14 +495,30 @@ MAX_TASKS = 1000
 DEFAULT_TASK_TIME_LIMIT_SECONDS = 60
 DEFAULT_MAX_STEPS = 10
 MAX_STEPS = 200
-REWARD_RULES = ("all", "fraction")
+REWARD_RULES = ("all", "fraction", "file")
+# Where a `file` reward is read from, in this order (Harbor's verifier convention): a number,
+# or JSON with a numeric `reward` (other numbers in it are kept as the row's details).
+REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
+GRADES = ("same", "fresh")
+ORACLE = "oracle"
+# The agent's environment the runner sets itself (an agent's `env` may not override them).
+AGENT_RESERVED_ENV = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "OPENAI_MODEL")
+MAX_AGENT_ARGS = 64
 TASK_FIELDS = {
     "id": "lower-case name, unique in the batch",
     "statement": "the problem shown to the policy",
     "files": "path -> text: the repository the episode starts from",
     "test_files": "path -> text: written again just before the final tests (not editable)",
     "test_command": "argv list; 'python' means the sandbox's interpreter",
-    "reward": "all (1 when every test passes, else 0) | fraction (passed / total)",
+    "reward": "all (1 when every test passes, else 0) | fraction (passed / total) | file "
+    "(what the tests wrote to /logs/verifier/reward.txt or reward.json)",
+    "agent": "the agent to run instead of the built-in loop: {command: argv, env: {name: "
+    "value}}, or 'oracle' (runs the task's solution/solve.sh)",
+    "baseline": "true (default): the tests must fail before the agent acts; false: no check",
+    "tests": "path -> text: placed at /tests only after the agent finished (it never sees them)",
+    "solution": "path -> text: placed at /solution for the oracle agent only",
+    "grade": "same (default): the tests run where the agent ran; fresh: in a new sandbox that "
+    "receives only the workspace the agent left",
     "time_limit_seconds": "the agent loop's time limit",
     "max_steps": "the agent loop's step limit",
     "image": "the image the task needs (kubernetes)",
@@ -485,6 +538,32 @@ def _parse_files(task_id: object, name: str, files: Any, problems: list[str]) ->
                 f"task {task_id!r}: {name} path {path!r} must be relative, without '..', made "
                 "of letters, digits, '_', '.', '-' and '/'"
             )
+
+
+def parse_agent(value: Any, where: str, problems: list[str]) -> None:
+    """An agent is "oracle" or {command: [argv...], env: {NAME: value}}."""
+    if value == ORACLE:
+        return
+    if not isinstance(value, Mapping) or set(value) - {"command", "env"}:
+        problems.append(f"{where} must be 'oracle' or an object {{command, env}}")
+        return
+    command = value.get("command")
+    if (
+        not isinstance(command, list)
+        or not 1 <= len(command) <= MAX_AGENT_ARGS
+        or not all(isinstance(a, str) and a and "\0" not in a for a in command)
+    ):
+        problems.append(f"{where}.command must be a list of 1..{MAX_AGENT_ARGS} non-empty strings")
+    env = value.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str) for k, v in env.items()
+    ):
+        problems.append(f"{where}.env must map variable names to strings")
+    elif reserved := sorted(k for k in env if k in AGENT_RESERVED_ENV or k.startswith("ROLLOUT_")):
+        problems.append(f"{where}.env may not set {reserved}: the runner sets those")
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
@@ -532,6 +611,20 @@ def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
             or not all(isinstance(a, str) for a in command)
         ):
             problems.append(f"task {tid!r}: test_command must be a non-empty list of strings")
+        if "tests" in task:
+            _parse_files(tid, "tests", task["tests"], problems)
+        if "solution" in task:
+            _parse_files(tid, "solution", task["solution"], problems)
+        if "agent" in task:
+            parse_agent(task["agent"], f"task {tid!r}: agent", problems)
+        if task.get("agent") == ORACLE and "solve.sh" not in (task.get("solution") or {}):
+            problems.append(f"task {tid!r}: the oracle agent needs solution/solve.sh")
+        if not isinstance(task.get("baseline", True), bool):
+            problems.append(f"task {tid!r}: baseline must be true or false")
+        if task.get("grade", "same") not in GRADES:
+            problems.append(
+                f"task {tid!r}: grade {task.get('grade')!r} is not one of {list(GRADES)}"
+            )
         if task.get("reward", "all") not in REWARD_RULES:
             problems.append(
                 f"task {tid!r}: reward {task.get('reward')!r} is not one of {list(REWARD_RULES)}"

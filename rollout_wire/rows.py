@@ -70,6 +70,13 @@ class EpisodeRow:
     # The policy versions its turns were answered by (X-Policy-Version, or the server's
     # `weight_version`): {"first": ..., "last": ...}; None when the server names none.
     policy_versions: dict[str, Any] | None = None
+    # An agent run as a command (`agent`): its exit code (None: killed at its time limit, see
+    # stop_reason), the last lines it printed, and its seconds.
+    agent_exit_code: int | None = None
+    agent_output: str | None = None
+    agent_seconds: float | None = None
+    # A `file` reward's other numbers (Harbor's reward.json may hold several).
+    reward_details: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         # Typed however it was built (a plain "ok" from a caller reads as the member).
