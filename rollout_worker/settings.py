@@ -39,6 +39,9 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_LOCAL_PYTHON": "interpreter for local sandboxes (default /usr/bin/python3, else the "
     "worker's own)",
     "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap when it works)",
+    "ROLLOUT_AGENT_ENVS": "local backend: the folders (colon-separated) a batch's agent_env may "
+    "name, each shown read-only to its sandboxes (a virtual environment holding the agent); a "
+    "batch naming another folder is refused (default: none)",
     "KUBECONFIG": "kubeconfig for the kubernetes backend "
     "(default: in-cluster, then ~/.kube/config)",
     "ROLLOUT_KUBE_CONTEXT": "kubeconfig context for the kubernetes backend (default: current)",
@@ -85,6 +88,7 @@ class Settings:
     kube_context: str | None = None
     warm_pool_budget: int = 64
     warm_pool_idle_seconds: float = 900.0
+    agent_envs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
@@ -155,6 +159,10 @@ class Settings:
             if not resolved:
                 raise ConfigError(f"ROLLOUT_LOCAL_PYTHON={python!r} is not an executable")
             values["local_python"] = resolved
+        if env.get("ROLLOUT_AGENT_ENVS"):
+            values["agent_envs"] = tuple(
+                os.path.realpath(p) for p in env["ROLLOUT_AGENT_ENVS"].split(":") if p
+            )
         if env.get("ROLLOUT_LOCAL_ISOLATION"):
             values["local_isolation"] = env["ROLLOUT_LOCAL_ISOLATION"]
         number("ROLLOUT_KUBE_JOB_TTL", "kube_job_ttl_seconds", int)

@@ -129,6 +129,16 @@ class LocalBackend:
             )
         if self._isolation() == "none":
             warnings.append(f"local sandboxes are NOT isolated: {probe_bwrap() or 'disabled'}")
+        if spec.agent_env is not None:
+            allowed = self.settings.agent_envs
+            real = os.path.realpath(spec.agent_env)
+            if real not in allowed:
+                raise BackendUnavailable(
+                    f"agent_env {spec.agent_env} is not a folder this worker shows to sandboxes "
+                    f"(ROLLOUT_AGENT_ENVS: {':'.join(allowed) or 'none'})"
+                )
+            if not os.path.isdir(real):
+                raise BackendUnavailable(f"agent_env {spec.agent_env} is not a directory here")
         if os.geteuid() == 0:
             closed = _closed_to_others(self.root)
             if closed is not None:

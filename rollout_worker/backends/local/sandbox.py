@@ -21,12 +21,14 @@ OPEN_FILES_LIMIT = 256
 
 @dataclass(frozen=True)
 class Mount:
-    """A host file shown read-only inside the sandbox at `target`; the environment variable
-    `env` tells the episode where it is (the target in bwrap, the host path without it)."""
+    """A host file or folder shown inside the sandbox at `target` (read-only unless
+    `writable`); the environment variable `env` tells the episode where it is (the target in
+    bwrap, the host path without it; "" sets none)."""
 
     host: Path
     target: str
     env: str
+    writable: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,14 @@ def plan_sandbox(
     extra_env: Mapping[str, str] | None = None,
     mounts: Sequence[Mount] = (),
     status_fd: int | None = None,
+    tmp: Path | None = None,
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
     `status_fd` (bwrap only): bwrap writes the sandbox's exit code there, as JSON, for a
-    process that is not its parent (a warm sandbox's supervisor).
+    process that is not its parent (a warm sandbox's supervisor). `tmp`: a host folder as the
+    sandbox's /tmp instead of a private tmpfs (an episode graded in a second sandbox that must
+    find the first one's /tmp as it was left).
     """
     base_env = {
         "EPISODE_ID": episode_id,
@@ -78,7 +83,7 @@ def plan_sandbox(
     } | dict(extra_env or {})
     if isolation == "none":
         env = base_env | {"ROLLOUT_WORKSPACE": str(workspace), "HOME": str(workspace)}
-        env |= {m.env: str(m.host) for m in mounts}
+        env |= {m.env: str(m.host) for m in mounts if m.env}
         run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
         return SandboxPlan([python, "-B", str(program)], env, str(workspace), run_as)
     if isolation != "bwrap":
@@ -106,19 +111,22 @@ def plan_sandbox(
         "--bind",
         str(workspace),
         WORKSPACE_MOUNT,
-        *(arg for m in mounts for arg in ("--ro-bind", str(m.host), m.target)),
+        *(
+            arg
+            for m in mounts
+            for arg in ("--bind" if m.writable else "--ro-bind", str(m.host), m.target)
+        ),
         "--proc",
         "/proc",
         "--dev",
         "/dev",
-        "--tmpfs",
-        "/tmp",
+        *(["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]),
         "--chdir",
         WORKSPACE_MOUNT,
         "--clearenv",
     ]
     env = base_env | {"ROLLOUT_WORKSPACE": WORKSPACE_MOUNT, "HOME": WORKSPACE_MOUNT}
-    env |= {m.env: m.target for m in mounts}
+    env |= {m.env: m.target for m in mounts if m.env}
     for key, value in env.items():
         argv += ["--setenv", key, value]
     argv += ["--", python, "-B", PROGRAM_MOUNT]

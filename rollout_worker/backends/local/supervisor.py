@@ -38,7 +38,13 @@ from rollout_worker.backends.local.files import (
 )
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
-from rollout_worker.backends.local.sandbox import Mount, plan_sandbox, rlimits
+from rollout_worker.backends.local.sandbox import (
+    SANDBOX_GID,
+    SANDBOX_UID,
+    Mount,
+    plan_sandbox,
+    rlimits,
+)
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.backends.warm import handover_line
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
@@ -46,6 +52,14 @@ from rollout_worker.store import Store
 
 # The longest partial output line a sandbox may hold before its newline.
 PENDING_LIMIT = 64 * 2**10
+# An agent's episode whose tests it must never see runs in two sandboxes: the agent's, then
+# the grader's (ROLLOUT_PHASE=grade), which gets the tests. `same` grading gives the grader
+# the agent's /tmp, /logs and workspace as they were left; `fresh` only a copy of the
+# workspace.
+AGENT_PHASE = "agent"
+GRADE_PHASE = "grade"
+# What the runner reads and writes outside its workspace (writable, per episode).
+STATE_DIRS = {"logs": "/logs", "tests": "/tests", "solution": "/solution"}
 
 
 @dataclass
@@ -63,6 +77,8 @@ class Running:
     done: bool = False
     written: int = 0  # bytes of its log so far (capped at MAX_LOG_BYTES)
     warm: Taken | None = None  # taken from a warm pool (local/pool.py)
+    phase: str = AGENT_PHASE  # or GRADE_PHASE: the second sandbox of an agent's episode
+    grade_pending: bool = False  # its runner said: grade me in a second sandbox
 
     @property
     def pid(self) -> int:
@@ -126,26 +142,38 @@ class Supervisor:
         # Real rollouts: the policy is reached through a per-episode socket (no network in the
         # sandbox); each episode sees only its own task.
         self.proxy: PolicyProxy | None = None
+        self.real = spec.policy is not None or bool(spec.tasks)
+        self.runner_policy = "{}"  # an oracle-only batch asks no policy
         if spec.policy is not None:
             # A little longer than the runner waits, so the runner's own timeout decides.
             self.proxy = PolicyProxy(spec.policy, float(spec.policy.request_timeout_seconds) + 5)
             self.runner_policy = spec.policy.runner_json()
+        if self.real:
             for position, task in enumerate(spec.tasks or [demo_task()]):
-                write_json_atomic(self.task_file(position), [task])
+                # The agent's sandbox never holds what it must not see: the tests (and the
+                # solution, but for the oracle); the grader's gets the whole task.
+                write_json_atomic(self.task_file(position), [visible_part(task)])
+                write_json_atomic(self.task_file(position, GRADE_PHASE), [task])
 
-    def task_file(self, position: int) -> Path:
-        return self.dir.path / "tasks" / f"{position}.json"
+    def task_file(self, position: int, phase: str = AGENT_PHASE) -> Path:
+        suffix = "" if phase == AGENT_PHASE else f".{phase}"
+        return self.dir.path / "tasks" / f"{position}{suffix}.json"
 
-    def agent_setup(self, index: int) -> tuple[dict[str, str], list[Mount]]:
-        """The runner's environment and mounts for episode `index` (none for the demo)."""
-        if self.proxy is None:
-            return {}, []
+    def state_dir(self, index: int, phase: str) -> Path:
+        """An episode's /tmp, /logs, /tests and /solution, kept beside its workspace."""
+        return self.dir.workspace(index).parent / f"{index}.{phase}"
+
+    def agent_setup(
+        self, index: int, phase: str = AGENT_PHASE
+    ) -> tuple[dict[str, str], list[Mount], Path | None]:
+        """The runner's environment, mounts and /tmp for episode `index` (none for the demo)."""
+        if not self.real:
+            return {}, [], None
         episode = self.spec.episode(index)
         attempt = self.attempt(index)
         identity = EpisodeIdentity(
             self.episode_id(index), episode.group_id, episode.task_id, episode.sample, attempt
         )
-        sock = self.proxy.open(index, identity)
         env = {
             "ROLLOUT_POLICY": self.runner_policy,
             "ROLLOUT_ATTEMPT": str(attempt),
@@ -153,13 +181,31 @@ class Supervisor:
             "ROLLOUT_SAMPLE": str(episode.sample),
             "ROLLOUT_GROUP_ID": episode.group_id,
         }
+        position = episode.task_index or 0
         mounts = [
-            Mount(
-                self.task_file(episode.task_index or 0), "/sandbox/tasks.json", "ROLLOUT_TASKS_FILE"
-            ),
-            Mount(sock, "/sandbox/policy.sock", "ROLLOUT_POLICY_SOCKET"),
+            Mount(self.task_file(position, phase), "/sandbox/tasks.json", "ROLLOUT_TASKS_FILE")
         ]
-        return env, mounts
+        if self.proxy is not None and phase == AGENT_PHASE:  # the grader asks no policy
+            sock = self.proxy.open(index, identity)
+            mounts.append(Mount(sock, "/sandbox/policy.sock", "ROLLOUT_POLICY_SOCKET"))
+        if self.spec.agent_env:
+            mounts.append(Mount(Path(self.spec.agent_env), self.spec.agent_env, ""))
+        task = self.spec.tasks[position] if self.spec.tasks else {}
+        if "agent" not in task:
+            return env, mounts, None
+        if phase == GRADE_PHASE:
+            env["ROLLOUT_PHASE"] = GRADE_PHASE
+        # Grading `same` finds the agent's /tmp and /logs as they were left; `fresh` none.
+        own = GRADE_PHASE if phase == GRADE_PHASE and task.get("grade") == "fresh" else AGENT_PHASE
+        state = self.state_dir(index, own)
+        for name, target in (*STATE_DIRS.items(), ("tmp", "")):
+            (state / name).mkdir(parents=True, exist_ok=True)
+            if self.as_root:
+                os.chown(state / name, SANDBOX_UID, SANDBOX_GID)
+            if target:
+                env_name = f"ROLLOUT_{name.upper()}_DIR"
+                mounts.append(Mount(state / name, target, env_name, writable=True))
+        return env, mounts, state / "tmp"
 
     def attempt(self, index: int) -> int:
         return len(self.retried.get(index, ()))
@@ -200,11 +246,19 @@ class Supervisor:
             pending.append(index)
         return pending
 
-    def start(self, index: int) -> None:
+    def start(self, index: int, phase: str = AGENT_PHASE, since: float | None = None) -> None:
+        """Start episode `index`'s sandbox; the grading phase (`since`: when the agent's
+        started) grades the workspace the agent left, or a copy of it (`fresh`)."""
         workspace = self.dir.workspace(index)
-        shutil.rmtree(workspace, ignore_errors=True)
-        workspace.mkdir(parents=True)
-        extra_env, mounts = self.agent_setup(index)
+        if phase == AGENT_PHASE:
+            shutil.rmtree(workspace, ignore_errors=True)
+            workspace.mkdir(parents=True)
+        elif self.spec.tasks[self.spec.episode(index).task_index or 0].get("grade") == "fresh":
+            agent_left = workspace.with_name(f"{index}.left")
+            workspace.rename(agent_left)
+            shutil.copytree(agent_left, workspace, symlinks=True)
+            shutil.rmtree(agent_left, ignore_errors=True)
+        extra_env, mounts, tmp = self.agent_setup(index, phase)
         plan = plan_sandbox(
             isolation=self.run["isolation"],
             python=self.run["python"],
@@ -216,12 +270,18 @@ class Supervisor:
             running_as_root=self.as_root,
             extra_env=extra_env,
             mounts=mounts,
+            tmp=tmp,
         )
         if plan.run_as:
             os.chown(workspace, *plan.run_as)
         self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
-        created_at = time.time()
-        log = open(self.dir.log(index), "wb")  # noqa: SIM115 - closed in finish()
+        created_at = time.time() if since is None else since
+        # The grader's events follow the agent's in the episode's one log.
+        log = (  # closed in finish()
+            open(self.dir.log(index), "wb")  # noqa: SIM115
+            if phase == AGENT_PHASE
+            else open(self.dir.log(index), "ab")  # noqa: SIM115
+        )
         with open(self.dir.stderr(index), "wb") as err:
             proc = subprocess.Popen(
                 plan.argv,
@@ -241,7 +301,21 @@ class Supervisor:
         os.set_blocking(out, False)
         pidfd = os.pidfd_open(proc.pid)
         deadline = min(created_at + self.episode_timeout, self.run_deadline)
-        self.track(Running(index, proc, pidfd, out, log, created_at, self.attempt(index), deadline))
+        written = self.dir.log(index).stat().st_size if phase == GRADE_PHASE else 0
+        self.track(
+            Running(
+                index,
+                proc,
+                pidfd,
+                out,
+                log,
+                created_at,
+                self.attempt(index),
+                deadline,
+                written=written,
+                phase=phase,
+            )
+        )
 
     def track(self, item: Running) -> None:
         """Follow a started sandbox: its exit (pidfd) and its output."""
@@ -255,6 +329,10 @@ class Supervisor:
         sandboxes of its warm pool, if it has one; the rest start cold."""
         pool_path = self.run.get("pool_dir")
         if not pool_path or not self.pending:
+            return
+        if any("tests" in task for task in self.spec.tasks):
+            # A warm sandbox has no grader's sandbox behind it and would be handed the tests
+            # with its task: such episodes start cold (two sandboxes each).
             return
         wanted = min(len(self.pending), self.parallelism)
         for sandbox in take(PoolDir(Path(pool_path)), wanted):
@@ -325,6 +403,8 @@ class Supervisor:
                 self.progress(item.index, "ready")
             elif b'"event": "reward"' in line:
                 self.progress(item.index, "rewarded")
+            elif b'"event": "grade_pending"' in line:
+                item.grade_pending = True
         return True
 
     def finish(self, item: Running) -> None:
@@ -356,6 +436,15 @@ class Supervisor:
         finished_at = time.time()
         if self.retry(item, code, finished_at):
             return
+        if (
+            item.phase == AGENT_PHASE
+            and item.grade_pending
+            and code == 0
+            and item.killed_for is None
+            and not self.stopping
+        ):
+            self.start(item.index, GRADE_PHASE, since=item.created_at)
+            return
         reason = item.killed_for
         if reason is None and code < 0:
             reason = f"Signal{-code}"
@@ -380,6 +469,8 @@ class Supervisor:
             item.warm.workspace.parent if item.warm else self.dir.workspace(index=item.index),
             ignore_errors=True,
         )
+        for phase in (AGENT_PHASE, GRADE_PHASE):
+            shutil.rmtree(self.state_dir(item.index, phase), ignore_errors=True)
 
     def retry(self, item: Running, code: int, finished_at: float) -> bool:
         """Run the episode again in a fresh sandbox when its runner failed for infrastructure
@@ -453,6 +544,13 @@ class Supervisor:
 
     def request_stop(self, *_: object) -> None:
         self.stopping = True
+
+
+def visible_part(task: dict[str, Any]) -> dict[str, Any]:
+    """What an agent's sandbox may hold of its task: not the tests it is graded by, and the
+    solution only when the agent is the oracle."""
+    hidden = {"tests"} | (set() if task.get("agent") == "oracle" else {"solution"})
+    return {name: value for name, value in task.items() if name not in hidden}
 
 
 def _error_cause(log_path: Path) -> str | None:
