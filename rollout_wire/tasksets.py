@@ -1,7 +1,7 @@
 """Task sets: tasks are data. Resolved at the edge (CLI, trainer client) into the request.
 
-A task set is a JSON file `{"name": ..., "tasks": [task, ...]}` (or a bare list of tasks); the
-task fields are described by `rollout_wire.request.TASK_FIELDS` and checked by `parse_spec`.
+A task set is a JSON file `{"name": ..., "tasks": [task, ...]}` (or a bare list of tasks), or a
+folder of Harbor tasks (`rollout_wire.harbor`, mapped to tasks here); the task fields are described by `rollout_wire.request.TASK_FIELDS` and checked by `parse_spec`.
 `bundled` names the set shipped with the package (9 small Python repositories with different
 bugs, one of them needing several steps); it is what the tests and the demo use.
 """
@@ -42,9 +42,20 @@ def demo_task() -> dict[str, Any]:
 
 
 def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """The tasks of `ref`: "bundled" or a JSON file. `only` keeps these task ids, in order."""
+    """The tasks of `ref`: "bundled", a JSON file or a Harbor task folder. `only` keeps these
+    task ids, in order."""
     if ref == BUNDLED:
         tasks = bundled_tasks()
+    elif Path(ref).is_dir():
+        from rollout_wire import harbor
+
+        if not harbor.is_harbor_folder(ref):
+            raise InvalidSpec(
+                [f"task set {ref!r} is a folder without a Harbor task (no task.toml in it or a "
+                 "subfolder)"]
+            )
+        # Only the tasks asked for are read: a broken task elsewhere does not block them.
+        tasks = harbor.load_harbor_tasks(ref, only or None)
     else:
         path = Path(ref)
         try:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import shlex
 import sys
 import threading
 import time
@@ -106,9 +107,16 @@ class ScriptedPolicy:
         self.slow_fraction = slow_fraction
         self.slow_factor = slow_factor
 
-    def turn(self, task_id: str | None, sample: int, turn: int) -> dict[str, Any]:
+    def turn(
+        self, task_id: str | None, sample: int, turn: int, bash: bool = False
+    ) -> dict[str, Any]:
+        """Turn `turn` of the sample's plan. `bash`: the agent offers a `bash` tool instead of
+        ours (mini-swe-agent and most harnesses): its malformed replies are left out of the
+        plan (such an agent drops them from the conversation, so they would come back)."""
         plans = (self.tasks.get(task_id or "") or {}).get("plans") or [[]]
         plan = plans[sample % len(plans)]
+        if bash:
+            plan = [t for t in plan if "text" not in t]
         chosen = plan[turn] if turn < len(plan) else SUBMIT
         if chosen.get("hang") and not self.hangs:
             return SUBMIT
@@ -132,11 +140,53 @@ def _fake_tokens(text: str) -> list[int]:
     return list(hashlib.sha256(text.encode()).digest()[:16])
 
 
+# What a `bash`-tool agent runs for each of our tools, and how it says it is done
+# (mini-swe-agent's completion line: the first output line of a successful command).
+BASH_DONE = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+def offered_tools(request: Mapping[str, Any]) -> set[str]:
+    tools = request.get("tools") or []
+    return {
+        str((t.get("function") or {}).get("name"))
+        for t in tools
+        if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
+    }
+
+
+def as_bash(turn: dict[str, Any], offered: set[str]) -> dict[str, Any]:
+    """Our scripted turn for an agent whose only action is a shell command (`bash`): files
+    written with a heredoc, read with cat, commands run as they are; `submit` is the agent's own
+    submit tool when it offers one, else mini-swe-agent's completion line."""
+    name, args = turn.get("tool"), dict(turn.get("arguments") or {})
+    if name not in ("write_file", "read_file", "run", "submit") or name in offered:
+        return turn
+    if name == "submit":
+        command = BASH_DONE
+    elif name == "write_file":
+        path, content = str(args.get("path", "")), str(args.get("content", ""))
+        marker = "ROLLOUT_EOF"
+        while marker in content:
+            marker += "_"
+        folder = path.rsplit("/", 1)[0] if "/" in path else "."
+        body = content if content.endswith("\n") else content + "\n"
+        command = f"mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(path)} <<'{marker}'\n"
+        command += f"{body}{marker}"
+    elif name == "read_file":
+        command = f"cat {shlex.quote(str(args.get('path', '')))}"
+    else:
+        command = str(args.get("command", ""))
+    return turn | {"tool": "bash", "arguments": {"command": command}}
+
+
 def completion(
     request: Mapping[str, Any], turn: dict[str, Any], call_id: str, version: int | None = None
 ) -> dict[str, Any]:
     """A chat.completion object answering `request` with the scripted `turn` (and the policy
     `version` as SGLang reports it, when given)."""
+    offered = offered_tools(request)
+    if "bash" in offered:
+        turn = as_bash(turn, offered)
     if "tool" in turn:
         arguments = orjson.dumps(turn.get("arguments") or {}).decode()
         message: dict[str, Any] = {
@@ -182,6 +232,61 @@ def completion(
     if version is not None:
         body["metadata"] = {"weight_version": str(version)}
     return body
+
+
+def stream_chunks(body: Mapping[str, Any], request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """`body` (a chat.completion) as chat.completion.chunk objects: the role, the content in
+    pieces, each tool call (its name, then its arguments in two pieces), the finish reason,
+    then the usage when the request asked for it (stream_options.include_usage)."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    base = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    if "metadata" in body:
+        base["metadata"] = body["metadata"]
+
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        part = {"index": 0, "delta": delta, "finish_reason": finish, **(extra or {})}
+        return base | {"choices": [part]}
+
+    logprobs = (choice.get("logprobs") or {}).get("content") or []
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    content = message.get("content") or ""
+    pieces = [content[i : i + 16] for i in range(0, len(content), 16)]
+    for number, piece in enumerate(pieces):
+        extra = {"logprobs": {"content": logprobs}} if logprobs and number == 0 else {}
+        chunks.append(chunk({"content": piece}, extra=extra))
+    for position, call in enumerate(message.get("tool_calls") or []):
+        arguments = call["function"]["arguments"]
+        half = len(arguments) // 2
+        head = {"index": position, "id": call["id"], "type": "function"}
+        chunks.append(
+            chunk(
+                {
+                    "tool_calls": [
+                        head
+                        | {
+                            "function": {
+                                "name": call["function"]["name"],
+                                "arguments": arguments[:half],
+                            }
+                        }
+                    ]
+                }
+            )
+        )
+        chunks.append(
+            chunk(
+                {"tool_calls": [{"index": position, "function": {"arguments": arguments[half:]}}]}
+            )
+        )
+    if logprobs and not pieces:
+        chunks[0]["choices"][0]["logprobs"] = {"content": logprobs}
+    chunks.append(chunk({}, choice["finish_reason"]))
+    if (request.get("stream_options") or {}).get("include_usage"):
+        chunks.append(base | {"choices": [], "usage": body["usage"]})
+    return chunks
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -259,7 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
         }
         with self.server.lock:
             self.server.calls.append(call)
-        turn = policy.turn(task, sample, turn_no)
+        turn = policy.turn(task, sample, turn_no, bash="bash" in offered_tools(request))
         if attempt in (turn.get("unavailable_on_attempts") or ()):
             self._send(503, {"error": {"message": f"scripted outage for attempt {attempt}"}})
             return
@@ -278,7 +383,29 @@ class _Handler(BaseHTTPRequestHandler):
             version = self.server.version
             call["policy_version"] = version
         body = completion(request, turn, call_id, version)
-        self._send(200, body, {VERSION_HEADER: str(version)})
+        if request.get("stream"):
+            self._stream(body, request, {VERSION_HEADER: str(version)})
+        else:
+            self._send(200, body, {VERSION_HEADER: str(version)})
+
+    def _stream(
+        self, body: dict[str, Any], request: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> None:
+        """The same answer as server-sent events, the way OpenAI-compatible servers stream."""
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for chunk in stream_chunks(body, request):
+                self.wfile.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        except OSError:
+            pass
+        self.close_connection = True
 
     def _set_version(self, raw: bytes) -> None:
         try:

@@ -6,6 +6,7 @@ Loaded only when the command runs (it pulls in rich and the trainer's client).
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -151,6 +152,22 @@ RECORDS_WAIT_SECONDS = 60.0
 @options.groups_wanted()
 @options.group_filter()
 @click.option(
+    "--agent",
+    default=None,
+    metavar="COMMAND|oracle",
+    help="Run this command as the agent in each sandbox instead of the built-in loop (it "
+    "reaches the policy at $OPENAI_BASE_URL, README: Bring your own agent); 'oracle' runs "
+    "each task's solution/solve.sh.",
+)
+@click.option(
+    "--agent-env",
+    type=click.Path(exists=True, file_okay=False, resolve_path=True),
+    default=None,
+    help="Local backend: a folder (a virtual environment holding the agent) shown read-only "
+    "to the sandboxes at the same path. --all-in-one allows it for its workers; other workers "
+    "need it in ROLLOUT_AGENT_ENVS.",
+)
+@click.option(
     "--warm-pool",
     type=int,
     default=0,
@@ -190,6 +207,8 @@ def run(
     infra_retries: int | None,
     groups_wanted: int | None,
     group_filter: str | None,
+    agent: str | None,
+    agent_env: str | None,
     warm_pool: int,
     redis_url: str | None,
 ) -> None:
@@ -220,6 +239,10 @@ def run(
     }
     if warm_pool:
         request["warm_pool"] = warm_pool
+    if agent is not None:
+        request["agent"] = agent if agent == "oracle" else {"command": shlex.split(agent)}
+    if agent_env is not None:
+        request["agent_env"] = agent_env
     if episode_timeout_seconds is not None:
         request["episode_timeout_seconds"] = episode_timeout_seconds
     try:
@@ -260,7 +283,12 @@ def run(
     with contextlib.ExitStack() as stack:
         heartbeat = None
         if all_in_one:
-            local = stack.enter_context(LocalStack(collectors=collectors))
+            local = stack.enter_context(
+                LocalStack(
+                    collectors=collectors,
+                    extra_env={"ROLLOUT_AGENT_ENVS": agent_env} if agent_env else {},
+                )
+            )
             settings = settings.with_redis(local.redis_url)
             heartbeat = local.check_alive
             err(

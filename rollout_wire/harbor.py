@@ -1,0 +1,365 @@
+"""Harbor task folders as our tasks (`rollout_wire.request.TASK_FIELDS`).
+
+A Harbor task (harbor-framework/harbor, task.toml schema 1.x) is a folder:
+
+    task.toml         schema_version (or the older `version`), [task] name/description,
+                      [metadata] (free form), [agent] timeout_sec, [verifier] timeout_sec,
+                      [environment] docker_image, build_timeout_sec, cpus, memory_mb, ...
+    instruction.md    what the agent is asked to do
+    environment/      the agent's container: a Dockerfile and its build context (or
+                      docker-compose.yaml for several containers)
+    tests/test.sh     run after the agent, from /tests; writes /logs/verifier/reward.txt (a
+                      number) or /logs/verifier/reward.json ({"reward": ..., ...})
+    solution/solve.sh optional, what Harbor's oracle agent runs (from /solution)
+
+The mapping (one task per folder):
+
+- id: the folder's name, lower-cased, other characters than [a-z0-9_.-] made '-';
+- statement: instruction.md (leading canary comment lines dropped, as Harbor does);
+- environment: `[environment] docker_image` -> `image`; else environment/Dockerfile -> `image`
+  = a local name whose tag hashes the environment folder (`rollout tasks build` builds it),
+  with no `files` (the image holds the workspace); else the folder's plain files -> `files`;
+- tests/ -> `tests`, run as `bash /tests/test.sh`, reward `file`, no baseline check (Harbor
+  has no rule that the tests fail first);
+- solution/ -> `solution`; `[agent] timeout_sec` -> `time_limit_seconds` (rounded up);
+- [task] description and [metadata] difficulty, category, tags -> `description`.
+
+Not carried (no field of ours): resources (the batch's `resources` decide), timeouts of the
+verifier and of the build, users, network settings. Refused with a reason, every task at once:
+docker-compose environments, multi-step tasks, separate verifier environments, GPUs, MCP
+servers, environment variables (the tests would silently run without them), Windows tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout_wire.errors import InvalidSpec
+from rollout_wire.request import DEFAULT_TASK_TIME_LIMIT_SECONDS
+
+TASK_TOML = "task.toml"
+INSTRUCTION = "instruction.md"
+TEST_SCRIPT = "test.sh"
+SOLVE_SCRIPT = "solve.sh"
+TEST_COMMAND = ["bash", "/tests/test.sh"]
+# Images built from a task's Dockerfile get this registry-looking prefix: never pulled from
+# anywhere (the local Docker and the node's containerd hold them), and `--push` swaps it.
+LOCAL_REGISTRY = "rollout.local"
+# Tasks travel inside the batch request (< 1 MiB in all), so any one file must be smaller.
+MAX_FILE_BYTES = 1024 * 1024
+MAX_DESCRIPTION = 300
+_COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+# Clutter that is never part of a task (editors, VCS, bytecode).
+_SKIPPED = frozenset({".git", "__pycache__", ".DS_Store", ".gitkeep"})
+_CANARY = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
+_NOT_ID = re.compile(r"[^a-z0-9_.-]+")
+_MAX_ID = 63
+
+
+@dataclass(frozen=True)
+class HarborTask:
+    """One mapped task, where it came from, and the folder to `docker build` (None: no build)."""
+
+    task: dict[str, Any]
+    folder: Path
+    build_dir: Path | None
+
+    @property
+    def task_id(self) -> str:
+        return str(self.task["id"])
+
+
+def task_id_of(name: str) -> str:
+    """A folder name as a task id (request.py's rule: 1-63 of [a-z0-9_.-], alphanumeric ends);
+    "" when nothing usable is left."""
+    text = _NOT_ID.sub("-", name.lower())
+    text = text.strip("-_.")[:_MAX_ID]
+    return text.rstrip("-_.")
+
+
+def is_harbor_folder(path: str | Path) -> bool:
+    """A Harbor task folder, or a folder whose subfolders include one."""
+    return bool(_task_folders(Path(path)))
+
+
+def _task_folders(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return []
+    if (path / TASK_TOML).is_file():
+        return [path]
+    return sorted(
+        child
+        for child in path.iterdir()
+        if child.is_dir() and not child.name.startswith(".") and (child / TASK_TOML).is_file()
+    )
+
+
+def load_harbor_tasks(path: str | Path, only: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """The tasks of a Harbor folder (one task's folder, or a folder of them), in folder order;
+    `only` keeps these task ids. Raises InvalidSpec listing every task that cannot be mapped."""
+    return [h.task for h in scan(path, only)]
+
+
+def harbor_images(path: str | Path, only: Iterable[str] | None = None) -> list[tuple[str, str, Path]]:
+    """(image, task id, environment folder) of every task whose image is built from its
+    Dockerfile: what `rollout tasks build` builds."""
+    return [(h.task["image"], h.task_id, h.build_dir) for h in scan(path, only) if h.build_dir]
+
+
+def scan(path: str | Path, only: Iterable[str] | None = None) -> list[HarborTask]:
+    """Every task of the folder mapped, or InvalidSpec with every problem of every task."""
+    root = Path(path)
+    folders = _task_folders(root)
+    if not folders:
+        where = "no such folder" if not root.is_dir() else f"no {TASK_TOML} in it or a subfolder"
+        raise InvalidSpec([f"Harbor task folder {str(root)!r}: {where}"])
+    problems: list[str] = []
+    by_id: dict[str, list[Path]] = {}
+    for folder in folders:
+        task_id = task_id_of(folder.name)
+        if not task_id:
+            problems.append(f"task folder {folder.name!r}: its name leaves no usable task id")
+            continue
+        by_id.setdefault(task_id, []).append(folder)
+    for task_id, same in by_id.items():
+        if len(same) > 1:
+            names = ", ".join(repr(f.name) for f in same)
+            problems.append(f"task folders {names} all map to task id {task_id!r}: rename one")
+    wanted = None if only is None else list(only)
+    if wanted is not None:
+        missing = [name for name in wanted if name not in by_id]
+        if missing:
+            problems.append(f"Harbor task folder {str(root)!r} has no task(s) {missing}")
+    mapped = []
+    for task_id, same in by_id.items():
+        if len(same) == 1 and (wanted is None or task_id in wanted):
+            task = _map_task(task_id, same[0], problems)
+            if task is not None:
+                mapped.append(task)
+    if problems:
+        raise InvalidSpec(problems)
+    return sorted(mapped, key=lambda h: h.folder.name)
+
+
+def _table(config: dict[str, Any], name: str, where: str, problems: list[str]) -> dict[str, Any]:
+    value = config.get(name, {})
+    if not isinstance(value, dict):
+        problems.append(f"{where}: [{name}] in {TASK_TOML} must be a table")
+        return {}
+    return value
+
+
+def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | None:
+    where = f"task {folder.name!r}"
+    before = len(problems)
+    try:
+        config = tomllib.loads((folder / TASK_TOML).read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"{where}: {TASK_TOML} is not valid TOML: {exc}")
+        return None
+    agent = _table(config, "agent", where, problems)
+    verifier = _table(config, "verifier", where, problems)
+    environment = _table(config, "environment", where, problems)
+    solution_config = _table(config, "solution", where, problems)
+    _refuse_unsupported(folder, config, environment, verifier, where, problems)
+    for section, table in (
+        ("environment", environment),
+        ("verifier", verifier),
+        ("solution", solution_config),
+    ):
+        if table.get("env"):
+            problems.append(
+                f"{where}: [{section}] env is not supported (the task would run without "
+                "those variables)"
+            )
+
+    task: dict[str, Any] = {"id": task_id}
+    description = _description(config)
+    if description:
+        task["description"] = description
+    instruction = folder / INSTRUCTION
+    if not instruction.is_file():
+        problems.append(f"{where}: no {INSTRUCTION}")
+    else:
+        statement = _strip_canary(_read_text(instruction, where, problems) or "")
+        if not statement.strip():
+            problems.append(f"{where}: {INSTRUCTION} is empty")
+        task["statement"] = statement
+
+    build_dir = None
+    env_dir = folder / "environment"
+    prebuilt = environment.get("docker_image")
+    if prebuilt is not None:
+        if not isinstance(prebuilt, str) or not prebuilt:
+            problems.append(f"{where}: [environment] docker_image must be an image name")
+        task["image"] = prebuilt
+        task["files"] = {}
+    elif (env_dir / "Dockerfile").is_file():
+        build_dir = env_dir
+        task["image"] = local_image_name(task_id, env_dir)
+        task["files"] = {}
+    else:
+        task["files"] = _read_tree(env_dir, where, problems) if env_dir.is_dir() else {}
+
+    tests_dir = folder / "tests"
+    if not (tests_dir / TEST_SCRIPT).is_file():
+        problems.append(f"{where}: no tests/{TEST_SCRIPT} (Harbor's verifier entry point)")
+    else:
+        task["tests"] = _read_tree(tests_dir, where, problems)
+    task["test_command"] = list(TEST_COMMAND)
+    task["reward"] = "file"
+    task["baseline"] = False
+    if (folder / "solution").is_dir():
+        task["solution"] = _read_tree(folder / "solution", where, problems)
+    task["time_limit_seconds"] = _time_limit(agent.get("timeout_sec"), where, problems)
+    if len(problems) > before:
+        return None
+    return HarborTask(task=task, folder=folder, build_dir=build_dir)
+
+
+def _refuse_unsupported(
+    folder: Path,
+    config: dict[str, Any],
+    environment: dict[str, Any],
+    verifier: dict[str, Any],
+    where: str,
+    problems: list[str],
+) -> None:
+    env_dir = folder / "environment"
+    compose = [name for name in _COMPOSE_FILES if (env_dir / name).is_file()]
+    if compose:
+        problems.append(
+            f"{where}: environment/{compose[0]} (several containers) is not supported: one "
+            "sandbox per episode; give the task an environment/Dockerfile instead"
+        )
+    if config.get("steps") or (folder / "steps").is_dir():
+        problems.append(f"{where}: multi-step tasks ([[steps]]) are not supported")
+    if verifier.get("environment_mode") == "separate" or "environment" in verifier:
+        problems.append(f"{where}: a separate verifier environment is not supported")
+    gpus = environment.get("gpus", 0)
+    if gpus:
+        problems.append(f"{where}: [environment] gpus = {gpus!r}: GPUs are not supported")
+    if environment.get("mcp_servers"):
+        problems.append(f"{where}: [environment] mcp_servers are not supported")
+    tests_dir = folder / "tests"
+    if (tests_dir / "test.bat").is_file() and not (tests_dir / TEST_SCRIPT).is_file():
+        problems.append(f"{where}: Windows tasks (tests/test.bat) are not supported")
+
+
+def _time_limit(value: Any, where: str, problems: list[str]) -> int:
+    if value is None:
+        return DEFAULT_TASK_TIME_LIMIT_SECONDS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        problems.append(f"{where}: [agent] timeout_sec must be a positive number, got {value!r}")
+        return DEFAULT_TASK_TIME_LIMIT_SECONDS
+    return math.ceil(value)
+
+
+def _description(config: dict[str, Any]) -> str:
+    """A short line for people: the task's own description, then a few metadata keys."""
+    parts: list[str] = []
+    package = config.get("task")
+    metadata = config.get("metadata")
+    package = package if isinstance(package, dict) else {}
+    metadata = metadata if isinstance(metadata, dict) else {}
+    text = package.get("description")
+    if isinstance(text, str) and text.strip():
+        parts.append(" ".join(text.split()))
+    for key in ("difficulty", "category"):
+        value = metadata.get(key)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value):
+            parts.append(f"{key}: {value}")
+    tags = metadata.get("tags") or package.get("keywords")
+    if isinstance(tags, list) and tags and all(isinstance(t, str) for t in tags):
+        parts.append("tags: " + ", ".join(tags))
+    line = "; ".join(parts)
+    return line if len(line) <= MAX_DESCRIPTION else line[: MAX_DESCRIPTION - 3] + "..."
+
+
+def _strip_canary(text: str) -> str:
+    """Drop leading canary marker lines (data-provenance comments not meant for the agent) and
+    the blank lines after them."""
+    lines = text.split("\n")
+    start = 0
+    while start < len(lines) and _CANARY.match(lines[start].strip()):
+        start += 1
+    if start:
+        while start < len(lines) and not lines[start].strip():
+            start += 1
+    return "\n".join(lines[start:])
+
+
+def _read_text(path: Path, where: str, problems: list[str], name: str | None = None) -> str | None:
+    """A file's text, or a problem naming it: only text below MAX_FILE_BYTES travels."""
+    name = name or path.name
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        problems.append(f"{where}: {name} is {size} bytes, above the {MAX_FILE_BYTES} allowed")
+        return None
+    data = path.read_bytes()
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), len(data), "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        problems.append(f"{where}: {name} is a binary file; only UTF-8 text can be carried")
+        return None
+
+
+def _walk(root: Path) -> Iterable[tuple[str, Path]]:
+    """(relative posix path, path) of every entry below `root`, sorted, clutter left out; no
+    symbolic link is followed."""
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED)
+        base = Path(dirpath)
+        for name in sorted([*dirnames, *filenames]):
+            if name not in _SKIPPED:
+                yield (base / name).relative_to(root).as_posix(), base / name
+
+
+def _read_tree(root: Path, where: str, problems: list[str]) -> dict[str, str]:
+    """path -> text of every file below `root` (a folder of the task)."""
+    files: dict[str, str] = {}
+    for rel, path in _walk(root):
+        name = f"{root.name}/{rel}"
+        if path.is_symlink():
+            problems.append(f"{where}: {name} is a symbolic link; only plain files can be carried")
+        elif path.is_file():
+            text = _read_text(path, where, problems, name)
+            if text is not None:
+                files[rel] = text
+        elif not path.is_dir():
+            problems.append(f"{where}: {name} is not a plain file")
+    return files
+
+
+def environment_digest(env_dir: Path) -> str:
+    """12 hex of a hash over the folder's names, contents, executable bits and link targets:
+    the same build context always gives the same tag, any change a new one."""
+    digest = hashlib.sha256()
+    for rel, path in _walk(env_dir):
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            digest.update(f"L\0{rel}\0{os.readlink(path)}\n".encode())
+        elif stat.S_ISDIR(mode):
+            digest.update(f"D\0{rel}\n".encode())
+        else:
+            executable = int(bool(mode & stat.S_IXUSR))
+            content = hashlib.sha256(path.read_bytes()).hexdigest()
+            digest.update(f"F\0{rel}\0{executable}\0{content}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def local_image_name(task_id: str, env_dir: Path) -> str:
+    # An image path component allows single separators only; a task id may have runs of them.
+    name = re.sub(r"[^a-z0-9]+", "-", task_id).strip("-")
+    return f"{LOCAL_REGISTRY}/harbor-{name}:{environment_digest(env_dir)}"

@@ -1,0 +1,2 @@
+def is_even(n):
+    return n > 0 and n % 2 == 0
