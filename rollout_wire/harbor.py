@@ -109,7 +109,9 @@ def load_harbor_tasks(path: str | Path, only: Iterable[str] | None = None) -> li
     return [h.task for h in scan(path, only)]
 
 
-def harbor_images(path: str | Path, only: Iterable[str] | None = None) -> list[tuple[str, str, Path]]:
+def harbor_images(
+    path: str | Path, only: Iterable[str] | None = None
+) -> list[tuple[str, str, Path]]:
     """(image, task id, environment folder) of every task whose image is built from its
     Dockerfile: what `rollout tasks build` builds."""
     return [(h.task["image"], h.task_id, h.build_dir) for h in scan(path, only) if h.build_dir]

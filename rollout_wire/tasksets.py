@@ -1,7 +1,8 @@
 """Task sets: tasks are data. Resolved at the edge (CLI, trainer client) into the request.
 
 A task set is a JSON file `{"name": ..., "tasks": [task, ...]}` (or a bare list of tasks), or a
-folder of Harbor tasks (`rollout_wire.harbor`, mapped to tasks here); the task fields are described by `rollout_wire.request.TASK_FIELDS` and checked by `parse_spec`.
+folder of Harbor tasks (`rollout_wire.harbor`, mapped to tasks here); the task fields are
+described by `rollout_wire.request.TASK_FIELDS` and checked by `parse_spec`.
 `bundled` names the set shipped with the package (9 small Python repositories with different
 bugs, one of them needing several steps); it is what the tests and the demo use.
 """
@@ -51,8 +52,10 @@ def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any
 
         if not harbor.is_harbor_folder(ref):
             raise InvalidSpec(
-                [f"task set {ref!r} is a folder without a Harbor task (no task.toml in it or a "
-                 "subfolder)"]
+                [
+                    f"task set {ref!r} is a folder without a Harbor task (no task.toml in it or a "
+                    "subfolder)"
+                ]
             )
         # Only the tasks asked for are read: a broken task elsewhere does not block them.
         tasks = harbor.load_harbor_tasks(ref, only or None)

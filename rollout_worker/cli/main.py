@@ -33,6 +33,7 @@ class LazyGroup(click.Group):
     lazy = {
         "report": "rollout_worker.cli.report:report",
         "run": "rollout_worker.cli.run:run",
+        "tasks": "rollout_worker.cli.tasks:tasks",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -207,10 +207,10 @@ def bump_at(server, turn, version):
     """Make the server's policy move to `version` just before it answers turn `turn`."""
     original = server._server.policy.turn
 
-    def turn_hook(task_id, sample, n):
+    def turn_hook(task_id, sample, n, bash=False):
         if n == turn:
             server.set_version(version)
-        return original(task_id, sample, n)
+        return original(task_id, sample, n, bash)
 
     server._server.policy.turn = turn_hook
 

@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, "/app")
 
-from greet import greeting  # noqa: E402
+from greet import greeting
 
 got = greeting("Ada")
 print(f"greeting('Ada') = {got!r}")
