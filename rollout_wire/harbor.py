@@ -275,7 +275,7 @@ def _description(config: dict[str, Any]) -> str:
     metadata = metadata if isinstance(metadata, dict) else {}
     text = package.get("description")
     if isinstance(text, str) and text.strip():
-        parts.append(" ".join(text.split()))
+        parts.append(" ".join(text.split()).rstrip("."))
     for key in ("difficulty", "category"):
         value = metadata.get(key)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value):

@@ -309,3 +309,43 @@ def test_a_stale_episode_exits_0_with_a_stale_event_that_validates_as_stale(tmp_
     assert row.status == "stale" and row.errors == [] and row.reward == 0
     assert row.failure_kind is None and row.policy_versions == {"first": "4", "last": "4"}
     assert row.failure_cause == "stale: first turn at version 4, policy at 9 (max lag 1)"
+
+
+def test_a_bash_agent_gets_our_plan_as_shell_commands_that_do_the_same(tmp_path):
+    from rollout_worker.cli.policy_server import BASH_DONE, as_bash
+
+    content = "line one\nROLLOUT_EOF inside\n"
+    write = as_bash(
+        {"tool": "write_file", "arguments": {"path": "pkg/a.py", "content": content}}, {"bash"}
+    )
+    assert write["tool"] == "bash"
+    subprocess.run(["sh", "-c", write["arguments"]["command"]], cwd=tmp_path, check=True)
+    assert (tmp_path / "pkg" / "a.py").read_text() == content
+    read = as_bash({"tool": "read_file", "arguments": {"path": "pkg/a.py"}}, {"bash"})
+    shown = subprocess.run(
+        ["sh", "-c", read["arguments"]["command"]], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert shown.stdout == content
+    assert as_bash({"tool": "submit"}, {"bash"})["arguments"]["command"] == BASH_DONE
+    # An agent with its own submit tool gets it as it is.
+    assert as_bash({"tool": "submit"}, {"bash", "submit"}) == {"tool": "submit"}
+
+
+def test_a_streamed_answer_is_the_same_answer_in_chunks():
+    from rollout_worker.cli.policy_server import completion, stream_chunks
+
+    request = {"messages": [], "logprobs": True, "stream_options": {"include_usage": True}}
+    turn = {"tool": "run", "arguments": {"command": "python -m unittest"}}
+    body = completion(request, turn, "c1", version=3)
+    chunks = stream_chunks(body, request)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    arguments = "".join(
+        call["function"].get("arguments", "")
+        for c in chunks
+        for choice in c["choices"]
+        for call in choice["delta"].get("tool_calls", [])
+    )
+    assert arguments == body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert chunks[-1]["usage"] == body["usage"] and chunks[-1]["choices"] == []
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[0]["metadata"] == {"weight_version": "3"}

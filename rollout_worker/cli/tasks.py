@@ -1,0 +1,481 @@
+"""`rollout tasks`: look at a task set, and build the images of Harbor tasks.
+
+`show REF` prints what a batch would carry (REF: a Harbor folder, a JSON task set or "bundled").
+`build DIR` runs `docker build` for every Harbor task with an environment/Dockerfile, under the
+name the mapping gave it (`rollout_wire.harbor.local_image_name`), then optionally puts the
+image where a backend finds it: the local cluster's real node (`--node-import`), a registry
+(`--push`), or an extracted root filesystem for the local backend (`--rootfs`).
+
+The commands are built by the pure functions below (argv lists, tested without Docker); the
+click commands only run them. No registry is reached by a build: a Dockerfile's FROM must
+already be in the local Docker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from rollout_wire.errors import InvalidSpec
+
+# -- the commands (pure) -----------------------------------------------------------------------
+
+# hack/localkube/node.sh: the real node's private containerd listens on
+# ${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd<suffix>}/containerd.sock, where the
+# suffix is "-N" for ROLLOUT_LOCALKUBE_NODE_ID=N (1..200) and empty for the default node 0;
+# the kubelet's images live in containerd's `k8s.io` namespace.
+CONTAINERD_NAMESPACE = "k8s.io"
+MAX_NODE_ID = 200
+# Written next to an extracted root filesystem: the id of the image it came from.
+ROOTFS_MARKER_SUFFIX = ".image-id"
+
+
+def containerd_socket(environ: Mapping[str, str] | None = None) -> str:
+    """The socket of the local cluster's real node, as hack/localkube/node.sh names it."""
+    env = os.environ if environ is None else environ
+    state = env.get("ROLLOUT_NODE_CONTAINERD_STATE")
+    if not state:
+        node_id = env.get("ROLLOUT_LOCALKUBE_NODE_ID") or "0"
+        if not node_id.isdigit() or int(node_id) > MAX_NODE_ID:
+            raise ValueError(f"ROLLOUT_LOCALKUBE_NODE_ID must be 0..{MAX_NODE_ID}, not {node_id!r}")
+        suffix = "" if int(node_id) == 0 else f"-{node_id}"
+        state = f"/run/rollout-containerd{suffix}"
+    return f"{state}/containerd.sock"
+
+
+def docker_check_argv() -> list[str]:
+    # Fails unless the daemon answers (the client alone prints its own version).
+    return ["docker", "version", "--format", "{{.Server.Version}}"]
+
+
+def build_argv(image: str, context: Path) -> list[str]:
+    return ["docker", "build", "-t", image, str(context)]
+
+
+def node_import_argvs(image: str, socket: str) -> tuple[list[str], list[str]]:
+    """`docker save IMAGE | ctr ... images import -`: the two sides of the pipe."""
+    return (
+        ["docker", "save", image],
+        ["ctr", "--address", socket, "--namespace", CONTAINERD_NAMESPACE, "images", "import", "-"],
+    )
+
+
+def check_registry(registry: str) -> str:
+    """REGISTRY[/path] without a trailing '/'; ValueError for a URL or nothing."""
+    if not registry.strip("/") or "://" in registry or any(c.isspace() for c in registry):
+        raise ValueError(
+            f"--push {registry!r} must be a registry (and path) like 'registry.example.com:5000/"
+            "team', without a scheme"
+        )
+    return registry.rstrip("/")
+
+
+def pushed_name(image: str, registry: str) -> str:
+    """REGISTRY/<name:tag>: the local prefix (rollout.local/) swapped for the registry."""
+    from rollout_wire.harbor import LOCAL_REGISTRY
+
+    return f"{check_registry(registry)}/{image.removeprefix(LOCAL_REGISTRY + '/')}"
+
+
+def push_argvs(image: str, target: str) -> list[list[str]]:
+    return [["docker", "tag", image, target], ["docker", "push", target]]
+
+
+def rootfs_dirname(image: str) -> str:
+    """The image name as one path-safe folder name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", image)
+
+
+def image_id_argv(image: str) -> list[str]:
+    return ["docker", "image", "inspect", "--format", "{{.Id}}", image]
+
+
+def create_argv(image: str) -> list[str]:
+    # A container is only created (never started) to export its filesystem; the command is
+    # required for images without CMD, and never runs.
+    return ["docker", "create", image, "/bin/true"]
+
+
+def export_argvs(container: str, dest: Path) -> tuple[list[str], list[str]]:
+    """`docker export C | tar -x -C DEST`: the two sides of the pipe. /dev is left out (device
+    nodes need root to create; the sandbox gets its own /dev)."""
+    return (
+        ["docker", "export", container],
+        [
+            "tar",
+            "-x",
+            "-f",
+            "-",
+            "-C",
+            str(dest),
+            "--anchored",
+            "--exclude=dev/*",
+            "--exclude=./dev/*",
+        ],
+    )
+
+
+def remove_argv(container: str) -> list[str]:
+    return ["docker", "rm", "-f", container]
+
+
+def dockerfile_bases(text: str) -> list[str]:
+    """The images a Dockerfile's FROM lines name (stages it defines itself left out)."""
+    bases: list[str] = []
+    stages: set[str] = set()
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].upper() != "FROM":
+            continue
+        args = [w for w in words[1:] if not w.startswith("--")]
+        if not args:
+            continue
+        if args[0].lower() not in stages and args[0] not in bases:
+            bases.append(args[0])
+        if len(args) >= 3 and args[1].upper() == "AS":
+            stages.add(args[2].lower())
+    return bases
+
+
+# What docker says when a base image is not local and it tried (and failed) to fetch it.
+_MISSING_BASE = re.compile(
+    r"pull access denied|repository does not exist|manifest unknown|manifest for .* not found|"
+    r"failed to resolve source metadata|no such host|failed to do request|"
+    r"dial tcp|no match for platform|not found: not found",
+    re.IGNORECASE,
+)
+
+
+def missing_base(output: str) -> bool:
+    return bool(_MISSING_BASE.search(output))
+
+
+def last_line(output: str) -> str:
+    """The last non-empty line of a command's output: what a one-line failure shows."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a build plan (`--dry-run` prints them)."""
+
+    task_id: str
+    argv: list[str]
+    pipe_to: list[str] | None = None
+
+    def text(self) -> str:
+        line = shlex.join(self.argv)
+        return f"{line} | {shlex.join(self.pipe_to)}" if self.pipe_to else line
+
+
+def plan(
+    images: Sequence[tuple[str, str, Path]],
+    *,
+    node_socket: str | None,
+    registry: str | None,
+    rootfs: Path | None,
+) -> list[Step]:
+    """Every command `build` runs, in order (rootfs: its container id shown as <container>)."""
+    steps: list[Step] = []
+    for image, task_id, context in images:
+        steps.append(Step(task_id, build_argv(image, context)))
+        if node_socket is not None:
+            save, load = node_import_argvs(image, node_socket)
+            steps.append(Step(task_id, save, load))
+        if registry is not None:
+            target = pushed_name(image, registry)
+            steps += [Step(task_id, argv) for argv in push_argvs(image, target)]
+        if rootfs is not None:
+            dest = rootfs / rootfs_dirname(image)
+            steps.append(Step(task_id, create_argv(image)))
+            export, extract = export_argvs("<container>", dest)
+            steps.append(Step(task_id, export, extract))
+            steps.append(Step(task_id, remove_argv("<container>")))
+    return steps
+
+
+# -- running them ------------------------------------------------------------------------------
+
+
+class StepFailed(Exception):
+    """One step of one image failed: the message is the whole line to print."""
+
+
+def _label(argv: list[str]) -> str:
+    """What a failure line calls a command: its program and first plain word ("ctr images")."""
+    words = [w for w in argv[1:] if w.isalpha()][:1]
+    return " ".join([Path(argv[0]).name, *words])
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, errors="replace")
+    except OSError as exc:
+        raise StepFailed(f"{argv[0]}: {exc.strerror or exc}") from exc
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise StepFailed(f"{_label(argv)} failed: {last_line(output)}")
+    return done.stdout
+
+
+def _pipe(first: list[str], second: list[str]) -> None:
+    """first | second; either side failing fails the step, with its last line."""
+    try:
+        source = subprocess.Popen(first, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:
+        raise StepFailed(f"{first[0]}: {exc.strerror or exc}") from exc
+    assert source.stdout is not None and source.stderr is not None
+    try:
+        sink = subprocess.run(second, stdin=source.stdout, capture_output=True)
+    except OSError as exc:
+        source.kill()
+        raise StepFailed(f"{second[0]}: {exc.strerror or exc}") from exc
+    finally:
+        # Ours closed, so the source gets SIGPIPE (not a hang) when the sink stopped early.
+        source.stdout.close()
+        source_err = source.stderr.read().decode(errors="replace")
+        source.wait()
+    if source.returncode != 0:
+        raise StepFailed(f"{_label(first)} failed: {last_line(source_err)}")
+    if sink.returncode != 0:
+        output = (sink.stdout + sink.stderr).decode(errors="replace")
+        raise StepFailed(f"{_label(second)} failed: {last_line(output)}")
+
+
+def preflight(node_socket: str | None) -> list[str]:
+    """Why the build cannot start at all (one line each): no docker, daemon down, no ctr."""
+    problems = []
+    if shutil.which("docker") is None:
+        problems.append("docker is not on PATH: install the Docker client (and daemon)")
+    else:
+        try:
+            _run(docker_check_argv())
+        except StepFailed as exc:
+            problems.append(f"the Docker daemon does not answer ({exc}): start it")
+    if node_socket is not None:
+        if shutil.which("ctr") is None:
+            problems.append("ctr is not on PATH (--node-import needs containerd's ctr)")
+        if not os.path.exists(node_socket):
+            problems.append(
+                f"no containerd socket at {node_socket}: is the real node up "
+                "(hack/localkube/cluster.sh node-up)? [env ROLLOUT_NODE_CONTAINERD_STATE, "
+                "ROLLOUT_LOCALKUBE_NODE_ID]"
+            )
+    return problems
+
+
+def _build(image: str, context: Path) -> None:
+    try:
+        _run(build_argv(image, context))
+    except StepFailed as exc:
+        dockerfile = context / "Dockerfile"
+        bases = dockerfile_bases(dockerfile.read_text(errors="replace"))
+        if missing_base(str(exc)):
+            raise StepFailed(
+                f"docker build of {image}: its base {', '.join(bases) or '(unknown)'} is not in "
+                "the local Docker and no registry is used here: build or `docker tag` it "
+                f"locally first ({exc})"
+            ) from exc
+        raise
+
+
+def _export_rootfs(image: str, rootfs: Path) -> tuple[Path, bool]:
+    """The image's filesystem extracted under `rootfs` (once per image id); (path, fresh)."""
+    dest = rootfs / rootfs_dirname(image)
+    marker = rootfs / (rootfs_dirname(image) + ROOTFS_MARKER_SUFFIX)
+    image_id = _run(image_id_argv(image)).strip()
+    if dest.is_dir() and marker.is_file() and marker.read_text().strip() == image_id:
+        return dest, False
+    rootfs.mkdir(parents=True, exist_ok=True)
+    # Extracted beside, then renamed: a half-written tree is never taken for a finished one.
+    partial = rootfs / f".{rootfs_dirname(image)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    container = _run(create_argv(image)).strip()
+    try:
+        _pipe(*export_argvs(container, partial))
+        (partial / "dev").mkdir(exist_ok=True)
+        marker.unlink(missing_ok=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        partial.rename(dest)
+        marker.write_text(image_id + "\n")
+    except OSError as exc:
+        raise StepFailed(f"extracting {image} into {dest}: {exc}") from exc
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+        # A leftover stopped container costs nothing; the rootfs is what matters.
+        with contextlib.suppress(StepFailed):
+            _run(remove_argv(container))
+    return dest, True
+
+
+def _problems_exit(problems: Sequence[str]) -> NoReturn:
+    for line in problems:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(1)
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+
+@click.group()
+def tasks() -> None:
+    """Show a task set; build the images of Harbor tasks."""
+
+
+def summary_rows(task_list: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """One row per task: id, statement's first line, image or files, tests, solution, limit."""
+    from rollout_wire.request import DEFAULT_TASK_TIME_LIMIT_SECONDS
+
+    rows = [["ID", "STATEMENT", "WORKSPACE", "TESTS", "SOLUTION", "LIMIT"]]
+    for task in task_list:
+        statement = str(task.get("statement") or "").strip()
+        first = statement.splitlines()[0] if statement else ""
+        if len(first) > 60:
+            first = first[:57] + "..."
+        files = len(task.get("files") or {})
+        plural = "" if files == 1 else "s"
+        workspace = f"image {task['image']}" if task.get("image") else f"{files} file{plural}"
+        tests = len(task.get("tests") or task.get("test_files") or {})
+        limit = task.get("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS)
+        rows.append(
+            [
+                str(task.get("id")),
+                first,
+                workspace,
+                str(tests),
+                "yes" if "solve.sh" in (task.get("solution") or {}) else "no",
+                f"{limit}s",
+            ]
+        )
+    return rows
+
+
+def format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+@tasks.command()
+@click.argument("ref")
+@click.option("--task", "only", multiple=True, help="Only this task id (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="The tasks as JSON (what a batch carries).")
+def show(ref: str, only: tuple[str, ...], as_json: bool) -> None:
+    """The tasks of REF: a Harbor task folder, a JSON task set, or "bundled"."""
+    import orjson
+
+    from rollout_wire.tasksets import load_task_set
+
+    try:
+        loaded = load_task_set(ref, list(only) or None)
+    except InvalidSpec as exc:
+        _problems_exit(exc.problems)
+    if as_json:
+        click.echo(orjson.dumps(loaded, option=orjson.OPT_INDENT_2).decode())
+        return
+    for line in format_rows(summary_rows(loaded)):
+        click.echo(line)
+
+
+@tasks.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--task", "only", multiple=True, help="Only this task id (repeatable).")
+@click.option(
+    "--node-import",
+    is_flag=True,
+    help="Load each image into the local cluster's real node (its containerd, k8s.io).",
+)
+@click.option(
+    "--containerd-socket",
+    "socket_path",
+    default=None,
+    help="For --node-import. [default: hack/localkube's, from ROLLOUT_NODE_CONTAINERD_STATE / "
+    "ROLLOUT_LOCALKUBE_NODE_ID]",
+)
+@click.option(
+    "--push",
+    "registry",
+    default=None,
+    metavar="REGISTRY",
+    help="Tag and push each image as REGISTRY/<name>:<tag> (prints the names).",
+)
+@click.option(
+    "--rootfs",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Extract each image's root filesystem under this folder (for the local backend).",
+)
+@click.option("--dry-run", is_flag=True, help="Print the commands; run nothing.")
+def build(
+    folder: Path,
+    only: tuple[str, ...],
+    node_import: bool,
+    socket_path: str | None,
+    registry: str | None,
+    rootfs: Path | None,
+    dry_run: bool,
+) -> None:
+    """Build the image of every Harbor task in FOLDER that has an environment/Dockerfile."""
+    from rollout_wire import harbor
+
+    try:
+        mapped = harbor.scan(folder, list(only) or None)
+        node_socket = (socket_path or containerd_socket()) if node_import else None
+        if registry is not None:
+            check_registry(registry)  # before anything is built
+    except InvalidSpec as exc:
+        _problems_exit(exc.problems)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    for h in mapped:
+        if h.build_dir is None and h.task.get("image"):
+            click.echo(f"{h.task_id}: uses the prebuilt image {h.task['image']} (nothing to build)")
+    images = [(str(h.task["image"]), h.task_id, h.build_dir) for h in mapped if h.build_dir]
+    if not images:
+        click.echo(f"no task in {folder} has an environment/Dockerfile: nothing to build")
+        return
+    if rootfs is not None:
+        rootfs = rootfs.resolve()
+    if dry_run:
+        for step in plan(images, node_socket=node_socket, registry=registry, rootfs=rootfs):
+            click.echo(step.text())
+        return
+    problems = preflight(node_socket)
+    if problems:
+        _problems_exit(problems)
+    failures = []
+    for image, task_id, context in images:
+        try:
+            _build(image, context)
+            click.echo(f"{task_id}: built {image}")
+            if node_socket is not None:
+                _pipe(*node_import_argvs(image, node_socket))
+                click.echo(f"{task_id}: imported {image} into the node's containerd")
+            if registry is not None:
+                target = pushed_name(image, registry)
+                for argv in push_argvs(image, target):
+                    _run(argv)
+                click.echo(f"{task_id}: pushed {target}")
+            if rootfs is not None:
+                path, fresh = _export_rootfs(image, rootfs)
+                click.echo(f"{task_id}: rootfs {path}" + ("" if fresh else " (already there)"))
+        except StepFailed as exc:
+            failures.append(f"{task_id}: {exc}")
+    if failures:
+        _problems_exit(failures)
