@@ -342,6 +342,11 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
     ):
         problems.append(f"agent_env must be an absolute directory path, got {agent_env!r}")
         agent_env = None
+    if backend == "kubernetes" and any(t.get("grade") == "fresh" for t in tasks):
+        problems.append(
+            "grade: fresh runs on the local backend only so far (on Kubernetes the tests run in "
+            "the agent's Pod)"
+        )
     if agent_env is not None and backend == "kubernetes":
         problems.append(
             "agent_env is for the local backend: on Kubernetes the image holds the agent"

@@ -38,6 +38,8 @@ FIRST_INDEX_LABEL = "rollout.dev/first-index"
 # this index failed before this one.
 FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
 SANDBOX_UID = 1000
+# The writable folders an agent's episode has besides its workspace and /tmp.
+AGENT_DIRS = {"agent-logs": "/logs", "agent-tests": "/tests", "agent-solution": "/solution"}
 
 
 def namespace_name(batch_id: str) -> str:
@@ -58,7 +60,7 @@ def namespace_manifest(spec: BatchSpec) -> dict[str, Any]:
 
 def tasks_text(spec: BatchSpec) -> str | None:
     """The batch's tasks as the runner reads them (None for the demo with its fixed action)."""
-    if spec.policy is None:
+    if spec.policy is None and not spec.tasks:
         return None
     return orjson.dumps(spec.tasks or [demo_task()]).decode()
 
@@ -115,11 +117,12 @@ def network_policy_manifest(
 def agent_env(spec: BatchSpec) -> list[dict[str, Any]]:
     """The agent runner's environment (none for the demo): it works out its task and sample
     from JOB_COMPLETION_INDEX, which the Job controller sets in an Indexed Job's Pods."""
-    if spec.policy is None:
+    if spec.policy is None and not spec.tasks:
         return []
     values = {
-        "ROLLOUT_POLICY": spec.policy.runner_json(),
-        "ROLLOUT_POLICY_URL": spec.policy.url,
+        # An oracle-only batch asks no policy (and its NetworkPolicy allows no egress).
+        "ROLLOUT_POLICY": spec.policy.runner_json() if spec.policy else "{}",
+        **({"ROLLOUT_POLICY_URL": spec.policy.url} if spec.policy else {}),
         "ROLLOUT_TASKS_FILE": f"{PROGRAM_DIR}/{TASKS_KEY}",
         "ROLLOUT_SAMPLES_PER_TASK": str(spec.samples_per_task if spec.tasks else spec.count),
         "ROLLOUT_BATCH_ID": spec.batch_id,
@@ -283,6 +286,13 @@ def sandbox_pod_spec(
             {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
         ],
     }
+    if any("agent" in task for task in spec.tasks):
+        # An agent's episode writes outside its workspace: Harbor's /logs/verifier, the tests
+        # placed at /tests after the agent, the oracle's /solution (the root stays read-only).
+        container = pod_spec["containers"][0]
+        for name, path in AGENT_DIRS.items():
+            container["volumeMounts"].append({"name": name, "mountPath": path})
+            pod_spec["volumes"].append({"name": name, "emptyDir": {}})
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
