@@ -95,7 +95,7 @@ def _task_folders(path: Path) -> list[Path]:
     if not path.is_dir():
         return []
     if (path / TASK_TOML).is_file():
-        return [path]
+        return [path.resolve()]  # its name is the task id, even when given as "."
     return sorted(
         child
         for child in path.iterdir()

@@ -501,9 +501,9 @@ DEFAULT_TASK_TIME_LIMIT_SECONDS = 60
 DEFAULT_MAX_STEPS = 10
 MAX_STEPS = 200
 REWARD_RULES = ("all", "fraction", "file")
-# Where a `file` reward is read from, in this order (Harbor's verifier convention): a number,
-# or JSON with a numeric `reward` (other numbers in it are kept as the row's details).
-REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
+# Where a `file` reward is read from, in this order (Harbor's verifier reads the JSON first):
+# JSON with a numeric `reward` (its other numbers are kept as the row's details), or a number.
+REWARD_FILES = ("/logs/verifier/reward.json", "/logs/verifier/reward.txt")
 GRADES = ("same", "fresh")
 ORACLE = "oracle"
 # The agent's environment the runner sets itself (an agent's `env` may not override them).

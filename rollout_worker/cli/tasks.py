@@ -298,13 +298,12 @@ def _export_rootfs(image: str, rootfs: Path) -> tuple[Path, bool]:
     image_id = _run(image_id_argv(image)).strip()
     if dest.is_dir() and marker.is_file() and marker.read_text().strip() == image_id:
         return dest, False
-    rootfs.mkdir(parents=True, exist_ok=True)
+    container = _run(create_argv(image)).strip()
     # Extracted beside, then renamed: a half-written tree is never taken for a finished one.
     partial = rootfs / f".{rootfs_dirname(image)}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    container = _run(create_argv(image)).strip()
     try:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
         _pipe(*export_argvs(container, partial))
         (partial / "dev").mkdir(exist_ok=True)
         marker.unlink(missing_ok=True)
