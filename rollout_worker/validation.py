@@ -4,11 +4,19 @@ Pure functions. Every rule of the guide is checked and every violation is listed
 an episode is `ok` only when all of them hold, and a row that is not ok never carries reward 1.
 A real rollout the runner stopped because its policy moved on (a well-formed `stale` event in
 place of the reward, every other rule holding) is `stale`: withdrawn, reward 0, no failure.
+
+Real rollouts come in three modes (the `ready` event's `mode`): `agent` (the runner's own
+loop), `command` (an agent command whose chat completions the runner's proxy recorded as
+exchange steps, then an `agent_exit` event) and `oracle` (the task's solution as the agent
+command: `agent_exit`, no steps). A `grade: fresh` episode's log is two sandboxes' logs one
+after the other: the agent's, ending with `grade_pending`, then the grader's (`ready` with mode
+`grade`, then `reward`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import time
 from typing import Any
@@ -33,6 +41,12 @@ MAX_LINE_PROBLEMS = 10
 
 # The runner's outcome when its policy moved past the episode's max_policy_lag.
 STALE_EVENT = "stale"
+AGENT_EXIT_EVENT = "agent_exit"
+# The end of a `grade: fresh` episode's first sandbox: its grader's log follows.
+GRADE_PENDING_EVENT = "grade_pending"
+REAL_MODES = ("agent", "command", "oracle")
+COMMAND_MODES = ("command", "oracle")
+GRADE_MODE = "grade"
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -66,11 +80,15 @@ def parse_events(log: str) -> tuple[list[dict[str, Any]], list[str]]:
     return events, problems
 
 
-def _number(event: dict[str, Any], key: str) -> float | None:
-    value = event.get(key)
+def _number(event: dict[str, Any] | None, key: str) -> float | None:
+    value = event.get(key) if event is not None else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> EpisodeRow:
@@ -105,24 +123,46 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     reward = [e for e in events if e.get("event") == "reward"]
     stale = [e for e in events if e.get("event") == STALE_EVENT]
     steps = [e for e in events if e.get("event") == STEP_EVENT]
-    r = ready[0] if len(ready) == 1 else None
-    agent = r is not None and r.get("mode") == "agent"
+    pending = [e for e in events if e.get("event") == GRADE_PENDING_EVENT]
+    exits = [e for e in events if e.get("event") == AGENT_EXIT_EVENT]
+    # A fresh-graded episode has a ready event from each of its two sandboxes.
+    wanted = 2 if pending else 1
+    r = ready[0] if len(ready) == wanted else None
+    mode = r.get("mode") if r is not None else None
+    agent = mode in REAL_MODES
+    command = mode in COMMAND_MODES
     # A stale event stands in for the reward, once, in a real rollout; anything else with one
     # (a reward too, two of them, the demo) is a tampered-with log.
-    s = stale[0] if len(stale) == 1 and not reward and agent else None
+    s = stale[0] if len(stale) == 1 and not reward and not pending and agent else None
     if stale and s is None:
         errors.append(
             f"a stale event only ends a real rollout that has no reward: got {len(stale)} "
             f"stale and {len(reward)} reward event(s)"
             + ("" if agent else " in an episode without a policy")
         )
-    if len(ready) != 1 or (len(reward) != 1 and not stale):
+    if len(ready) != wanted or (len(reward) != 1 and not stale):
         errors.append(
             f"expected exactly one ready and one reward event, got {len(ready)} ready and "
             f"{len(reward)} reward"
+            if wanted == 1
+            else "expected two ready events (the agent's sandbox, then its grader's) and one "
+            f"reward event, got {len(ready)} ready and {len(reward)} reward"
         )
     w = reward[0] if len(reward) == 1 else None
-    for event in filter(None, (r, w, s)):
+    p = pending[0] if len(pending) == 1 and agent else None
+    if pending and p is None:
+        errors.append(
+            f"got {len(pending)} grade_pending event(s): one ends the agent's sandbox of a "
+            "real rollout graded fresh"
+        )
+    g = ready[1] if p is not None and r is not None else None
+    if r is not None and p is not None and g is not None:
+        _check_fresh(events, r, p, g, w, errors)
+    elif any(e.get("mode") == GRADE_MODE for e in ready):
+        errors.append("a grader's ready event without the agent sandbox's grade_pending")
+    # Where the baseline, the steps and the agent's fields are: the first sandbox's last word.
+    summary = p if p is not None else w
+    for event in filter(None, (r, w, s, p, g)):
         if event.get("episode_id") != obs.episode_id:
             errors.append(
                 f"{event['event']} event names episode {event.get('episode_id')!r}, "
@@ -137,12 +177,14 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
         errors.append(
             f"the episode reported an error ({failure.get('kind')}): {failure.get('cause')}"
         )
-    if w is not None:
+    if w is not None and summary is not None:
         row.reward_at = _number(w, "at")
-        row.baseline_exit = w.get("baseline_exit")
+        row.baseline_exit = summary.get("baseline_exit")
         row.tests_exit = w.get("tests_exit")
         reported = w.get("reward")
         if agent:
+            row.steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
+            row.stop_reason = summary.get("stop_reason")
             _check_agent_reward(row, w, errors)
         else:
             if reported != 1:
@@ -150,18 +192,29 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
             if row.tests_exit != 0:
                 errors.append(f"tests_exit is {row.tests_exit!r} after the action, expected 0")
             row.reward = 1 if reported == 1 else 0
-        if row.baseline_exit == 0 or not isinstance(row.baseline_exit, int):
+        # A real rollout's task may skip the baseline (`baseline: false`, or tests that only
+        # come after the agent): null then. A baseline that ran must have failed.
+        skipped = agent and row.baseline_exit is None
+        if not skipped and (row.baseline_exit == 0 or not isinstance(row.baseline_exit, int)):
             errors.append(f"baseline_exit is {row.baseline_exit!r}: the baseline must fail")
     row.policy_versions = _policy_versions(steps, errors)
     if s is not None and r is not None:
         _check_stale(row, r, s, steps, errors)
+    outcome = p if p is not None else w if w is not None else s
     if agent and r is not None:
-        _check_steps(obs.episode_id, r, w if w is not None else s, steps, errors)
+        _check_steps(obs.episode_id, r, outcome, steps, errors)
+    if command and r is not None:
+        _check_exchanges(steps, errors)
+        if outcome is not None:
+            _check_agent_exit(row, obs.episode_id, r, exits, steps, outcome, summary, errors)
+    elif exits:
+        errors.append("an agent_exit event in an episode without an agent command")
     if (r is not None and row.ready_at is None) or (w is not None and row.reward_at is None):
         errors.append("an event has no numeric 'at' timestamp")
 
-    _check_time_order(row, origin, errors, _number(s, "at") if s is not None else None)
-    _cross_check_termination(obs, w, errors, s)
+    grading = [("grade pending", _number(p, "at")), ("grader ready", _number(g, "at"))] if g else []
+    _check_time_order(row, origin, errors, _number(s, "at") if s is not None else None, grading)
+    _cross_check_termination(obs, w, errors, s, p)
 
     if row.ready_at is not None and row.created_at is not None:
         row.pod_to_ready_seconds = row.ready_at - row.created_at
@@ -222,14 +275,27 @@ def failure_kind(
 
 
 def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -> None:
-    """A real rollout's reward is any value of its rule: 0 is a sample, not a failure."""
+    """A real rollout's reward is any value of its rule: 0 is a sample, not a failure. A
+    `file` reward is whatever finite number the tests wrote (not only 0..1)."""
     reported = w.get("reward")
     rule = w.get("reward_rule")
-    row.steps = w.get("steps") if isinstance(w.get("steps"), int) else None
-    row.stop_reason = w.get("stop_reason")
     row.tests_passed, row.tests_total = w.get("tests_passed"), w.get("tests_total")
     if isinstance(reported, bool) or not isinstance(reported, (int, float)):
         errors.append(f"reward is {reported!r}, expected a number within 0..1")
+        return
+    details = w.get("reward_details")
+    if details is not None:
+        if isinstance(details, dict) and all(
+            isinstance(k, str) and _finite(v) for k, v in details.items()
+        ):
+            row.reward_details = {k: float(v) for k, v in details.items()}
+        else:
+            errors.append(f"reward_details {details!r} is not an object of finite numbers")
+    if rule == "file":
+        if not _finite(reported):
+            errors.append(f"reward {reported!r} is not a finite number")
+            return
+        row.reward = float(reported)
         return
     if not 0 <= reported <= 1:
         errors.append(f"reward {reported!r} is outside 0..1")
@@ -239,7 +305,7 @@ def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -
             f"reward {reported!r} disagrees with tests_exit {row.tests_exit!r} (rule all)"
         )
     elif rule not in ("all", "fraction"):
-        errors.append(f"reward_rule {rule!r} is not all or fraction")
+        errors.append(f"reward_rule {rule!r} is not all, fraction or file")
     row.reward = float(reported) if rule == "fraction" else int(reported)
 
 
@@ -342,13 +408,142 @@ def _check_steps(
             errors.append(f"{name} counts {reward.get('steps')!r} steps, the log has {len(steps)}")
 
 
+def _check_fresh(
+    events: list[dict[str, Any]],
+    ready: dict[str, Any],
+    pending: dict[str, Any],
+    grader: dict[str, Any],
+    reward: dict[str, Any] | None,
+    errors: list[str],
+) -> None:
+    """The agent's sandbox ends with grade_pending; the grader's log follows: its ready (mode
+    grade, the same task and sample), then the reward. Nothing of the agent's comes later."""
+    position = {id(e): n for n, e in enumerate(events)}
+    if grader.get("mode") != GRADE_MODE:
+        errors.append(f"the second ready event's mode is {grader.get('mode')!r}, expected grade")
+    if not position[id(pending)] < position[id(grader)]:
+        errors.append("the grader's ready event comes before the agent's grade_pending")
+    if reward is not None and position[id(reward)] < position[id(grader)]:
+        errors.append("the reward event comes before the grader's ready event")
+    late = [
+        e["event"]
+        for e in events[position[id(pending)] + 1 :]
+        if e["event"] in (STEP_EVENT, AGENT_EXIT_EVENT, STALE_EVENT, GRADE_PENDING_EVENT)
+    ]
+    if late:
+        errors.append(f"agent events after grade_pending: {sorted(set(late))}")
+    for event in (pending, grader, *([reward] if reward is not None else [])):
+        for key in ("task_id", "sample", "group_id"):
+            if event.get(key) != ready.get(key):
+                errors.append(
+                    f"{event['event']} event names {key} {event.get(key)!r}, the episode's is "
+                    f"{ready.get(key)!r}"
+                )
+
+
+_MARKER_KEYS = {"omitted_bytes", "sha256"}
+
+
+def _check_exchanges(steps: list[dict[str, Any]], errors: list[str]) -> None:
+    """An agent command's steps are recorded exchanges: the request (its messages apart), the
+    new messages (or the marker of their omission), the response (an object, or the marker;
+    null only for an exchange that failed and says why in `error`)."""
+    for step in steps:
+        number = step.get("step")
+        if not isinstance(step.get("request"), dict):
+            errors.append(f"step event {number!r} has no request object")
+        new = step.get("new_messages")
+        if not isinstance(new, list) and not (isinstance(new, dict) and set(new) == _MARKER_KEYS):
+            errors.append(f"step event {number!r}: new_messages is neither a list nor omitted")
+        response = step.get("response")
+        if response is None:
+            if not isinstance(step.get("error"), str):
+                errors.append(f"step event {number!r} has no response and no error")
+        elif not isinstance(response, dict):
+            errors.append(f"step event {number!r}: response {response!r:.80} is not an object")
+        status = step.get("status")
+        if status is not None and (isinstance(status, bool) or not isinstance(status, int)):
+            errors.append(f"step event {number!r}: status {status!r} is not an HTTP status")
+
+
+def _check_agent_exit(
+    row: EpisodeRow,
+    episode_id: str,
+    ready: dict[str, Any],
+    exits: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+    outcome: dict[str, Any],
+    summary: dict[str, Any] | None,
+    errors: list[str],
+) -> None:
+    """One agent_exit, well formed, after the last step and before the outcome; the outcome's
+    agent fields agree with it. Fills the row's agent fields."""
+    if len(exits) != 1:
+        errors.append(f"expected one agent_exit event, got {len(exits)}")
+        return
+    x = exits[0]
+    code, timed_out, seconds = x.get("exit_code"), x.get("timed_out"), _number(x, "seconds")
+    if x.get("episode_id") != episode_id:
+        errors.append(
+            f"agent_exit event names episode {x.get('episode_id')!r}, but the sandbox is "
+            f"{episode_id!r}"
+        )
+    for key in ("task_id", "group_id"):
+        if x.get(key) != ready.get(key):
+            errors.append(
+                f"agent_exit event names {key} {x.get(key)!r}, the episode's is {ready.get(key)!r}"
+            )
+    if code is not None and (isinstance(code, bool) or not isinstance(code, int)):
+        errors.append(f"agent_exit exit_code {code!r} is not an integer or null")
+    if not isinstance(timed_out, bool) or (code is None) != timed_out:
+        errors.append(
+            f"agent_exit says timed_out {timed_out!r} with exit_code {code!r}: null is the "
+            "exit code of an agent killed at its time limit, and only of one"
+        )
+    if seconds is None or seconds < 0:
+        errors.append(f"agent_exit seconds {x.get('seconds')!r} is not a duration")
+    if not isinstance(x.get("output_tail"), str):
+        errors.append("agent_exit has no output_tail text")
+    at, end = _number(x, "at"), _number(outcome, "at")
+    last = _number(steps[-1], "at") if steps else _number(ready, "at")
+    if at is None or (last is not None and at < last) or (end is not None and at > end):
+        errors.append(f"the agent_exit event is out of time order (at {x.get('at')!r})")
+    row.agent_exit_code, row.agent_seconds = code, seconds
+    row.agent_output = x.get("output_tail") if isinstance(x.get("output_tail"), str) else None
+    if summary is None:
+        return  # stale: the agent_exit event is all there is
+    if summary.get("agent_exit_code") != code:
+        errors.append(
+            f"{summary['event']} says agent_exit_code {summary.get('agent_exit_code')!r}, "
+            f"agent_exit says {code!r}"
+        )
+    expected = "time_limit" if timed_out else "agent_exit"
+    if summary.get("stop_reason") != expected:
+        errors.append(
+            f"{summary['event']} stop_reason {summary.get('stop_reason')!r}, expected "
+            f"{expected!r} (agent_exit timed_out {timed_out!r})"
+        )
+    output, spent = summary.get("agent_output"), _number(summary, "agent_seconds")
+    if output is not None and not isinstance(output, str):
+        errors.append(f"{summary['event']} agent_output is not text")
+    else:
+        row.agent_output = output
+    if spent is not None:
+        row.agent_seconds = spent
+
+
 def _check_time_order(
-    row: EpisodeRow, origin: float, errors: list[str], stale_at: float | None = None
+    row: EpisodeRow,
+    origin: float,
+    errors: list[str],
+    stale_at: float | None = None,
+    grading: list[tuple[str, float | None]] | None = None,
 ) -> None:
     chain = [
         ("run created", origin),
         ("sandbox created", row.created_at),
         ("ready", row.ready_at),
+        *(grading or []),
         ("reward", row.reward_at),
         ("stale", stale_at),
     ]
@@ -374,6 +569,7 @@ def _cross_check_termination(
     reward: dict[str, Any] | None,
     errors: list[str],
     stale: dict[str, Any] | None = None,
+    pending: dict[str, Any] | None = None,
 ) -> None:
     if not obs.termination_message:
         return
@@ -384,6 +580,11 @@ def _cross_check_termination(
         return
     if not isinstance(message, dict):
         errors.append("termination message is not a JSON object")
+        return
+    if message.get(GRADE_PENDING_EVENT):
+        # The agent's sandbox of a fresh-graded episode: its grader's log holds the outcome.
+        if pending is None:
+            errors.append("termination message reports grade_pending, the log has none")
         return
     if message.get("error"):
         # The runner's error summary: the log's error event already says what went wrong.

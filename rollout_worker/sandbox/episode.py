@@ -4,30 +4,58 @@ Runs with any Python >= 3.9 and only the standard library (python:3.12-alpine ha
 else), as an unprivileged user, in its own workspace. Its stdout carries the JSON events the
 workers validate, one per line.
 
-Two modes:
+Modes:
 
-- The guide's demo (no ROLLOUT_POLICY): the built-in shipping task and a fixed action
-  (ROLLOUT_ACTION fix | none | hang). Exactly two events, `ready` and `reward`; the exit status
-  is 0 only when the tests pass after the action.
-- The agent runner (ROLLOUT_POLICY set): the episode's task comes from ROLLOUT_TASKS_FILE; the
-  policy is asked for actions through the OpenAI-compatible chat completions API at
-  `<policy>/rollout/<episode id>/v1/chat/completions`, every request carrying the episode's
-  group id. Actions (write_file, read_file, run, submit) run here, in the workspace; their
-  observations go back to the policy, until submit, the step limit or the time limit. Then the
-  task's tests run and the reward rule applies (`all`: 1 when every test passes, else 0;
-  `fraction`: passed / total). Events: `ready`, one `step` per policy turn (the turn's actions,
-  each observation truncated to MAX_OBSERVATION_BYTES with TRUNCATION_MARKER, timings, and the
-  server's whole response verbatim, token ids and log-probabilities included when it sends
-  them, and the turn's `policy_version`), then `reward`; or an `error` event with a `kind`
-  (`infrastructure`: the policy endpoint was unreachable, timed out or answered with something
-  that is not a chat completion; `episode`: the task is broken) and no reward; or, with
-  `max_policy_lag` set, a `stale` event (first_version, version, lag, max_policy_lag, steps)
-  when the policy answering a turn is more than that many versions past the one that
-  answered the first turn: the episode stops there, no tests, no reward. A turn's version is
-  the `X-Policy-Version` response header, else the body's `weight_version` or
-  `metadata.weight_version` (SGLang), else null; only integer versions are compared. Exit
-  status: 0 with a reward (whatever its value) or stale (a withdrawn episode, not a failure
-  nor one to retry), 3 for an episode error, 4 for an infrastructure error.
+- The guide's demo (neither ROLLOUT_POLICY nor ROLLOUT_TASKS_FILE): the built-in shipping task
+  and a fixed action (ROLLOUT_ACTION fix | none | hang). Exactly two events, `ready` and
+  `reward`; the exit status is 0 only when the tests pass after the action.
+- The built-in agent loop (a task without `agent`; ready's mode "agent"): the episode's task
+  comes from ROLLOUT_TASKS_FILE; the policy is asked for actions through the OpenAI-compatible
+  chat completions API at `<policy>/rollout/<episode id>/v1/chat/completions`, every request
+  carrying the episode's group id. Actions (write_file, read_file, run, submit) run here, in
+  the workspace; their observations go back to the policy, until submit, the step limit or the
+  time limit. Then the task's tests run and the reward rule applies (`all`: 1 when every test
+  passes, else 0; `fraction`: passed / total). Events: `ready`, one `step` per policy turn
+  (the turn's actions, each observation truncated to MAX_OBSERVATION_BYTES with
+  TRUNCATION_MARKER, timings, and the server's whole response verbatim, token ids and
+  log-probabilities included when it sends them, and the turn's `policy_version`), then
+  `reward`; or an `error` event with a `kind` (`infrastructure`: the policy endpoint was
+  unreachable, timed out or answered with something that is not a chat completion; `episode`:
+  the task is broken) and no reward; or, with `max_policy_lag` set, a `stale` event
+  (first_version, version, lag, max_policy_lag, steps) when the policy answering a turn is
+  more than that many versions past the one that answered the first turn: the episode stops
+  there, no tests, no reward. A turn's version is the `X-Policy-Version` response header, else
+  the body's `weight_version` or `metadata.weight_version` (SGLang), else null; only integer
+  versions are compared. Exit status: 0 with a reward (whatever its value), stale (a withdrawn
+  episode, not a failure nor one to retry) or grade_pending, 3 for an episode error, 4 for an
+  infrastructure error.
+- An agent command (the task's `agent` is {command, env}; ready's mode "command"): no loop
+  here. A recording proxy on 127.0.0.1 (the agent's OPENAI_BASE_URL) forwards each chat
+  completion the agent asks for to the same per-episode policy endpoint, with the agent's own
+  body (the batch's model; its sampling only where the agent set nothing), and logs each
+  exchange as a `step` event: step, request (the body without its messages), new_messages
+  (beyond the previous exchange's, or all of them with messages_reset), response (a stream's
+  chunks assembled into one chat.completion; `stream`, `chunks`), status, error, timings,
+  policy_version. The command runs in the workspace, in its own process group, until it exits
+  or the task's time limit; then an `agent_exit` event (exit_code, null when killed at the
+  limit; timed_out, seconds, output_tail, output_bytes). A policy lost for good (unreachable,
+  5xx after the retries, no chat completion) stops the agent and ends the episode with an
+  infrastructure error; a policy past max_policy_lag answers the agent 409, stops it, `stale`.
+- The oracle (`agent` "oracle"; mode "oracle"): no policy; the task's `solution` is placed at
+  /solution and `bash /solution/solve.sh` runs as the agent command.
+
+Grading, every real mode: the task's `tests` are placed at /tests (only now: the agent never
+sees them), /logs/verifier is emptied (for tests or the rule `file`), test_files written
+again, test_command run; the reward rule `file` reads /logs/verifier/reward.json (a numeric
+`reward`, or its only number; its other numbers become `reward_details`), else reward.txt (one
+number). A directory that cannot be made is replaced by a temporary one; the tests (and the
+oracle) find the directories used in ROLLOUT_TESTS_DIR, ROLLOUT_VERIFIER_DIR (and
+ROLLOUT_SOLUTION_DIR). The same variables in the runner's own environment move them elsewhere
+(a sandbox without a root of its own, tests). The baseline (the tests must fail before the
+agent acts) runs unless the task says `baseline: false` or has `tests`. With `grade: fresh`
+the agent's sandbox ends with a `grade_pending` event (the outcome's fields so far; exit 0)
+and a second sandbox runs this program with ROLLOUT_PHASE=grade over a copy of the workspace:
+`ready` (mode "grade"), then `reward`.
 
 Environment: EPISODE_ID (the sandbox's name), ROLLOUT_WORKSPACE (default /workspace),
 ROLLOUT_ACTION; for the agent runner ROLLOUT_POLICY (JSON: model, sampling,
@@ -38,26 +66,34 @@ ROLLOUT_TASKS_FILE, and either ROLLOUT_TASK_ID / ROLLOUT_SAMPLE / ROLLOUT_GROUP_
 JOB_COMPLETION_INDEX (+ ROLLOUT_INDEX_OFFSET, the first episode of its Job) /
 ROLLOUT_SAMPLES_PER_TASK / ROLLOUT_BATCH_ID to work them out;
 ROLLOUT_ATTEMPT (0 for the first run of this episode, n for its n-th retry in a fresh sandbox
-after an infrastructure failure), sent to the policy as X-Rollout-Attempt.
+after an infrastructure failure), sent to the policy as X-Rollout-Attempt; ROLLOUT_PHASE
+(`grade`: the second sandbox of a `grade: fresh` episode).
 A warm sandbox (ROLLOUT_HANDOVER=stdin) gets the episode's variables on stdin instead (see
 take_handover).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
+import math
 import os
 import re
 import shutil
+import signal
 import socket
+import socketserver
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import typing
 import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 BUGGY = "def shipping(total):\n    return 0 if total > 99 else 10\n"
 TESTS = """import unittest
@@ -99,6 +135,27 @@ INTEGER = re.compile(r"-?[0-9]+")
 
 EXIT_EPISODE_ERROR = 3
 EXIT_INFRASTRUCTURE = 4
+
+# Agent commands and grading.
+ORACLE = "oracle"
+TESTS_DIR = "/tests"
+SOLUTION_DIR = "/solution"
+VERIFIER_DIR = "/logs/verifier"
+# In VERIFIER_DIR, the first that exists is read (as rollout_wire.request.REWARD_FILES says).
+REWARD_FILE_NAMES = ("reward.json", "reward.txt")
+API_KEY = "rollout"  # the agent's OPENAI_API_KEY: clients insist on one, the proxy ignores it
+KILL_GRACE_SECONDS = 2.0
+OUTPUT_TAIL_LINES = 20
+OUTPUT_TAIL_BYTES = 4096
+MAX_ERROR_BODY = 2048
+MAX_TESTS_OUTPUT = 8 * 2**20
+# The collectors refuse an event above 256 KiB: a step event is fitted below this.
+MAX_STEP_EVENT_BYTES = 240 * 1024
+MAX_MESSAGE_TEXT = 16 * 1024
+MAX_AGENT_REQUEST = 32 * 2**20
+# Linux refuses an environment variable above 128 KiB; the whole statement is in its file.
+MAX_ENV_STATEMENT = 64 * 1024
+STREAM_READ = 65536
 
 SYSTEM_PROMPT = (
     "You are a software engineer working in a small Python repository. Use the tools to look "
@@ -153,11 +210,32 @@ TOOLS = [
 ]
 
 
+# The proxy's threads and the main thread print events: one line at a time.
+_EMIT_LOCK = threading.Lock()
+
+
+def finite(value: object) -> object:
+    """`value` with every NaN or infinity replaced by None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
 def emit(event: str, **data: object) -> dict[str, object]:
     record = {"event": event, "at": time.time(), "episode_id": os.environ["EPISODE_ID"]}
     record.update(data)
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
+    try:
+        line = json.dumps(record, allow_nan=False)
+    except ValueError:
+        # A server's or agent's NaN (say, a log-probability) would make the line no JSON.
+        line = json.dumps(finite(record))
+    with _EMIT_LOCK:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     if event == "ready" and os.environ.get("ROLLOUT_READY_FILE"):
         mark_ready(os.environ["ROLLOUT_READY_FILE"])
     return record
@@ -190,8 +268,10 @@ def record_outcome(event: dict[str, object]) -> None:
             keys = ("at", "episode_id", "kind", "cause")
         elif event.get("event") == "stale":
             keys = ("at", "episode_id", "first_version", "version", "lag", "max_policy_lag")
+        elif event.get("event") == "grade_pending":
+            keys = ("at", "episode_id")
         summary = {k: event.get(k) for k in keys}
-        if event.get("event") in ("error", "stale"):
+        if event.get("event") in ("error", "stale", "grade_pending"):
             summary[str(event["event"])] = True
         try:
             with open(TERMINATION_LOG, "w") as handle:
@@ -252,6 +332,10 @@ def demo(action: str) -> int:
 # -- the agent runner --------------------------------------------------------------------------
 class InfrastructureError(Exception):
     """The policy could not be used: not the episode's fault, never a reward."""
+
+
+class EpisodeError(Exception):
+    """The task (or its agent) is broken: no sample of the policy, not worth a retry."""
 
 
 class StalePolicy(Exception):
@@ -342,13 +426,10 @@ class Policy:
             return http.client.HTTPSConnection(self.netloc, timeout=self.timeout)
         return http.client.HTTPConnection(self.netloc, timeout=self.timeout)
 
-    def complete(self, messages: list) -> tuple[dict, bytes, int, str | None]:
-        """(parsed response, raw bytes, attempts, X-Policy-Version header or None). Retries
-        connection failures, timeouts, 429 and 5xx; raises InfrastructureError when they are
-        spent or the answer is no chat completion."""
-        body = dict(self.sampling)
-        body.update({"model": self.model, "messages": messages, "tools": TOOLS})
-        payload = json.dumps(body).encode()
+    def send(self, payload: bytes, keep_open: bool = False) -> Answer:
+        """POST a chat completions body. Retries connection failures, timeouts, 429 and 5xx;
+        returns the first other answer, or the last 429/5xx; raises InfrastructureError when
+        the endpoint never answered. With `keep_open`, an event stream is returned unread."""
         problem = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -357,35 +438,75 @@ class Policy:
             try:
                 conn.request("POST", self.path, body=payload, headers=self.headers)
                 response = conn.getresponse()
-                raw = response.read(MAX_RESPONSE_READ + 1)
                 status = response.status
                 header = response.getheader(VERSION_HEADER)
+                kind = response.getheader("Content-Type") or ""
+                if keep_open and status == 200 and "text/event-stream" in kind:
+                    return Answer(status, b"", header, attempt + 1, kind, conn, response)
+                raw = response.read(MAX_RESPONSE_READ + 1)
             except (OSError, http.client.HTTPException) as exc:
-                kind = "timed out" if isinstance(exc, socket.timeout) else "unreachable"
-                problem = f"policy endpoint {kind}: {type(exc).__name__}: {exc}"
-                continue
-            finally:
                 conn.close()
-            if status == 429 or status >= 500:
+                failed = "timed out" if isinstance(exc, socket.timeout) else "unreachable"
+                problem = f"policy endpoint {failed}: {type(exc).__name__}: {exc}"
+                continue
+            conn.close()
+            if (status == 429 or status >= 500) and attempt < self.retries:
                 problem = f"policy endpoint answered HTTP {status}: {raw[:200]!r}"
                 continue
-            if status != 200:
-                raise InfrastructureError(
-                    f"policy endpoint refused the request: HTTP {status}: {raw[:200]!r}"
-                )
-            if len(raw) > MAX_RESPONSE_READ:
-                raise InfrastructureError(f"policy response exceeds {MAX_RESPONSE_READ} bytes")
-            try:
-                parsed = json.loads(raw)
-                message = parsed["choices"][0]["message"]
-                if not isinstance(message, dict):
-                    raise TypeError("message is not an object")
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                raise InfrastructureError(
-                    f"policy endpoint sent no chat completion ({exc}): {raw[:200]!r}"
-                ) from None
-            return parsed, raw, attempt + 1, header
+            return Answer(status, raw, header, attempt + 1, kind)
         raise InfrastructureError(f"{problem} (after {self.retries + 1} attempt(s))")
+
+    def complete(self, messages: list) -> tuple[dict, bytes, int, str | None]:
+        """(parsed response, raw bytes, attempts, X-Policy-Version header or None). Raises
+        InfrastructureError when the retries are spent or the answer is no chat completion."""
+        body = dict(self.sampling)
+        body.update({"model": self.model, "messages": messages, "tools": TOOLS})
+        answer = self.send(json.dumps(body).encode())
+        status, raw = answer.status, answer.raw
+        if status == 429 or status >= 500:
+            raise InfrastructureError(
+                f"policy endpoint answered HTTP {status}: {raw[:200]!r} "
+                f"(after {answer.attempts} attempt(s))"
+            )
+        if status != 200:
+            raise InfrastructureError(
+                f"policy endpoint refused the request: HTTP {status}: {raw[:200]!r}"
+            )
+        if len(raw) > MAX_RESPONSE_READ:
+            raise InfrastructureError(f"policy response exceeds {MAX_RESPONSE_READ} bytes")
+        try:
+            parsed = json.loads(raw)
+            message = parsed["choices"][0]["message"]
+            if not isinstance(message, dict):
+                raise TypeError("message is not an object")
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise InfrastructureError(
+                f"policy endpoint sent no chat completion ({exc}): {raw[:200]!r}"
+            ) from None
+        return parsed, raw, answer.attempts, answer.header
+
+
+class Answer:
+    """What the policy endpoint said: its status, body (none yet for a stream left open, which
+    `conn` and `response` still read), version header, content type, and the attempts taken."""
+
+    def __init__(
+        self,
+        status: int,
+        raw: bytes,
+        header: str | None,
+        attempts: int,
+        content_type: str,
+        conn: http.client.HTTPConnection | None = None,
+        response: http.client.HTTPResponse | None = None,
+    ) -> None:
+        self.status = status
+        self.raw = raw
+        self.header = header
+        self.attempts = attempts
+        self.content_type = content_type
+        self.conn = conn
+        self.response = response
 
 
 def workspace_path(root: str, path: object) -> str:
@@ -397,12 +518,112 @@ def workspace_path(root: str, path: object) -> str:
     return full
 
 
-def write_files(root: str, files: dict) -> None:
+def _writable_dir(path: str) -> None:
+    """`path` a real directory the runner can write (an agent may have left a link, a file or
+    a read-only directory there)."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    if not os.path.isdir(path):
+        os.mkdir(path)
+    elif not os.access(path, os.W_OK | os.X_OK):
+        os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | stat.S_IRWXU)
+
+
+def write_files(root: str, files: dict, scripts: bool = False) -> None:
+    """Write `files` (relative path -> text) under `root`. Whatever is in the way is removed,
+    so each text lands where it is named and never through a link out of `root`. With
+    `scripts`, a text starting with #! is made executable (texts carry no file modes)."""
     for path, text in files.items():
-        full = workspace_path(root, path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
+        parts = path.split("/") if isinstance(path, str) and "\0" not in path else []
+        if not parts or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"path must be a relative path in the repository, got {path!r}")
+        current = root
+        for part in parts[:-1]:
+            current = os.path.join(current, part)
+            _writable_dir(current)
+        full = os.path.join(current, parts[-1])
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        elif os.path.lexists(full):
+            os.unlink(full)
         with open(full, "w") as handle:
             handle.write(text)
+        if scripts and text.startswith("#!"):
+            os.chmod(full, 0o755)
+
+
+def fresh_dir(path: str, prefix: str) -> str:
+    """`path` emptied (made when missing), or a new temporary directory when it cannot be:
+    nothing an agent left there (a planted reward file, a link) reaches the grading."""
+    try:
+        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+            os.unlink(path)
+        os.makedirs(path, exist_ok=True)
+        for entry in os.listdir(path):
+            full = os.path.join(path, entry)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+        if os.access(path, os.W_OK | os.X_OK) and not os.listdir(path):
+            return path
+    except OSError:
+        pass
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def resolve_argv(argv: list, path: str) -> list:
+    """argv with its program found: `python`/`python3` is this interpreter, a bare name is
+    looked up on `path` (`bash` falls back to `sh`: alpine images have no bash)."""
+    first = argv[0]
+    if first in ("python", "python3"):
+        return [sys.executable, *argv[1:]]
+    if "/" in first:
+        return list(argv)
+    found = shutil.which(first, path=path)
+    if found is None and first == "bash":
+        found = shutil.which("sh", path=path)
+    if found is None:
+        raise EpisodeError(f"{first!r} is not on the sandbox's PATH ({path})")
+    return [found, *argv[1:]]
+
+
+def run_process(argv: list, env: dict, cwd: str, timeout: float) -> tuple[int, str]:
+    """(exit code, output) of a command in its own process group, output to a file: a
+    grandchild that keeps running (a test's server) neither holds a pipe open nor survives."""
+    handle, output_path = tempfile.mkstemp(prefix="rollout-run-", suffix=".log")
+    try:
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise EpisodeError(f"{argv[0]!r} could not start: {exc}") from None
+        finally:
+            os.close(handle)
+        try:
+            code: int | None = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        if code is None:
+            process.kill()
+            process.wait()
+        with open(output_path, "rb") as out:
+            output = out.read(MAX_TESTS_OUTPUT).decode("utf-8", "replace")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(output_path)
+    if code is None:
+        return 124, output + f"\n[tests timed out after {timeout:.0f}s]"
+    return code, output
 
 
 def run_command(command: str, timeout: float, env: dict) -> tuple[int, str]:
@@ -437,14 +658,744 @@ def test_counts(output: str) -> tuple[int | None, int | None]:
     return None, None
 
 
+# -- agent commands ------------------------------------------------------------------------------
+def harden() -> None:
+    """Best effort (Linux): the runner adopts the orphans its agent leaves
+    (PR_SET_CHILD_SUBREAPER), so kill_leftovers finds them, and is not dumpable
+    (PR_SET_DUMPABLE 0), so the agent, the same user, can neither open the runner's stdout
+    through /proc nor trace it to print events of its own. Children are dumpable again after
+    exec: nothing changes for them."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    except (ImportError, OSError, AttributeError):
+        pass
+
+
+def descendants(pid: int) -> list:
+    """The live processes below `pid`, from /proc (empty without it)."""
+    children: dict = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and fields[0] != b"Z":  # a zombie is already dead
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def reap() -> None:
+    """Collect the exit status of every child that ended (orphans adopted included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def kill_leftovers(group: int) -> None:
+    """Kill what the agent left running: its process group, then every process below the
+    runner (the subreaper adopted those that left the group)."""
+    with contextlib.suppress(OSError):
+        os.killpg(group, signal.SIGKILL)
+    if os.getpid() == 1:
+        # As its PID namespace's init the runner may kill(-1): that spares the caller and
+        # PID 1, both the runner here. Never otherwise: outside a namespace of its own, -1
+        # reaches every process of the user on the machine.
+        with contextlib.suppress(OSError):
+            os.kill(-1, signal.SIGKILL)
+    for _ in range(20):
+        found = descendants(os.getpid())
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        reap()
+        time.sleep(0.05)
+    reap()
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM to the agent's process group, SIGKILL after KILL_GRACE_SECONDS."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(OSError):
+            process.send_signal(sig)  # in case it left its group
+        try:
+            process.wait(KILL_GRACE_SECONDS)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    process.wait()
+
+
+def output_tail(path: str) -> tuple[str, int]:
+    """(the last OUTPUT_TAIL_LINES lines, at most OUTPUT_TAIL_BYTES, of a file; its size)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            handle.seek(max(0, size - OUTPUT_TAIL_BYTES))
+            data = handle.read(OUTPUT_TAIL_BYTES)
+    except OSError:
+        return "", 0
+    lines = data.decode("utf-8", "replace").splitlines()[-OUTPUT_TAIL_LINES:]
+    text = "\n".join(lines).encode("utf-8")[-OUTPUT_TAIL_BYTES:]
+    return text.decode("utf-8", "ignore"), size
+
+
+def run_agent(
+    argv: list, env: dict, cwd: str, time_limit: float, stop: threading.Event
+) -> dict[str, typing.Any]:
+    """Run the agent command to its end, its time limit, or `stop`; then kill what it left.
+    The agent_exit event's fields."""
+    handle, output = tempfile.mkstemp(prefix="rollout-agent-", suffix=".log")
+    started = time.time()
+    try:
+        process = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        os.unlink(output)
+        raise EpisodeError(f"the agent command {argv[0]!r} could not start: {exc}") from None
+    finally:
+        os.close(handle)
+    deadline = started + time_limit
+    timed_out = False
+    while process.poll() is None:
+        left = deadline - time.time()
+        if left <= 0:
+            timed_out = True
+            break
+        if stop.wait(min(0.1, left)):
+            break
+    if process.poll() is None:
+        stop_process(process)
+    seconds = time.time() - started
+    kill_leftovers(process.pid)
+    tail, size = output_tail(output)
+    with contextlib.suppress(OSError):
+        os.unlink(output)
+    return {
+        "exit_code": None if timed_out else process.returncode,
+        "timed_out": timed_out,
+        "seconds": seconds,
+        "output_tail": tail,
+        "output_bytes": size,
+    }
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_reward(directory: str) -> tuple[float, dict | None]:
+    """(reward, other numbers or None) from the first of the verifier's reward files that
+    exists. EpisodeError naming the file when none does or the one found says no number."""
+    paths = [os.path.join(directory, name) for name in REWARD_FILE_NAMES]
+    for path in paths:
+        if os.path.exists(path):
+            return _reward_json(path) if path.endswith(".json") else _reward_text(path)
+    raise EpisodeError(f"the tests wrote no reward: none of {', '.join(paths)}")
+
+
+def _reward_text(path: str) -> tuple[float, dict | None]:
+    try:
+        with open(path) as handle:
+            reward = float(handle.read(4096).strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise EpisodeError(f"{path} does not hold one number") from None
+    if not math.isfinite(reward):
+        raise EpisodeError(f"{path} holds {reward}, not a finite number")
+    return reward, None
+
+
+def _reward_json(path: str) -> tuple[float, dict | None]:
+    """A numeric `reward` (else the only number) of a JSON object; its other numbers are the
+    details. A bare number is the reward alone."""
+    try:
+        with open(path) as handle:
+            value = json.load(handle)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise EpisodeError(f"{path} is not JSON: {exc}") from None
+    if _number(value):
+        value = {"reward": value}
+    numbers = (
+        {k: v for k, v in value.items() if _number(v) and math.isfinite(v)}
+        if isinstance(value, dict)
+        else {}
+    )
+    if isinstance(value, dict) and "reward" in value:
+        key = "reward"
+    elif len(numbers) == 1:
+        key = next(iter(numbers))
+    else:
+        raise EpisodeError(f"{path} holds no numeric reward (nor a single number)")
+    if key not in numbers:
+        raise EpisodeError(f"{path}: reward {value[key]!r} is not a finite number")
+    details = {k: float(v) for k, v in numbers.items() if k != key}
+    return numbers[key], details or None
+
+
+# -- the recording proxy -------------------------------------------------------------------------
+class EventStream:
+    """Server-sent events as they arrive: each complete event's raw bytes, and the JSON chunks
+    their data lines carry."""
+
+    BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.chunks: list = []
+        self.size = 0
+
+    def feed(self, data: bytes) -> list:
+        """[(raw event, whether it is the closing `data: [DONE]`)] that `data` completes."""
+        self.size += len(data)
+        self.buffer += data
+        found: list = []
+        while True:
+            match = self.BOUNDARY.search(self.buffer)
+            if match is None:
+                return found
+            raw, self.buffer = self.buffer[: match.end()], self.buffer[match.end() :]
+            found.append((raw, self.parse(raw[: match.start()])))
+
+    def parse(self, event: bytes) -> bool:
+        data = [
+            line[5:][1:] if line[5:6] == b" " else line[5:]
+            for line in re.split(rb"\r\n|\r|\n", event)
+            if line.startswith(b"data:")
+        ]
+        text = b"\n".join(data).decode("utf-8", "replace").strip()
+        if text == "[DONE]":
+            return True
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False  # a comment, a keep-alive or junk: forwarded, not assembled
+        if isinstance(value, dict):
+            self.chunks.append(value)
+        return False
+
+
+def _merge_delta(message: dict, delta: dict) -> None:
+    for key, value in delta.items():
+        if value is None:
+            continue
+        if key == "tool_calls" and isinstance(value, list):
+            calls = message.setdefault("tool_calls", {})
+            for part in value:
+                if not isinstance(part, dict):
+                    continue
+                call = calls.setdefault(part.get("index", len(calls)), {})
+                for name, piece in part.items():
+                    if name == "function" and isinstance(piece, dict):
+                        function = call.setdefault("function", {})
+                        for field, text in piece.items():
+                            if isinstance(text, str):
+                                function[field] = function.get(field, "") + text
+                            elif text is not None:
+                                function[field] = text
+                    elif name in ("id", "type"):
+                        call[name] = call.get(name) or piece
+                    elif name != "index" and piece is not None:
+                        call[name] = piece
+        elif key == "role":
+            message["role"] = value
+        elif isinstance(value, str):
+            message[key] = (message.get(key) or "") + value
+        else:
+            message[key] = value
+
+
+def assemble_stream(chunks: list) -> dict:
+    """One chat.completion from a stream's chat.completion.chunk objects, as the OpenAI client
+    accumulates them: texts concatenated, tool calls merged by index, the last finish_reason,
+    log-probability entries and token ids concatenated, the other fields (usage, the SGLang
+    metadata) as the last chunk that has them says."""
+    result: dict = {}
+    choices: dict = {}
+    for chunk in chunks:
+        for key, value in chunk.items():
+            if key != "choices" and value is not None:
+                result[key] = value
+        for part in chunk.get("choices") or []:
+            if not isinstance(part, dict):
+                continue
+            index = part.get("index", 0)
+            choice = choices.setdefault(
+                index,
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": None},
+                    "finish_reason": None,
+                },
+            )
+            for key, value in part.items():
+                if value is None or key == "index":
+                    continue
+                if key == "delta" and isinstance(value, dict):
+                    _merge_delta(choice["message"], value)
+                elif key == "logprobs" and isinstance(value, dict):
+                    logprobs = choice.setdefault("logprobs", {})
+                    for name, entries in value.items():
+                        if isinstance(entries, list):
+                            logprobs[name] = (logprobs.get(name) or []) + entries
+                        elif entries is not None:
+                            logprobs[name] = entries
+                elif isinstance(value, list) and isinstance(choice.get(key), list):
+                    choice[key] = choice[key] + value
+                else:
+                    choice[key] = value
+    for choice in choices.values():
+        calls = choice["message"].get("tool_calls")
+        if isinstance(calls, dict):
+            choice["message"]["tool_calls"] = [calls[i] for i in sorted(calls, key=_by_index)]
+    result["object"] = "chat.completion"
+    result["choices"] = [choices[i] for i in sorted(choices, key=_by_index)]
+    return result
+
+
+def _by_index(index: object) -> tuple:
+    # Indexes are integers; anything else a server sends sorts after them instead of failing.
+    return (0, index, "") if isinstance(index, int) else (1, 0, str(index))
+
+
+def omitted(data: bytes) -> dict:
+    return {"omitted_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _json_size(value: object) -> int:
+    return len(json.dumps(value).encode())
+
+
+def _cut_texts(value: object) -> object:
+    if isinstance(value, str):
+        return truncate(value, MAX_MESSAGE_TEXT)[0]
+    if isinstance(value, list):
+        return [_cut_texts(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _cut_texts(v) for k, v in value.items()}
+    return value
+
+
+def fit_step(fields: dict) -> dict:
+    """The step event's fields within MAX_STEP_EVENT_BYTES: the new messages' long texts cut
+    first (messages_truncated), then the largest part left out, its size and digest kept."""
+    if _json_size(fields) <= MAX_STEP_EVENT_BYTES:
+        return fields
+    fields = dict(fields, new_messages=_cut_texts(fields["new_messages"]), messages_truncated=True)
+    for _ in range(3):
+        if _json_size(fields) <= MAX_STEP_EVENT_BYTES:
+            break
+        key = max(("request", "new_messages", "response"), key=lambda k: _json_size(fields[k]))
+        fields[key] = omitted(json.dumps(fields[key]).encode())
+    return fields
+
+
+def error_body(message: str, kind: str) -> dict:
+    """An error in the OpenAI API's shape, which clients show as the cause."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def is_completion(value: object) -> bool:
+    try:
+        return isinstance(value["choices"][0]["message"], dict)  # type: ignore[index]
+    except (KeyError, IndexError, TypeError):
+        return False
+
+
+class ProxyHandler(BaseHTTPRequestHandler):
+    """The agent's side: GET .../models answered here, POST .../chat/completions forwarded."""
+
+    protocol_version = "HTTP/1.1"
+    server: ProxyServer
+    gone = False  # the agent hung up: the rest of an answer is read, not written
+
+    def log_message(self, format: str, *args: typing.Any) -> None:
+        pass  # stdout and stderr carry events only
+
+    def send_body(
+        self, status: int, body: bytes, kind: str = "application/json", version: str | None = None
+    ) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind or "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            if version:
+                self.send_header(VERSION_HEADER, version)
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            self.close_connection = True
+
+    def send_json(self, status: int, value: object) -> None:
+        self.send_body(status, json.dumps(value).encode())
+
+    def start_stream(self, version: str | None) -> None:
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            if version:
+                self.send_header(VERSION_HEADER, version)
+            self.end_headers()
+        except OSError:
+            self.gone = self.close_connection = True
+
+    def send_chunk(self, data: bytes, last: bool = False) -> None:
+        if self.gone:
+            return
+        try:
+            if data:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            if last:
+                self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            self.gone = self.close_connection = True
+
+    def do_GET(self) -> None:
+        path = urllib.parse.urlsplit(self.path).path.rstrip("/")
+        model = {
+            "id": self.server.proxy.policy.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "rollout",
+        }
+        if path.endswith("/models"):
+            self.send_json(200, {"object": "list", "data": [model]})
+        elif "/models/" in path:
+            self.send_json(200, model)
+        else:
+            self.send_json(404, error_body(f"no route {self.path}", "not_found"))
+
+    def do_POST(self) -> None:
+        path = urllib.parse.urlsplit(self.path).path.rstrip("/")
+        length = self.headers.get("Content-Length") or ""
+        refused = None
+        if not length.isdigit():
+            refused = 411, error_body("a Content-Length is required", "invalid_request_error")
+        elif not path.endswith("/chat/completions"):
+            refused = 404, error_body(f"only chat completions are served, not {path}", "not_found")
+        elif int(length) > MAX_AGENT_REQUEST:
+            refused = 413, error_body("the request is too large", "invalid_request_error")
+        if refused is not None:
+            self.close_connection = True  # its body is left unread
+            self.send_json(*refused)
+            return
+        try:
+            request = json.loads(self.rfile.read(int(length)))
+        except ValueError:
+            request = None
+        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+            self.send_json(
+                400,
+                error_body("the body must be a JSON object with messages", "invalid_request_error"),
+            )
+            return
+        try:
+            self.server.proxy.exchange(self, request)
+        except Exception as exc:
+            # A fault of the runner itself: the episode's record cannot be trusted.
+            self.server.proxy.fail(f"the runner's proxy failed: {type(exc).__name__}: {exc}")
+            self.close_connection = True
+
+
+class ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        super().__init__(("127.0.0.1", 0), ProxyHandler)
+
+    def server_bind(self) -> None:
+        # HTTPServer would look up 127.0.0.1's name: the sandbox may have no resolver.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "127.0.0.1", int(self.server_address[1])
+
+    def handle_error(self, request: typing.Any, client_address: typing.Any) -> None:
+        pass  # an agent hanging up mid-answer; nothing but events goes to stderr
+
+
+STALE_ANSWER = error_body(
+    "the policy moved past this episode's max_policy_lag: the episode is over", "stale_policy"
+)
+
+
+class Proxy:
+    """The agent's OpenAI-compatible endpoint: each chat completion goes to the episode's policy
+    (Policy.send: same path, identity headers, retries) and is recorded as a step event."""
+
+    def __init__(self, policy: Policy, identity: dict) -> None:
+        self.policy = policy
+        self.identity = identity
+        self.lock = threading.Lock()
+        self.stop = threading.Event()  # the agent must go: stale, or the policy is lost
+        self.steps = 0
+        self.previous: list | None = None
+        self.first_version: str | None = None
+        self.failure: str | None = None
+        self.stale: StalePolicy | None = None
+        self.closed = False
+        self.server = ProxyServer(self)
+        # Polled this often for close(): a stop costs the episode at most that long.
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
+        )
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def start(self) -> Proxy:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        """Nothing counts after this: exchanges still in flight are neither recorded nor can
+        they change the outcome (the log would not show why)."""
+        with self.lock:
+            self.closed = True
+        if self.thread.is_alive():
+            self.server.shutdown()
+        self.server.server_close()
+
+    def fail(self, cause: str) -> None:
+        with self.lock:
+            if not self.closed:
+                self.failure = self.failure or cause
+                self.stop.set()
+
+    def too_stale(self, version: str | None) -> bool:
+        """Whether `version` lags the first exchange's by more than max_policy_lag (then the
+        episode is stale and the agent is stopped)."""
+        bound = self.policy.max_policy_lag
+        with self.lock:
+            if self.stale is not None or self.closed:
+                return self.stale is not None
+            lag = version_lag(self.first_version, version) if self.steps else None
+            if bound is None or lag is None or lag <= bound:
+                return False
+            first = str(self.first_version)
+            self.stale = StalePolicy(first, str(version), lag, bound, self.steps)
+            self.stop.set()
+            return True
+
+    def exchange(self, handler: ProxyHandler, request: dict) -> None:
+        if self.stop.is_set():
+            handler.send_json(
+                409 if self.stale is not None else 502,
+                error_body("the episode is over: no more completions", "rollout_stopped"),
+            )
+            return
+        # The agent's own body, on the batch's model; the batch's sampling fills only what the
+        # agent left unset.
+        sent = dict(self.policy.sampling)
+        sent.update(request)
+        sent["model"] = self.policy.model
+        asked = time.time()
+        try:
+            answer = self.policy.send(
+                json.dumps(sent).encode(), keep_open=sent.get("stream") is True
+            )
+        except InfrastructureError as exc:
+            lost = Answer(0, b"", None, self.policy.retries + 1, "")
+            self.record(sent, asked, lost, failure=str(exc), error=str(exc))
+            handler.send_json(502, error_body(str(exc), "policy_unreachable"))
+            return
+        if answer.response is not None:
+            self.relay_stream(handler, sent, asked, answer)
+        else:
+            self.relay(handler, sent, asked, answer)
+
+    def relay(self, handler: ProxyHandler, sent: dict, asked: float, answer: Answer) -> None:
+        raw, status = answer.raw, answer.status
+        if len(raw) > MAX_RESPONSE_READ:
+            cause = f"policy response exceeds {MAX_RESPONSE_READ} bytes"
+            self.record(sent, asked, answer, failure=cause, error=cause)
+            handler.send_json(502, error_body(cause, "policy_response_too_large"))
+            return
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        version = policy_version(answer.header, parsed)
+        failure = None
+        if status == 200 and is_completion(parsed):
+            if self.too_stale(version):
+                handler.send_json(409, STALE_ANSWER)
+                return
+        elif status == 200:
+            failure = f"policy endpoint sent no chat completion: {raw[:200]!r}"
+        elif status == 429 or status >= 500:
+            failure = (
+                f"policy endpoint answered HTTP {status}: {raw[:200]!r} "
+                f"(after {answer.attempts} attempt(s))"
+            )
+        ok = status == 200 and failure is None
+        self.record(
+            sent,
+            asked,
+            answer,
+            version=version,
+            response=parsed if ok else None,
+            raw=raw,
+            failure=failure,
+            error=None if ok else raw[:MAX_ERROR_BODY].decode("utf-8", "replace"),
+        )
+        # Recorded before the agent reads it: its next request finds this step in the log.
+        handler.send_body(status, raw, answer.content_type, answer.header)
+
+    def relay_stream(self, handler: ProxyHandler, sent: dict, asked: float, answer: Answer) -> None:
+        conn, upstream = answer.conn, answer.response
+        assert conn is not None and upstream is not None
+        if self.too_stale(policy_version(answer.header, None)):
+            conn.close()
+            handler.send_json(409, STALE_ANSWER)
+            return
+        handler.start_stream(answer.header)
+        events = EventStream()
+        held: list = []
+        problem = None
+        try:
+            while True:
+                data = upstream.read1(STREAM_READ)
+                if not data:
+                    break
+                for raw, done in events.feed(data):
+                    # [DONE] waits until the exchange is recorded, as a whole answer does.
+                    if done or held:
+                        held.append(raw)
+                    else:
+                        handler.send_chunk(raw)
+                if events.size > MAX_RESPONSE_READ:
+                    problem = f"policy response exceeds {MAX_RESPONSE_READ} bytes"
+                    break
+        except (OSError, http.client.HTTPException) as exc:
+            problem = f"policy stream cut: {type(exc).__name__}: {exc}"
+        finally:
+            conn.close()
+        if problem is None and not events.chunks:
+            problem = "policy endpoint sent an event stream without chunks"
+        assembled = assemble_stream(events.chunks)
+        version = policy_version(answer.header, assembled)
+        if problem is None and self.too_stale(version):
+            handler.close_connection = True  # no end: the agent is stopped anyway
+            return
+        self.record(
+            sent,
+            asked,
+            answer,
+            version=version,
+            response=assembled if events.chunks else None,
+            raw=json.dumps(assembled).encode(),
+            failure=problem,
+            error=problem,
+            chunks=len(events.chunks),
+        )
+        if problem is not None:
+            handler.close_connection = True  # cut, as the agent would have seen it
+            return
+        handler.send_chunk(b"".join(held) + events.buffer, last=True)
+
+    def record(
+        self,
+        sent: dict,
+        asked: float,
+        answer: Answer,
+        *,
+        version: str | None = None,
+        response: dict | None = None,
+        raw: bytes = b"",
+        failure: str | None = None,
+        error: str | None = None,
+        chunks: int | None = None,
+    ) -> None:
+        answered = time.time()
+        with self.lock:
+            if self.closed:
+                return
+            if failure is not None:
+                self.failure = self.failure or failure
+                self.stop.set()
+            self.steps += 1
+            messages = sent["messages"]
+            previous = self.previous
+            reset = previous is not None and messages[: len(previous)] != previous
+            new = messages if previous is None or reset else messages[len(previous) :]
+            self.previous = messages
+            if self.steps == 1:
+                self.first_version = version
+            verbatim: object = response
+            if response is not None and len(raw) > MAX_RESPONSE_BYTES:
+                verbatim = omitted(raw)
+            fields: dict = {
+                "step": self.steps,
+                "request": {k: v for k, v in sent.items() if k != "messages"},
+                "new_messages": new,
+                "messages_reset": reset,
+                "response": verbatim,
+                "status": answer.status or None,
+                "error": error,
+                "stream": chunks is not None,
+                "policy_seconds": answered - asked,
+                "policy_attempts": answer.attempts,
+                "policy_version": version,
+            }
+            if chunks is not None:
+                fields["chunks"] = chunks
+            emit("step", **fit_step(fields), **self.identity)
+
+
 class Runner:
-    def __init__(self, task: dict, policy: Policy, identity: dict, root: str) -> None:
+    def __init__(self, task: dict, policy: Policy | None, identity: dict, root: str) -> None:
         self.task = task
         self.policy = policy
         self.identity = identity
         self.root = root
         self.max_steps = int(task.get("max_steps", 10))
         self.time_limit = float(task.get("time_limit_seconds", 60))
+        self.agent: typing.Any = task.get("agent")
+        self.mode = "agent" if self.agent is None else ORACLE if self.agent == ORACLE else "command"
+        self.tests_dir = TESTS_DIR
+        # Where /tests, /solution and /logs/verifier are made: those paths, unless the runner's
+        # environment names others (a sandbox without a root of its own; tests).
+        self.places = {
+            name: os.environ.get(name) or default
+            for name, default in (
+                ("ROLLOUT_TESTS_DIR", TESTS_DIR),
+                ("ROLLOUT_SOLUTION_DIR", SOLUTION_DIR),
+                ("ROLLOUT_VERIFIER_DIR", VERIFIER_DIR),
+            )
+        }
         shim = tempfile.mkdtemp(prefix="rollout-bin-")
         for name in ("python", "python3"):
             os.symlink(sys.executable, os.path.join(shim, name))
@@ -455,17 +1406,28 @@ class Runner:
             "PYTHONDONTWRITEBYTECODE": "1",
         }
 
+    def need_policy(self) -> Policy:
+        if self.policy is None:
+            raise InfrastructureError("no policy for this episode (ROLLOUT_POLICY is not set)")
+        return self.policy
+
     def test_command(self) -> list:
         argv = list(self.task["test_command"])
-        if argv and argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
-        return argv
+        if self.tests_dir != TESTS_DIR:
+            # The tests are elsewhere: the command names the directory that stands in for /tests.
+            argv = [
+                self.tests_dir + a[len(TESTS_DIR) :]
+                if a == TESTS_DIR or a.startswith(TESTS_DIR + "/")
+                else a
+                for a in argv
+            ]
+        return resolve_argv(argv, self.env["PATH"]) if argv else argv
 
     def remove_shadows(self) -> list:
         """Files the agent added that would replace the standard library (a `unittest.py`
         in the repository wins over the real one) are removed before the final tests."""
         names = set(getattr(sys, "stdlib_module_names", ())) | {"sitecustomize", "usercustomize"}
-        given = set(self.task["files"]) | set(self.task.get("test_files") or {})
+        given = set(self.task.get("files") or {}) | set(self.task.get("test_files") or {})
         tops = {path.split("/")[0] for path in given}
         removed = []
         for entry in sorted(os.listdir(self.root)):
@@ -481,26 +1443,170 @@ class Runner:
             removed.append(entry)
         return removed
 
-    def run_tests(self) -> tuple[int, str]:
-        write_files(self.root, self.task.get("test_files") or {})
-        shutil.rmtree(os.path.join(self.root, "__pycache__"), ignore_errors=True)
+    def run_tests(self, extra_env: dict | None = None) -> tuple[int, str]:
         try:
-            done = subprocess.run(
-                self.test_command(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=TESTS_TIMEOUT_SECONDS,
-                env=self.env,
-                cwd=self.root,
+            write_files(self.root, self.task.get("test_files") or {})
+        except (OSError, ValueError) as exc:
+            raise EpisodeError(f"the task's test_files cannot be written: {exc}") from None
+        shutil.rmtree(os.path.join(self.root, "__pycache__"), ignore_errors=True)
+        env = dict(self.env, **(extra_env or {}))
+        return run_process(self.test_command(), env, self.root, TESTS_TIMEOUT_SECONDS)
+
+    def wants_baseline(self) -> bool:
+        """The tests must fail before the agent acts, unless the task says otherwise or its
+        tests only come (at /tests) after the agent."""
+        return bool(self.task.get("baseline", True)) and not self.task.get("tests")
+
+    def setup(self) -> None:
+        try:
+            write_files(self.root, self.task.get("files") or {})
+            write_files(self.root, self.task.get("test_files") or {})
+        except (OSError, ValueError) as exc:
+            raise EpisodeError(f"the task's files cannot be written: {exc}") from None
+
+    def run(self) -> int:
+        """The episode up to its outcome: reward, or grade_pending with `grade: fresh`."""
+        policy = None if self.mode == ORACLE else self.need_policy()
+        self.setup()
+        ready: dict = {"mode": self.mode}
+        if policy is not None:
+            ready["policy_base_url"] = policy.base_url
+        if self.mode == "command":
+            ready["agent_command"] = list(self.agent["command"])
+        emit("ready", **ready, **self.identity)
+        baseline_exit = None
+        if self.wants_baseline():
+            baseline_exit, _ = self.run_tests()
+            if baseline_exit == 0:
+                raise EpisodeError(
+                    "the task's tests pass before any action; a task must start failing"
+                )
+        if self.mode == "agent":
+            steps, stop_reason = self.loop()
+            acted: dict = {"steps": steps, "stop_reason": stop_reason}
+        else:
+            acted = self.act()
+        acted["baseline_exit"] = baseline_exit
+        if self.task.get("grade", "same") == "fresh" or os.environ.get(GRADER_ENV) == "sandbox":
+            # The tests run in another sandbox: over a copy of the workspace alone (fresh), or
+            # (same) over this one's workspace, /tmp and /logs, where a backend that keeps the
+            # tests out of the agent's reach (ROLLOUT_GRADER=sandbox) gives them.
+            record_outcome(emit("grade_pending", **acted, **self.identity))
+            return 0
+        record_outcome(emit("reward", **self.grade(), **acted, grade="same", **self.identity))
+        return 0
+
+    def grade_phase(self) -> int:
+        """ROLLOUT_PHASE=grade: the tests of a `grade: fresh` episode, over the workspace its
+        agent left (its baseline and agent fields are in the first sandbox's grade_pending)."""
+        emit("ready", mode="grade", **self.identity)
+        fields = self.grade()
+        grade = self.task.get("grade", "same")
+        record_outcome(emit("reward", **fields, baseline_exit=None, grade=grade, **self.identity))
+        return 0
+
+    def grade(self) -> dict:
+        """Place the tests, run them, apply the reward rule: the reward event's fields."""
+        env = {"ROLLOUT_WORKSPACE": self.root}
+        tests = self.task.get("tests") or {}
+        if tests:
+            self.tests_dir = fresh_dir(self.places["ROLLOUT_TESTS_DIR"], "rollout-tests-")
+            try:
+                write_files(self.tests_dir, tests, scripts=True)
+            except (OSError, ValueError) as exc:
+                raise EpisodeError(f"the task's tests cannot be written: {exc}") from None
+            env["ROLLOUT_TESTS_DIR"] = self.tests_dir
+        rule = self.task.get("reward", "all")
+        verifier = None
+        if rule == "file" or tests:
+            # Only then: a task of files and test_files alone leaves the machine's / untouched
+            # (its runner may run outside a sandbox, in tests or without isolation).
+            verifier = fresh_dir(self.places["ROLLOUT_VERIFIER_DIR"], "rollout-verifier-")
+            env["ROLLOUT_VERIFIER_DIR"] = verifier
+        removed = self.remove_shadows()
+        tests_exit, tests_output = self.run_tests(env)
+        passed, total = test_counts(tests_output)
+        details = None
+        if rule == "file" and verifier is not None:
+            reward, details = read_reward(verifier)
+        elif rule == "fraction" and total:
+            reward = (passed or 0) / total
+        else:
+            reward = 1 if tests_exit == 0 else 0
+        if rule != "file" and tests_exit != 0 and reward >= 1:
+            reward = (total - 1) / total if total else 0  # never full reward with a failing run
+        shown, _ = truncate(tests_output)
+        return {
+            "reward": reward,
+            "reward_rule": rule,
+            "reward_details": details,
+            "tests_exit": tests_exit,
+            "tests_output": shown,
+            "tests_passed": passed,
+            "tests_total": total,
+            "removed_before_tests": removed,
+        }
+
+    def act(self) -> dict:
+        """Run the agent command (or the oracle's solve.sh) to its end or its time limit, then
+        emit agent_exit. The outcome's fields; InfrastructureError when the policy was lost,
+        StalePolicy when it moved on too far."""
+        env = dict(self.env)
+        statement = str(self.task["statement"])
+        handle, statement_file = tempfile.mkstemp(prefix="rollout-statement-", suffix=".txt")
+        with os.fdopen(handle, "w") as out:
+            out.write(statement)
+        env["ROLLOUT_STATEMENT"] = truncate(statement, MAX_ENV_STATEMENT)[0]
+        env["ROLLOUT_STATEMENT_FILE"] = statement_file
+        env["ROLLOUT_WORKSPACE"] = self.root
+        proxy = None
+        if self.mode == ORACLE:
+            solution = fresh_dir(self.places["ROLLOUT_SOLUTION_DIR"], "rollout-solution-")
+            try:
+                write_files(solution, self.task.get("solution") or {}, scripts=True)
+            except (OSError, ValueError) as exc:
+                raise EpisodeError(f"the task's solution cannot be written: {exc}") from None
+            env["ROLLOUT_SOLUTION_DIR"] = solution
+            argv = ["bash", os.path.join(solution, "solve.sh")]
+        else:
+            own = dict(self.agent.get("env") or {})
+            path = own.pop("PATH", None)
+            env.update({str(k): str(v) for k, v in own.items()})
+            if path:
+                env["PATH"] = f"{path}:{self.env['PATH']}"
+            argv = list(self.agent["command"])
+        argv = resolve_argv(argv, env["PATH"])
+        if self.mode == "command":
+            policy = self.need_policy()
+            proxy = Proxy(policy, self.identity).start()
+            env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = proxy.base_url
+            env["OPENAI_API_KEY"] = API_KEY
+            env["OPENAI_MODEL"] = policy.model
+        try:
+            run = run_agent(
+                argv, env, self.root, self.time_limit, proxy.stop if proxy else threading.Event()
             )
-        except subprocess.TimeoutExpired:
-            return 124, f"[tests timed out after {TESTS_TIMEOUT_SECONDS}s]"
-        return done.returncode, done.stdout.decode("utf-8", "replace")
+        finally:
+            if proxy is not None:
+                proxy.close()
+            with contextlib.suppress(OSError):
+                os.unlink(statement_file)
+        emit("agent_exit", **run, **self.identity)
+        if proxy is not None and proxy.failure is not None:
+            raise InfrastructureError(proxy.failure)
+        if proxy is not None and proxy.stale is not None:
+            raise proxy.stale
+        return {
+            "steps": proxy.steps if proxy is not None else 0,
+            "stop_reason": "time_limit" if run["timed_out"] else "agent_exit",
+            "agent_exit_code": run["exit_code"],
+            "agent_output": run["output_tail"],
+            "agent_seconds": run["seconds"],
+        }
 
     def prompt(self) -> list:
         """The same for every sample of the task: nothing episode-specific is shown."""
-        files = sorted(set(self.task["files"]) | set(self.task.get("test_files") or {}))
+        files = sorted(set(self.task.get("files") or {}) | set(self.task.get("test_files") or {}))
         text = (
             f"{self.task['statement']}\n\nFiles: {', '.join(files)}\n"
             f"Tests: {' '.join(self.task['test_command'])}\n"
@@ -574,13 +1680,13 @@ class Runner:
                 return step, "time_limit"
             step += 1
             asked = time.time()
-            response, raw, attempts, header = self.policy.complete(messages)
+            response, raw, attempts, header = self.need_policy().complete(messages)
             answered = time.time()
             version = policy_version(header, response)
             if step == 1:
                 first_version = version
             lag = version_lag(first_version, version)
-            bound = self.policy.max_policy_lag
+            bound = self.need_policy().max_policy_lag
             if bound is not None and lag is not None and lag > bound:
                 # This turn's actions come from a policy too far from the first turn's: none of
                 # them runs, and the episode ends without tests (its steps so far are logged).
@@ -679,33 +1785,35 @@ def episode_identity() -> dict:
     }
 
 
+# Set by a backend that grades in a second sandbox whatever the task's `grade` (the local one,
+# for tasks whose tests the agent must not see): the agent's sandbox then ends with
+# grade_pending.
+GRADER_ENV = "ROLLOUT_GRADER"
+
+
 def agent(workspace: str) -> int:
-    episode_id = os.environ["EPISODE_ID"]
     try:
         identity = episode_identity()
         task = load_task(identity)
+        raw = os.environ.get("ROLLOUT_POLICY")
+        config = json.loads(raw) if raw else None
+        phase = os.environ.get("ROLLOUT_PHASE") or "agent"
+        if phase not in ("agent", "grade"):
+            raise ValueError(f"ROLLOUT_PHASE {phase!r} is not agent or grade")
     except (OSError, ValueError, KeyError, IndexError, InfrastructureError) as exc:
         record_outcome(
             emit("error", kind="infrastructure", cause=f"no task for this episode: {exc}")
         )
         return EXIT_INFRASTRUCTURE
     root = os.path.realpath(workspace)
-    policy = Policy(json.loads(os.environ["ROLLOUT_POLICY"]), episode_id, identity)
+    policy = Policy(config, os.environ["EPISODE_ID"], identity) if config is not None else None
     runner = Runner(task, policy, identity, root)
-    write_files(root, task["files"])
-    write_files(root, task.get("test_files") or {})
-    emit("ready", mode="agent", policy_base_url=policy.base_url, **identity)
-    baseline_exit, _ = runner.run_tests()
-    if baseline_exit == 0:
-        emit(
-            "error",
-            kind="episode",
-            cause="the task's tests pass before any action; a task must start failing",
-            **identity,
-        )
-        return EXIT_EPISODE_ERROR
+    harden()
     try:
-        steps, stop_reason = runner.loop()
+        return runner.grade_phase() if phase == "grade" else runner.run()
+    except EpisodeError as exc:
+        record_outcome(emit("error", kind="episode", cause=str(exc), **identity))
+        return EXIT_EPISODE_ERROR
     except InfrastructureError as exc:
         record_outcome(emit("error", kind="infrastructure", cause=str(exc), **identity))
         return EXIT_INFRASTRUCTURE
@@ -713,33 +1821,6 @@ def agent(workspace: str) -> int:
         # Exit 0: stopped on purpose, so neither a Job failure nor an infrastructure retry.
         record_outcome(emit("stale", **stale.fields, **identity))
         return 0
-    removed = runner.remove_shadows()
-    tests_exit, tests_output = runner.run_tests()
-    passed, total = test_counts(tests_output)
-    rule = task.get("reward", "all")
-    if rule == "fraction" and total:
-        reward: float = (passed or 0) / total
-    else:
-        reward = 1 if tests_exit == 0 else 0
-    if tests_exit != 0 and reward >= 1:
-        reward = (total - 1) / total if total else 0  # never full reward with a failing run
-    shown, _ = truncate(tests_output)
-    event = emit(
-        "reward",
-        reward=reward,
-        reward_rule=rule,
-        baseline_exit=baseline_exit,
-        tests_exit=tests_exit,
-        tests_output=shown,
-        tests_passed=passed,
-        tests_total=total,
-        steps=steps,
-        stop_reason=stop_reason,
-        removed_before_tests=removed,
-        **identity,
-    )
-    record_outcome(event)
-    return 0
 
 
 def take_handover(stream: typing.TextIO) -> bool:
@@ -765,7 +1846,7 @@ def main() -> int:
         return 0
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")
     os.chdir(workspace)
-    if os.environ.get("ROLLOUT_POLICY"):
+    if os.environ.get("ROLLOUT_POLICY") or os.environ.get("ROLLOUT_TASKS_FILE"):
         return agent(workspace)
     return demo(os.environ.get("ROLLOUT_ACTION", "fix"))
 

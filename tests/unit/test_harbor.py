@@ -243,7 +243,7 @@ def test_the_mapped_tasks_are_a_valid_batch():
     spec = parse_spec({"tasks": tasks, "policy": POLICY}, max_episodes=1000)
     assert {t["id"] for t in spec.tasks} == {t["id"] for t in tasks}
     assert [t.get("image") is not None for t in spec.tasks].count(True) == 1
-    assert REWARD_FILES[0] == "/logs/verifier/reward.txt"  # what the fixtures' tests write
+    assert "/logs/verifier/reward.txt" in REWARD_FILES  # what the fixtures' tests write
 
 
 def test_the_oracle_runs_tasks_with_a_solution_and_refuses_the_one_without_naming_it():

@@ -230,3 +230,142 @@ def test_the_termination_message_of_a_stale_episode_is_cross_checked():
         "reports a stale episode",
     )
     check(validate_episode(obs(termination_message="[1]"), rewarded, ORIGIN), "not a JSON object")
+
+
+# -- agent commands, the oracle, grading in a fresh sandbox --------------------------------------
+def command_events(mode="command", steps=2, reward=None, exit_=None, fresh=False):
+    """A command-mode log's events: ready, exchange steps, agent_exit, then the reward (or
+    grade_pending, then the grader's ready and reward)."""
+    ep = {"episode_id": "rollout-x-0", **IDENTITY}
+    events = [{"event": "ready", "at": 1002.0, "mode": mode, **ep}]
+    for n in range(1, steps + 1):
+        events.append(
+            {
+                "event": "step",
+                "at": 1002.0 + n * 0.1,
+                "step": n,
+                "request": {"model": "m"},
+                "new_messages": [{"role": "user", "content": "go"}],
+                "messages_reset": False,
+                "response": {"choices": [{"message": {"role": "assistant"}}]},
+                "status": 200,
+                "error": None,
+                "policy_version": "1",
+                **ep,
+            }
+        )
+    events.append(
+        {
+            "event": "agent_exit",
+            "at": 1002.5,
+            "exit_code": 0,
+            "timed_out": False,
+            "seconds": 0.3,
+            "output_tail": "done",
+            **ep,
+        }
+        | (exit_ or {})
+    )
+    agent = {
+        "steps": steps,
+        "stop_reason": "agent_exit",
+        "agent_exit_code": 0,
+        "agent_output": "done",
+        "agent_seconds": 0.3,
+        "baseline_exit": None,
+    }
+    graded = {
+        "event": "reward",
+        "at": 1003.0,
+        "reward": 3.5,
+        "reward_rule": "file",
+        "reward_details": {"accuracy": 0.5},
+        "tests_exit": 0,
+        **ep,
+    }
+    if fresh:
+        events += [
+            {"event": "grade_pending", "at": 1002.6, **agent, **ep},
+            {"event": "ready", "at": 1002.8, "mode": "grade", **ep},
+            graded | {"baseline_exit": None} | (reward or {}),
+        ]
+    else:
+        events.append(graded | agent | (reward or {}))
+    return events
+
+
+def lines(events):
+    return "\n".join(json.dumps(e) for e in events) + "\n"
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_command_episode_fills_the_agent_fields_and_keeps_a_file_reward(fresh):
+    row = validate_episode(obs(), lines(command_events(fresh=fresh)), ORIGIN)
+    assert row.status == "ok" and row.errors == [], row.errors
+    assert (row.reward, row.reward_details) == (3.5, {"accuracy": 0.5})  # not only 0..1
+    assert (row.steps, row.stop_reason, row.baseline_exit) == (2, "agent_exit", None)
+    assert (row.agent_exit_code, row.agent_output, row.agent_seconds) == (0, "done", 0.3)
+    assert row.ready_at == 1002.0 and row.reward_at == 1003.0
+    assert row.task_id == "leap-year" and row.policy_versions == {"first": "1", "last": "1"}
+
+
+def test_an_oracle_episode_has_no_steps_and_a_timed_out_agent_no_exit_code():
+    events = command_events(
+        mode="oracle",
+        steps=0,
+        exit_={"exit_code": None, "timed_out": True},
+        reward={"stop_reason": "time_limit", "agent_exit_code": None, "steps": 0},
+    )
+    row = validate_episode(obs(), lines(events), ORIGIN)
+    assert row.status == "ok" and row.agent_exit_code is None, row.errors
+    assert row.stop_reason == "time_limit" and row.steps == 0
+
+
+def broken(events, fragment):
+    check(validate_episode(obs(), lines(events), ORIGIN), fragment)
+
+
+def test_a_malformed_command_episode_fails_the_row():
+    events = command_events()
+    broken([e for e in events if e["event"] != "agent_exit"], "expected one agent_exit")
+    broken([*events[:3], events[3], events[3], *events[4:]], "got 2")
+    broken(command_events(exit_={"exit_code": None}), "timed_out False")
+    broken(command_events(exit_={"exit_code": 0, "timed_out": True}), "timed_out True")
+    broken(command_events(exit_={"seconds": -1}), "not a duration")
+    broken(command_events(exit_={"at": 1002.15}), "agent_exit event is out of time order")
+    broken(command_events(exit_={"group_id": "b:other"}), "agent_exit event names group_id")
+    broken(command_events(reward={"agent_exit_code": 1}), "agent_exit says 0")
+    broken(command_events(reward={"stop_reason": "time_limit"}), "expected 'agent_exit'")
+    broken(command_events(reward={"reward_details": {"a": "x"}}), "reward_details")
+    broken(command_events(reward={"reward_rule": "all", "reward": 3.5}), "outside 0..1")
+    broken(command_events(reward={"baseline_exit": 0}), "the baseline must fail")
+    events = command_events()
+    events[1] = events[1] | {"response": "text"}
+    broken(events, "is not an object")
+    events[1] = events[1] | {"response": None}
+    broken(events, "no response and no error")
+    events[1] = events[1] | {"error": "policy unreachable", "new_messages": "x"}
+    broken(events, "new_messages is neither")
+    agent_run = lines(command_events())
+    check(validate_episode(obs(), agent_run.replace('"command"', '"agent"'), ORIGIN), "agent_exit")
+    demo = log() + json.dumps(command_events()[3]) + "\n"
+    check(validate_episode(obs(), demo, ORIGIN), "without an agent command")
+
+
+def test_a_fresh_graded_log_must_be_the_agents_then_the_graders():
+    events = command_events(fresh=True)
+    pending, grader, reward = events[-3:]
+    head = events[:-3]
+    broken([*head, pending], "expected two ready events")  # the grader's log never came
+    broken([*head, pending, reward, grader], "comes before the grader's ready")
+    broken([*head, pending, grader | {"mode": "command"}, reward], "expected grade")
+    broken([*head, pending, grader, head[1], reward], "agent events after grade_pending")
+    broken([*head, pending, grader | {"task_id": "other"}, reward], "names task_id")
+    broken([*head, pending, grader | {"at": 1002.55}, reward], "time order violated")
+    broken([*head, grader, reward], "without the agent sandbox's grade_pending")
+    # The agent's sandbox summed up in its termination message; the grader's a reward.
+    message = json.dumps({"at": 1002.6, "episode_id": "rollout-x-0", "grade_pending": True})
+    row = validate_episode(obs(termination_message=message), lines(events), ORIGIN)
+    assert row.status == "ok", row.errors
+    plain = lines(command_events())
+    check(validate_episode(obs(termination_message=message), plain, ORIGIN), "has none")

@@ -58,8 +58,15 @@ PENDING_LIMIT = 64 * 2**10
 # workspace.
 AGENT_PHASE = "agent"
 GRADE_PHASE = "grade"
-# What the runner reads and writes outside its workspace (writable, per episode).
-STATE_DIRS = {"logs": "/logs", "tests": "/tests", "solution": "/solution"}
+# What the runner reads and writes outside its workspace (writable, per episode): folder ->
+# (where the sandbox sees it, the variable naming it when not sandboxed); and its /tmp.
+STATE_DIRS = {
+    "logs": ("/logs", ""),
+    "logs/verifier": ("/logs/verifier", "ROLLOUT_VERIFIER_DIR"),
+    "tests": ("/tests", "ROLLOUT_TESTS_DIR"),
+    "solution": ("/solution", "ROLLOUT_SOLUTION_DIR"),
+    "tmp": ("", ""),
+}
 
 
 @dataclass
@@ -195,15 +202,16 @@ class Supervisor:
             return env, mounts, None
         if phase == GRADE_PHASE:
             env["ROLLOUT_PHASE"] = GRADE_PHASE
+        elif "tests" in task:
+            env["ROLLOUT_GRADER"] = "sandbox"  # its tests come with the grader's sandbox
         # Grading `same` finds the agent's /tmp and /logs as they were left; `fresh` none.
         own = GRADE_PHASE if phase == GRADE_PHASE and task.get("grade") == "fresh" else AGENT_PHASE
         state = self.state_dir(index, own)
-        for name, target in (*STATE_DIRS.items(), ("tmp", "")):
+        for name, (target, env_name) in STATE_DIRS.items():
             (state / name).mkdir(parents=True, exist_ok=True)
             if self.as_root:
                 os.chown(state / name, SANDBOX_UID, SANDBOX_GID)
             if target:
-                env_name = f"ROLLOUT_{name.upper()}_DIR"
                 mounts.append(Mount(state / name, target, env_name, writable=True))
         return env, mounts, state / "tmp"
 
