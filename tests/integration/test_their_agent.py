@@ -1,0 +1,195 @@
+"""Their agent, their tasks, end to end on the local backend (real Redis, real workers, real
+bubblewrap sandboxes): a third-party agent from PyPI (mini-swe-agent) and the example agent on
+the official `openai` client (streaming) earn rewards from what ran, with every exchange
+recorded; Harbor task folders run with their oracle and with an agent; an agent that rewrites
+the tests or plants a reward earns nothing."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rollout_wire.tasksets import load_task_set
+from rollout_worker.cli.policy_server import running
+from rollout_worker.cli.stack import LocalStack
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+HARBOR = ROOT / "tests" / "data" / "harbor"
+# mini-swe-agent, offline and without a terminal: its defaults ask questions and fetch a
+# price list; these settings are what its own docs and source say turn that off.
+MINI_ENV = {
+    "MSWEA_CONFIGURED": "true",
+    "MSWEA_SILENT_STARTUP": "1",
+    "MSWEA_GLOBAL_CONFIG_DIR": "/tmp/mswea",
+    "MSWEA_COST_TRACKING": "ignore_errors",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "LITELLM_OFFLINE_MODE": "true",
+}
+# What a trainer sends with every call: the scripted server then returns token ids and
+# log-probabilities, which the recording must keep.
+SAMPLING = {"logprobs": True, "return_token_ids": True}
+
+
+def mini_command(env: Path) -> list[str]:
+    line = (
+        f"exec {env}/bin/mini -c mini.yaml -c agent.agent_class=default "
+        "-c agent.step_limit=20 -c agent.cost_limit=0 -c model.model_name=openai/$OPENAI_MODEL "
+        "-c model.cost_tracking=ignore_errors -c environment.environment_class=local "
+        '-c environment.timeout=60 -t "$ROLLOUT_STATEMENT" -o /tmp/traj.json </dev/null'
+    )
+    return ["sh", "-c", line]
+
+
+@pytest.fixture(scope="module")
+def agent_envs() -> dict[str, Path]:
+    done = subprocess.run(
+        [str(ROOT / "hack" / "agent-envs.sh")], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, f"hack/agent-envs.sh failed: {done.stderr[-2000:]}"
+    base = Path(done.stdout.strip().splitlines()[-1])
+    return {"openai": base / "openai", "mini": base / "mini"}
+
+
+@pytest.fixture(scope="module")
+def agent_client(agent_envs):
+    allowed = ":".join(str(p) for p in agent_envs.values())
+    with LocalStack(collectors=2, extra_env={"ROLLOUT_AGENT_ENVS": allowed}) as stack:
+        stack.wait_ready()
+        client = RolloutClient(stack.redis_url)
+        yield client
+        client.close()
+
+
+def steps_of(client, batch_id, index):
+    return client.trajectory(batch_id, index)["steps"]
+
+
+def test_mini_swe_agent_from_pypi_earns_the_scripted_rewards_with_every_exchange_recorded(
+    agent_client, agent_envs
+):
+    tasks = load_task_set("bundled", ["shipping-boundary", "fizzbuzz-order", "inventory-two-bugs"])
+    with running() as server:
+        batch = agent_client.submit(
+            tasks=tasks,
+            samples_per_task=2,
+            policy={"url": server.url, "sampling": SAMPLING},
+            agent={"command": mini_command(agent_envs["mini"]), "env": MINI_ENV},
+            agent_env=str(agent_envs["mini"]),
+        )
+        report = agent_client.wait(batch.batch_id, timeout=300)
+        calls = server.calls()
+    assert report["status"] == "succeeded", report["errors"]
+    rewards = {(r["task_id"], r["sample"]): r["reward"] for r in report["pods"]}
+    # What the scripted fixes do when mini-swe-agent runs them as shell commands.
+    assert rewards == {
+        ("shipping-boundary", 0): 1,
+        ("shipping-boundary", 1): 1,
+        ("fizzbuzz-order", 0): 1,
+        ("fizzbuzz-order", 1): 0,  # the odd sample writes a wrong fix
+        ("inventory-two-bugs", 0): 1,
+        ("inventory-two-bugs", 1): 1,
+    }
+    for row in report["pods"]:
+        assert row["agent_exit_code"] == 0 and row["stop_reason"] == "agent_exit"
+        steps = steps_of(agent_client, batch.batch_id, row["index"])
+        made = [c for c in calls if c["episode_id"] == row["pod"]]
+        assert len(steps) == len(made) == row["steps"] >= 2  # every exchange, once
+        for step in steps:
+            assert step["status"] == 200 and step["stream"] is False
+            assert step["request"]["tools"][0]["function"]["name"] == "bash"  # mini's own
+            response = step["response"]
+            assert response["prompt_token_ids"] and response["choices"][0]["token_ids"]
+            assert response["choices"][0]["logprobs"]["content"]
+        assert (
+            steps[-1]["response"]["choices"][0]["message"]["tool_calls"][0]["function"][
+                "arguments"
+            ].find("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+            > 0
+        )
+
+
+def test_the_openai_client_agent_streams_and_each_stream_is_recorded_whole(
+    agent_client, agent_envs
+):
+    env = agent_envs["openai"]
+    tasks = load_task_set("bundled", ["shipping-boundary", "stack-pop"])
+    with running() as server:
+        batch = agent_client.submit(
+            tasks=tasks,
+            samples_per_task=1,
+            policy={"url": server.url, "sampling": SAMPLING},
+            agent={"command": [f"{env}/bin/python", f"{env}/openai_chat_agent.py"]},
+            agent_env=str(env),
+        )
+        report = agent_client.wait(batch.batch_id, timeout=300)
+    assert report["status"] == "succeeded", report["errors"]
+    assert [r["reward"] for r in report["pods"]] == [1, 1]
+    for row in report["pods"]:
+        steps = steps_of(agent_client, batch.batch_id, row["index"])
+        assert steps and all(s["stream"] is True and s["chunks"] >= 3 for s in steps)
+        first = steps[0]["response"]
+        call = first["choices"][0]["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "bash" and "cat >" in call["function"]["arguments"]
+        assert first["choices"][0]["logprobs"]["content"]  # kept from the chunks
+
+
+def test_harbor_tasks_oracle_scores_one_and_an_agent_earns_what_its_tests_write(
+    agent_client, agent_envs
+):
+    only = ["add-numbers", "partial-credit"]  # files-only environments (no image needed here)
+    oracle = agent_client.submit(tasks=load_task_set(str(HARBOR), only), agent="oracle")
+    report = agent_client.wait(oracle.batch_id, timeout=180)
+    assert report["status"] == "succeeded", report["errors"]
+    assert {r["task_id"]: r["reward"] for r in report["pods"]} == dict.fromkeys(only, 1)
+    details = {r["task_id"]: r["reward_details"] for r in report["pods"]}
+    assert details["partial-credit"]["checks_passed"] == 4
+    # An agent the scripted policy does not know these tasks for: it submits at once, and the
+    # tests' own rewards are what is left: 0, and a fraction for partial credit.
+    with running() as server:
+        batch = agent_client.submit(
+            tasks=load_task_set(str(HARBOR), only),
+            policy={"url": server.url},
+            agent={"command": mini_command(agent_envs["mini"]), "env": MINI_ENV},
+            agent_env=str(agent_envs["mini"]),
+        )
+        report = agent_client.wait(batch.batch_id, timeout=300)
+    assert report["status"] == "succeeded", report["errors"]
+    assert {r["task_id"]: r["reward"] for r in report["pods"]} == {
+        "add-numbers": 0,
+        "partial-credit": 0.5,
+    }
+
+
+CHEAT = """
+import os, pathlib
+# What a reward-hacking agent tries: rewrite the tests it is graded by, plant the reward.
+for folder in ("/tests", "/logs/verifier"):
+    pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+fake = "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\\n"
+pathlib.Path("/tests/test.sh").write_text(fake)
+pathlib.Path("/logs/verifier/reward.txt").write_text("1\\n")
+pathlib.Path("check_add.py").write_text("raise SystemExit(0)\\n")
+"""
+
+
+@pytest.mark.parametrize("grade", ["fresh", "same"])
+def test_an_agent_that_rewrites_the_tests_earns_nothing(agent_client, grade):
+    task = load_task_set(str(HARBOR), ["add-numbers"])[0] | {"grade": grade}
+    assert "tests" in task and "test.sh" in task["tests"]
+    batch = agent_client.submit(
+        tasks=[task],
+        samples_per_task=2,
+        agent={"command": ["python", "-c", CHEAT]},
+        policy={"url": "http://127.0.0.1:9"},  # never asked
+    )
+    report = agent_client.wait(batch.batch_id, timeout=180)
+    assert report["status"] == "succeeded", report["errors"]
+    for row in report["pods"]:
+        assert row["agent_exit_code"] == 0 and row["reward"] == 0, row
+    log = agent_client.logs(batch.batch_id)[0]
+    assert '"mode": "grade"' in log  # graded in a second sandbox, given the real tests
