@@ -191,3 +191,91 @@ def test_a_quota_on_the_real_node_stops_the_slow_rest_and_counts_none_of_it(
     ]
     assert still == [], still
     client.close()
+
+
+# An agent that is only a command line (the image holds nothing of ours but Python): the
+# OpenAI chat protocol by hand, a `bash` tool, until the policy submits or stops calling.
+INLINE_AGENT = r"""
+import json, os, subprocess, urllib.request
+base, model = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_MODEL"]
+tool = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object",
+        "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+messages = [{"role": "user", "content": os.environ["ROLLOUT_STATEMENT"]}]
+for _ in range(10):
+    body = json.dumps({"model": model, "messages": messages, "tools": [tool]}).encode()
+    request = urllib.request.Request(base + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+    message = json.load(urllib.request.urlopen(request))["choices"][0]["message"]
+    messages.append(message)
+    calls = message.get("tool_calls") or []
+    if not calls:
+        break
+    command = json.loads(calls[0]["function"]["arguments"])["command"]
+    if command.startswith("echo COMPLETE_TASK_AND_SUBMIT"):
+        break
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+    messages.append({"role": "tool", "tool_call_id": calls[0]["id"],
+                     "content": done.stdout + done.stderr})
+"""
+
+
+def test_their_agent_runs_in_the_pod_and_every_exchange_is_recorded(
+    real_node, real_stack, k8s_cluster
+):
+    host = node_address(k8s_cluster, real_node.name)
+    tasks = load_task_set("bundled", only=["shipping-boundary", "fizzbuzz-order"])
+    with running(host="0.0.0.0") as server:
+        client = RolloutClient(real_stack.redis_url)
+        request = real_node.batch_fields() | {
+            "backend": "kubernetes",
+            "tasks": tasks,
+            "samples_per_task": 2,
+            "policy": {
+                "url": f"http://{host}:{server.port}",
+                "sampling": {"logprobs": True, "return_token_ids": True},
+            },
+            "capacity_check": "warn",
+            "agent": {"command": ["python", "-c", INLINE_AGENT]},
+        }
+        submission = client.submit(**request)
+        report = client.wait(submission.batch_id, timeout=300)
+        calls = server.calls()
+    assert report["status"] == "succeeded", report["errors"]
+    rewards = {(r["task_id"], r["sample"]): r["reward"] for r in report["pods"]}
+    assert rewards == {
+        ("shipping-boundary", 0): 1,
+        ("shipping-boundary", 1): 1,
+        ("fizzbuzz-order", 0): 1,
+        ("fizzbuzz-order", 1): 0,
+    }
+    for row in report["pods"]:
+        assert row["node"] == real_node.name and row["agent_exit_code"] == 0
+        steps = client.trajectory(submission.batch_id, row["index"])["steps"]
+        assert len(steps) == len([c for c in calls if c["episode_id"] == row["pod"]]) >= 2
+        assert all(s["response"]["choices"][0]["logprobs"]["content"] for s in steps)
+    client.close()
+
+
+def test_harbor_tasks_oracle_scores_one_on_the_real_node(real_node, real_stack):
+    from pathlib import Path
+
+    harbor = Path(__file__).resolve().parents[1] / "data" / "harbor"
+    only = ["add-numbers", "partial-credit"]
+    client = RolloutClient(real_stack.redis_url)
+    request = real_node.batch_fields() | {
+        "backend": "kubernetes",
+        "tasks": load_task_set(str(harbor), only),
+        "capacity_check": "warn",
+        "agent": "oracle",
+    }
+    submission = client.submit(**request)
+    report = client.wait(submission.batch_id, timeout=300)
+    assert report["status"] == "succeeded", report["errors"]
+    assert {r["task_id"]: r["reward"] for r in report["pods"]} == dict.fromkeys(only, 1)
+    assert (
+        next(r for r in report["pods"] if r["task_id"] == "partial-credit")["reward_details"][
+            "checks_passed"
+        ]
+        == 4
+    )
+    client.close()
