@@ -27,6 +27,8 @@ from rollout_wire.policy import PolicyEndpoint
 
 MAX_BODY = 8 * 2**20
 MAX_RESPONSE = 16 * 2**20
+# Response headers a sandbox gets from the policy server (the rest stay here).
+PASSED_HEADERS = ("X-Policy-Version",)
 IDENTITY_HEADERS = {
     "group_id": "X-Rollout-Group-Id",
     "task_id": "X-Rollout-Task-Id",
@@ -55,11 +57,19 @@ class _Handler(BaseHTTPRequestHandler):
     def address_string(self) -> str:
         return "sandbox"
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        extra: dict[str, str] | None = None,
+    ) -> None:
         try:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
+            for name, value in (extra or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(body)
         except OSError:
@@ -113,9 +123,18 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             conn.request(self.command, policy.path + self.path, body=body, headers=headers)
             response = conn.getresponse()
+            content_type = response.getheader("Content-Type", "application/json")
+            # The server's policy version travels on to the runner (it records every turn's).
+            extra = {
+                name: value
+                for name in PASSED_HEADERS
+                if (value := response.getheader(name)) is not None
+            }
+            if content_type.startswith("text/event-stream") and response.status == 200:
+                self._relay_stream(response, content_type, extra)
+                return
             data = response.read(MAX_RESPONSE + 1)
             status = response.status
-            content_type = response.getheader("Content-Type", "application/json")
         except (OSError, http.client.HTTPException) as exc:
             # 502/504: the runner retries, then reports an infrastructure failure.
             timed_out = "timed out" in str(exc).lower()
@@ -127,7 +146,31 @@ class _Handler(BaseHTTPRequestHandler):
         if len(data) > MAX_RESPONSE:
             self._send(502, b'{"error": {"message": "policy response too large"}}')
             return
-        self._send(status, data, content_type)
+        self._send(status, data, content_type, extra)
+
+    def _relay_stream(
+        self, response: http.client.HTTPResponse, content_type: str, extra: dict[str, str]
+    ) -> None:
+        """A streamed answer goes on as it comes (each chunk as soon as it is read), framed by
+        the connection's end; at most MAX_RESPONSE bytes of it."""
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        for name, value in extra.items():
+            self.send_header(name, value)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        sent = 0
+        try:
+            while sent <= MAX_RESPONSE:
+                piece = response.read1(65536)
+                if not piece:
+                    break
+                self.wfile.write(piece)
+                self.wfile.flush()
+                sent += len(piece)
+        except OSError:
+            pass  # either side went away: the runner records the stream as cut
 
 
 class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
