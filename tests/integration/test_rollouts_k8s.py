@@ -279,3 +279,73 @@ def test_harbor_tasks_oracle_scores_one_on_the_real_node(real_node, real_stack):
         == 4
     )
     client.close()
+
+
+@pytest.fixture(scope="module")
+def agent_image(real_node) -> str:
+    """hack/agent-image.sh: the Python image plus mini-swe-agent and the openai client, in the
+    node's containerd (built with Docker: hack/docker-up.sh)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for script in ("docker-up.sh", "agent-image.sh"):
+        done = subprocess.run(
+            [str(root / "hack" / script)], capture_output=True, text=True, timeout=1200
+        )
+        assert done.returncode == 0, f"hack/{script} failed: {done.stderr[-2000:]}"
+    return done.stdout.strip().splitlines()[-1]
+
+
+MINI_ENV = {
+    "MSWEA_CONFIGURED": "true",
+    "MSWEA_SILENT_STARTUP": "1",
+    "MSWEA_GLOBAL_CONFIG_DIR": "/tmp/mswea",
+    "MSWEA_COST_TRACKING": "ignore_errors",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "LITELLM_OFFLINE_MODE": "true",
+}
+MINI = (
+    "exec /opt/rollout-agents/mini/bin/mini -c mini.yaml -c agent.agent_class=default "
+    "-c agent.step_limit=20 -c agent.cost_limit=0 -c model.model_name=openai/$OPENAI_MODEL "
+    "-c model.cost_tracking=ignore_errors -c environment.environment_class=local "
+    '-c environment.timeout=60 -t "$ROLLOUT_STATEMENT" -o /tmp/traj.json </dev/null'
+)
+OPENAI_AGENT = [
+    "/opt/rollout-agents/openai/bin/python",
+    "/opt/rollout-agents/openai/openai_chat_agent.py",
+]
+
+
+@pytest.mark.parametrize(
+    "agent",
+    [{"command": ["sh", "-c", MINI], "env": MINI_ENV}, {"command": OPENAI_AGENT}],
+    ids=["mini-swe-agent", "openai-streaming"],
+)
+def test_third_party_agents_from_the_image_earn_the_scripted_rewards_on_the_real_node(
+    real_node, real_stack, k8s_cluster, agent_image, agent
+):
+    host = node_address(k8s_cluster, real_node.name)
+    tasks = load_task_set("bundled", only=["shipping-boundary", "inventory-two-bugs"])
+    with running(host="0.0.0.0") as server:
+        client = RolloutClient(real_stack.redis_url)
+        request = real_node.batch_fields() | {
+            "backend": "kubernetes",
+            "image": agent_image,
+            "tasks": tasks,
+            "policy": {"url": f"http://{host}:{server.port}", "sampling": {"logprobs": True}},
+            "capacity_check": "warn",
+            "agent": agent,
+            "resources": {"memory_limit": "512Mi"},  # litellm's imports need more than 128Mi
+        }
+        submission = client.submit(**request)
+        report = client.wait(submission.batch_id, timeout=300)
+        calls = server.calls()
+    assert report["status"] == "succeeded", report["errors"]
+    assert [r["reward"] for r in report["pods"]] == [1, 1], [r["errors"] for r in report["pods"]]
+    for row in report["pods"]:
+        steps = client.trajectory(submission.batch_id, row["index"])["steps"]
+        assert len(steps) == len([c for c in calls if c["episode_id"] == row["pod"]]) >= 2
+        assert all(s["response"]["choices"][0]["logprobs"]["content"] for s in steps)
+        assert all(s["stream"] is (agent["command"] == OPENAI_AGENT) for s in steps)
+    client.close()
