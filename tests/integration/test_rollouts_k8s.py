@@ -260,7 +260,22 @@ def test_harbor_tasks_oracle_scores_one_on_the_real_node(real_node, real_stack):
     from pathlib import Path
 
     harbor = Path(__file__).resolve().parents[1] / "data" / "harbor"
-    only = ["add-numbers", "partial-credit"]
+    only = ["add-numbers", "partial-credit", "image-task"]
+    # The image task's environment/Dockerfile, built and put on the node by the CLI.
+    import subprocess
+    import sys
+
+    subprocess.run(["hack/docker-up.sh"], check=True, cwd=harbor.parents[2], timeout=600)
+    built = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.cli", "tasks", "build", str(harbor)),
+            *("--task", "image-task", "--node-import"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr
     client = RolloutClient(real_stack.redis_url)
     request = real_node.batch_fields() | {
         "backend": "kubernetes",

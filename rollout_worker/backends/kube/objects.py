@@ -265,7 +265,10 @@ def sandbox_pod_spec(
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "capabilities": {"drop": ["ALL"]},
-                    "readOnlyRootFilesystem": True,
+                    # Harbor-style tasks (tests placed at /tests) act on their image's own
+                    # folders (its WORKDIR, say /app): their root stays writable, to the
+                    # sandbox's user only (non-root, no capabilities).
+                    "readOnlyRootFilesystem": not any("tests" in t for t in spec.tasks),
                     "seccompProfile": {"type": "RuntimeDefault"},
                 },
                 "resources": {
