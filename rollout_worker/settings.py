@@ -39,6 +39,9 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_LOCAL_PYTHON": "interpreter for local sandboxes (default /usr/bin/python3, else the "
     "worker's own)",
     "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap when it works)",
+    "ROLLOUT_ROOTFS_DIR": "local backend: where `rollout tasks build --rootfs` exported task "
+    "images' root filesystems; a task whose image has one there runs in it "
+    "(default <tmp>/rollout-rootfs)",
     "ROLLOUT_AGENT_ENVS": "local backend: the folders (colon-separated) a batch's agent_env may "
     "name, each shown read-only to its sandboxes (a virtual environment holding the agent); a "
     "batch naming another folder is refused (default: none)",
@@ -89,6 +92,7 @@ class Settings:
     warm_pool_budget: int = 64
     warm_pool_idle_seconds: float = 900.0
     agent_envs: tuple[str, ...] = ()
+    rootfs_dir: Path = Path(tempfile.gettempdir()) / "rollout-rootfs"
 
     def __post_init__(self) -> None:
         problems = []
@@ -159,6 +163,8 @@ class Settings:
             if not resolved:
                 raise ConfigError(f"ROLLOUT_LOCAL_PYTHON={python!r} is not an executable")
             values["local_python"] = resolved
+        if env.get("ROLLOUT_ROOTFS_DIR"):
+            values["rootfs_dir"] = Path(env["ROLLOUT_ROOTFS_DIR"])
         if env.get("ROLLOUT_AGENT_ENVS"):
             values["agent_envs"] = tuple(
                 os.path.realpath(p) for p in env["ROLLOUT_AGENT_ENVS"].split(":") if p

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import click
 
 from rollout_wire.errors import InvalidSpec
+from rollout_worker.backends.local.sandbox import MOUNT_POINTS, WORKDIR_SUFFIX, rootfs_dirname
 
 # -- the commands (pure) -----------------------------------------------------------------------
 
@@ -92,9 +93,8 @@ def push_argvs(image: str, target: str) -> list[list[str]]:
     return [["docker", "tag", image, target], ["docker", "push", target]]
 
 
-def rootfs_dirname(image: str) -> str:
-    """The image name as one path-safe folder name."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", image)
+def workdir_argv(image: str) -> list[str]:
+    return ["docker", "image", "inspect", "--format", "{{.Config.WorkingDir}}", image]
 
 
 def image_id_argv(image: str) -> list[str]:
@@ -305,11 +305,14 @@ def _export_rootfs(image: str, rootfs: Path) -> tuple[Path, bool]:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         _pipe(*export_argvs(container, partial))
-        (partial / "dev").mkdir(exist_ok=True)
+        for point in MOUNT_POINTS:  # what a sandbox mounts over the read-only root
+            (partial / point).mkdir(exist_ok=True)
+        workdir = _run(workdir_argv(image)).strip() or "/"
         marker.unlink(missing_ok=True)
         if dest.exists():
             shutil.rmtree(dest)
         partial.rename(dest)
+        (rootfs / (rootfs_dirname(image) + WORKDIR_SUFFIX)).write_text(workdir + "\n")
         marker.write_text(image_id + "\n")
     except OSError as exc:
         raise StepFailed(f"extracting {image} into {dest}: {exc}") from exc

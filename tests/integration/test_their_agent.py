@@ -56,9 +56,35 @@ def agent_envs() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def agent_client(agent_envs):
+def rootfs():
+    """The Harbor image task's root filesystem, exported for the local backend (Docker); in a
+    folder the sandboxes' host user can reach (pytest's own are closed to others)."""
+    import shutil
+    import sys
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="rollout-test-rootfs-"))
+    folder.chmod(0o755)
+    subprocess.run([str(ROOT / "hack" / "docker-up.sh")], check=True, timeout=900)
+    built = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.cli", "tasks", "build", str(HARBOR)),
+            *("--task", "image-task", "--rootfs", str(folder)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent_client(agent_envs, rootfs):
     allowed = ":".join(str(p) for p in agent_envs.values())
-    with LocalStack(collectors=2, extra_env={"ROLLOUT_AGENT_ENVS": allowed}) as stack:
+    env = {"ROLLOUT_AGENT_ENVS": allowed, "ROLLOUT_ROOTFS_DIR": str(rootfs)}
+    with LocalStack(collectors=2, extra_env=env) as stack:
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
         yield client
@@ -141,11 +167,13 @@ def test_the_openai_client_agent_streams_and_each_stream_is_recorded_whole(
 def test_harbor_tasks_oracle_scores_one_and_an_agent_earns_what_its_tests_write(
     agent_client, agent_envs
 ):
-    only = ["add-numbers", "partial-credit"]  # files-only environments (no image needed here)
-    oracle = agent_client.submit(tasks=load_task_set(str(HARBOR), only), agent="oracle")
+    only = ["add-numbers", "partial-credit"]  # files-only environments
+    # ...and one that is its image (a Dockerfile): the sandbox's root is the image's files.
+    everything = [*only, "image-task"]
+    oracle = agent_client.submit(tasks=load_task_set(str(HARBOR), everything), agent="oracle")
     report = agent_client.wait(oracle.batch_id, timeout=180)
     assert report["status"] == "succeeded", report["errors"]
-    assert {r["task_id"]: r["reward"] for r in report["pods"]} == dict.fromkeys(only, 1)
+    assert {r["task_id"]: r["reward"] for r in report["pods"]} == dict.fromkeys(everything, 1)
     details = {r["task_id"]: r["reward_details"] for r in report["pods"]}
     assert details["partial-credit"]["checks_passed"] == 4
     # An agent the scripted policy does not know these tasks for: it submits at once, and the

@@ -37,6 +37,7 @@ from rollout_worker.backends.local.files import (
     write_json_atomic,
 )
 from rollout_worker.backends.local.pool import PoolDir, ask
+from rollout_worker.backends.local.sandbox import ImageRoot
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits
@@ -129,6 +130,23 @@ class LocalBackend:
             )
         if self._isolation() == "none":
             warnings.append(f"local sandboxes are NOT isolated: {probe_bwrap() or 'disabled'}")
+        for task in spec.tasks:
+            # A task that is only its image (a Harbor Dockerfile) runs in that image's files.
+            image = task.get("image")
+            if image and not task.get("files") and self._isolation() != "bwrap":
+                raise BackendUnavailable(
+                    f"task {task['id']!r} runs in its image {image}: that needs bwrap isolation"
+                )
+            if (
+                image
+                and not task.get("files")
+                and not ImageRoot.find(self.settings.rootfs_dir, image)
+            ):
+                raise BackendUnavailable(
+                    f"task {task['id']!r} runs in its image {image}, whose root filesystem is not "
+                    f"in {self.settings.rootfs_dir}: run `rollout tasks build <tasks folder> "
+                    f"--rootfs {self.settings.rootfs_dir}` (ROLLOUT_ROOTFS_DIR) first"
+                )
         if spec.agent_env is not None:
             allowed = self.settings.agent_envs
             real = os.path.realpath(spec.agent_env)
@@ -169,6 +187,7 @@ class LocalBackend:
             "python": python,
             "python_prefix": prefix,
             "image_id": image_id,
+            "rootfs_dir": str(self.settings.rootfs_dir),
             "node": socket.gethostname(),
             "progress": {
                 "redis_url": self.settings.redis_url,

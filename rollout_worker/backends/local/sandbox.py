@@ -4,6 +4,7 @@ the caller passes in."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,41 @@ class Mount:
     target: str
     env: str
     writable: bool = False
+
+
+# `rollout tasks build --rootfs DIR` leaves, per image: DIR/<name>/ (its files) and
+# DIR/<name>.workdir (its WORKDIR), written last.
+WORKDIR_SUFFIX = ".workdir"
+# Where a sandbox mounts things over an image's read-only root: they must exist in it (bwrap
+# cannot create a mount point inside a read-only bind).
+MOUNT_POINTS = ("sandbox", "workspace", "tmp", "logs", "tests", "solution", "proc", "dev")
+
+
+def rootfs_dirname(image: str) -> str:
+    """An image name as one path-safe folder name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", image)
+
+
+@dataclass(frozen=True)
+class ImageRoot:
+    """An image's root filesystem, exported for bubblewrap: the sandbox's / (read-only), with
+    a per-episode copy of its working directory writable at `workdir`."""
+
+    path: Path
+    workdir: str
+
+    @classmethod
+    def find(cls, rootfs_dir: Path, image: str) -> ImageRoot | None:
+        path = rootfs_dir / rootfs_dirname(image)
+        workdir = rootfs_dir / (rootfs_dirname(image) + WORKDIR_SUFFIX)
+        if not (path.is_dir() and workdir.is_file()):
+            return None
+        return cls(path, workdir.read_text().strip() or "/")
+
+    @property
+    def python(self) -> str:
+        found = [d for d in ("usr/local/bin", "usr/bin") if (self.path / d / "python3").exists()]
+        return f"/{found[0]}/python3" if found else "/usr/bin/python3"
 
 
 @dataclass(frozen=True)
@@ -66,13 +102,15 @@ def plan_sandbox(
     mounts: Sequence[Mount] = (),
     status_fd: int | None = None,
     tmp: Path | None = None,
+    root: ImageRoot | None = None,
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
     `status_fd` (bwrap only): bwrap writes the sandbox's exit code there, as JSON, for a
     process that is not its parent (a warm sandbox's supervisor). `tmp`: a host folder as the
     sandbox's /tmp instead of a private tmpfs (an episode graded in a second sandbox that must
-    find the first one's /tmp as it was left).
+    find the first one's /tmp as it was left). `root` (bwrap only): the task's image as the
+    sandbox's root, its interpreter running the episode, the workspace at the image's WORKDIR.
     """
     base_env = {
         "EPISODE_ID": episode_id,
@@ -100,17 +138,26 @@ def plan_sandbox(
         str(SANDBOX_UID),
         "--gid",
         str(SANDBOX_GID),
-        *_system_mounts(),
     ]
-    if not python_prefix.startswith("/usr/"):
-        argv += ["--ro-bind", python_prefix, python_prefix]
+    workspace_mount = WORKSPACE_MOUNT
+    if root is None:
+        argv += _system_mounts()
+        if not python_prefix.startswith("/usr/"):
+            argv += ["--ro-bind", python_prefix, python_prefix]
+    else:
+        # /sandbox as a tmpfs: the program and task files are mounted on it (a file mount
+        # point cannot be made inside the read-only root).
+        argv += ["--ro-bind", str(root.path), "/", "--tmpfs", "/sandbox"]
+        python = root.python
+        if root.workdir != "/":
+            workspace_mount = root.workdir
     argv += [
         "--ro-bind",
         str(program),
         PROGRAM_MOUNT,
         "--bind",
         str(workspace),
-        WORKSPACE_MOUNT,
+        workspace_mount,
         *(
             arg
             for m in mounts
@@ -122,10 +169,10 @@ def plan_sandbox(
         "/dev",
         *(["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]),
         "--chdir",
-        WORKSPACE_MOUNT,
+        workspace_mount,
         "--clearenv",
     ]
-    env = base_env | {"ROLLOUT_WORKSPACE": WORKSPACE_MOUNT, "HOME": WORKSPACE_MOUNT}
+    env = base_env | {"ROLLOUT_WORKSPACE": workspace_mount, "HOME": workspace_mount}
     env |= {m.env: m.target for m in mounts if m.env}
     for key, value in env.items():
         argv += ["--setenv", key, value]

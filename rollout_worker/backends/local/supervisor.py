@@ -41,6 +41,7 @@ from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, ex
 from rollout_worker.backends.local.sandbox import (
     SANDBOX_GID,
     SANDBOX_UID,
+    ImageRoot,
     Mount,
     plan_sandbox,
     rlimits,
@@ -170,6 +171,16 @@ class Supervisor:
         """An episode's /tmp, /logs, /tests and /solution, kept beside its workspace."""
         return self.dir.workspace(index).parent / f"{index}.{phase}"
 
+    def image_root(self, index: int) -> ImageRoot | None:
+        """The task's image as the sandbox's root, when the task is only its image (a Harbor
+        Dockerfile) and its root filesystem was exported (the backend checked it was)."""
+        if not self.spec.tasks or self.run["isolation"] != "bwrap":
+            return None
+        task = self.spec.tasks[self.spec.episode(index).task_index or 0]
+        if not task.get("image") or task.get("files"):
+            return None
+        return ImageRoot.find(Path(self.run.get("rootfs_dir") or ""), task["image"])
+
     def agent_setup(
         self, index: int, phase: str = AGENT_PHASE
     ) -> tuple[dict[str, str], list[Mount], Path | None]:
@@ -267,6 +278,11 @@ class Supervisor:
             shutil.copytree(agent_left, workspace, symlinks=True)
             shutil.rmtree(agent_left, ignore_errors=True)
         extra_env, mounts, tmp = self.agent_setup(index, phase)
+        root = self.image_root(index)
+        if root is not None and phase == AGENT_PHASE and root.workdir != "/":
+            # The episode starts from the image's working directory, a copy of its own.
+            shutil.rmtree(workspace)
+            shutil.copytree(root.path / root.workdir.lstrip("/"), workspace, symlinks=True)
         plan = plan_sandbox(
             isolation=self.run["isolation"],
             python=self.run["python"],
@@ -279,9 +295,13 @@ class Supervisor:
             extra_env=extra_env,
             mounts=mounts,
             tmp=tmp,
+            root=root,
         )
         if plan.run_as:
-            os.chown(workspace, *plan.run_as)
+            for folder, _, files in os.walk(workspace):
+                os.chown(folder, *plan.run_as)
+                for name in files:
+                    os.chown(os.path.join(folder, name), *plan.run_as, follow_symlinks=False)
         self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
         created_at = time.time() if since is None else since
         # The grader's events follow the agent's in the episode's one log.
