@@ -10,15 +10,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rollout_wire import constants as k
 from rollout_wire.errors import SamplingStopped
 from rollout_wire.rows import group_passes
 from rollout_wire.states import BatchStatus, GroupFilter
 
-if TYPE_CHECKING:
-    from trainer_stub.client import RolloutClient
+
+class Sent(Protocol):
+    """What sending a batch returns (`client.Submission`)."""
+
+    @property
+    def batch_id(self) -> str: ...
+    @property
+    def spec(self) -> Any: ...
+
+
+class SamplingClient(Protocol):
+    """What the sampler needs of the trainer's client (`client.RolloutClient`)."""
+
+    def submit(self, **request: Any) -> Sent: ...
+    def follow(self, following: Following, timeout: float | None = None) -> Iterator[Any]: ...
+    def report(self, batch_id: str) -> dict[str, Any] | None: ...
+    def cancel(self, batch_id: str) -> None: ...
+
 
 # What the sampler decides for every batch it submits.
 OWNED_FIELDS = ("tasks", "samples_per_task", "batch_id", "count", "groups_wanted", "group_filter")
@@ -54,7 +70,7 @@ class ContinuousSampler:
 
     def __init__(
         self,
-        client: RolloutClient,
+        client: SamplingClient,
         tasks: Sequence[Mapping[str, Any]],
         samples_per_task: int,
         *,
