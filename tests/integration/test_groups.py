@@ -166,13 +166,18 @@ def test_continuous_sampling_gives_complete_groups_and_cancels_what_is_left_when
 def test_an_episode_whose_policy_moved_on_past_the_bound_is_stopped_stale(client):
     """The runner sees the policy's version on every turn: once it is more than
     `max_policy_lag` ahead of the first turn's, the episode stops there, recorded `stale`."""
-    tasks = load_task_set("bundled", ["stack-pop"])  # two turns, each answered after 1 s
-    with running() as server:
+    tasks = load_task_set("bundled", ["stack-pop"])
+    script = bundled_script()
+    write, submit = script["tasks"]["stack-pop"]["plans"][0]
+    # The second turn is answered 5 s after it is asked: the version moves on in between, for
+    # both samples, however far apart they run.
+    script["tasks"]["stack-pop"] = {"plans": [[write | {"delay": 0}, submit | {"delay": 5}]]}
+    with running(script=script) as server:
         batch = client.submit(
             tasks=tasks, samples_per_task=2, policy={"url": server.url, "max_policy_lag": 1}
         )
         deadline = time.monotonic() + 60
-        while not any(c["turn"] == 1 for c in server.calls()):  # the first turn answered
+        while sum(c["turn"] == 1 for c in server.calls()) < 2:  # both asked their 2nd turn
             assert time.monotonic() < deadline, server.calls()
             time.sleep(0.05)
         server.set_version(3)  # the trainer updated the weights during the second turn

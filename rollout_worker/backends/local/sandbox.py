@@ -152,6 +152,13 @@ def plan_sandbox(
         if root.workdir != "/":
             workspace_mount = root.workdir
     argv += [
+        # /proc, /dev and /tmp first: a bind below /tmp (an agent env kept there) must come
+        # after the tmpfs, or the tmpfs hides it.
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        *(["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]),
         "--ro-bind",
         str(program),
         PROGRAM_MOUNT,
@@ -163,11 +170,6 @@ def plan_sandbox(
             for m in mounts
             for arg in ("--bind" if m.writable else "--ro-bind", str(m.host), m.target)
         ),
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        *(["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]),
         "--chdir",
         workspace_mount,
         "--clearenv",
