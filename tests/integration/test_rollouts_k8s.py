@@ -12,6 +12,7 @@ import pytest
 
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli.policy_server import bundled_script, running
+from tests.integration.agents import MINI_ENV, mini_command
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
@@ -312,20 +313,6 @@ def agent_image(real_node) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-MINI_ENV = {
-    "MSWEA_CONFIGURED": "true",
-    "MSWEA_SILENT_STARTUP": "1",
-    "MSWEA_GLOBAL_CONFIG_DIR": "/tmp/mswea",
-    "MSWEA_COST_TRACKING": "ignore_errors",
-    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-    "LITELLM_OFFLINE_MODE": "true",
-}
-MINI = (
-    "exec /opt/rollout-agents/mini/bin/mini -c mini.yaml -c agent.agent_class=default "
-    "-c agent.step_limit=20 -c agent.cost_limit=0 -c model.model_name=openai/$OPENAI_MODEL "
-    "-c model.cost_tracking=ignore_errors -c environment.environment_class=local "
-    '-c environment.timeout=60 -t "$ROLLOUT_STATEMENT" -o /tmp/traj.json </dev/null'
-)
 OPENAI_AGENT = [
     "/opt/rollout-agents/openai/bin/python",
     "/opt/rollout-agents/openai/openai_chat_agent.py",
@@ -334,7 +321,10 @@ OPENAI_AGENT = [
 
 @pytest.mark.parametrize(
     "agent",
-    [{"command": ["sh", "-c", MINI], "env": MINI_ENV}, {"command": OPENAI_AGENT}],
+    [
+        {"command": mini_command("/opt/rollout-agents/mini"), "env": MINI_ENV},
+        {"command": OPENAI_AGENT},
+    ],
     ids=["mini-swe-agent", "openai-streaming"],
 )
 def test_third_party_agents_from_the_image_earn_the_scripted_rewards_on_the_real_node(

@@ -14,35 +14,16 @@ import pytest
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli.policy_server import running
 from rollout_worker.cli.stack import LocalStack
+from tests.integration.agents import MINI_ENV, mini_command
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 HARBOR = ROOT / "tests" / "data" / "harbor"
-# mini-swe-agent, offline and without a terminal: its defaults ask questions and fetch a
-# price list; these settings are what its own docs and source say turn that off.
-MINI_ENV = {
-    "MSWEA_CONFIGURED": "true",
-    "MSWEA_SILENT_STARTUP": "1",
-    "MSWEA_GLOBAL_CONFIG_DIR": "/tmp/mswea",
-    "MSWEA_COST_TRACKING": "ignore_errors",
-    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-    "LITELLM_OFFLINE_MODE": "true",
-}
 # What a trainer sends with every call: the scripted server then returns token ids and
 # log-probabilities, which the recording must keep.
 SAMPLING = {"logprobs": True, "return_token_ids": True}
-
-
-def mini_command(env: Path) -> list[str]:
-    line = (
-        f"exec {env}/bin/mini -c mini.yaml -c agent.agent_class=default "
-        "-c agent.step_limit=20 -c agent.cost_limit=0 -c model.model_name=openai/$OPENAI_MODEL "
-        "-c model.cost_tracking=ignore_errors -c environment.environment_class=local "
-        '-c environment.timeout=60 -t "$ROLLOUT_STATEMENT" -o /tmp/traj.json </dev/null'
-    )
-    return ["sh", "-c", line]
 
 
 @pytest.fixture(scope="module")
