@@ -22,6 +22,7 @@ TASK_CLEANUP = "rollout.cleanup_run"
 TASK_CANCEL = "rollout.cancel_batch"
 TASK_SWEEP = "rollout.sweep"
 TASK_FILL_POOL = "rollout.fill_pool"
+TASK_FEED = "rollout.feed_batch"
 TASKS = (
     TASK_SUBMIT,
     TASK_COLLECT,
@@ -31,6 +32,7 @@ TASKS = (
     TASK_CANCEL,
     TASK_SWEEP,
     TASK_FILL_POOL,
+    TASK_FEED,
 )
 
 KEY_PREFIX = "rollout"
@@ -144,6 +146,10 @@ def chord_group_task_id(batch_id: str) -> str:
 
 def watchdog_task_id(batch_id: str) -> str:
     return f"{batch_id}.watchdog"
+
+
+def feed_task_id(batch_id: str) -> str:
+    return f"{batch_id}.feed"
 
 
 def cancel_task_id(batch_id: str) -> str:

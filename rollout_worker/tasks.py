@@ -4,6 +4,7 @@ is made here; what each task does is in `core/worker.py`:
 - submit_batch: admit, write the receipt, start the run, fan out the collection chord.
 - collect_episode (queue `collect`): one episode's row, or requeue itself (bounded wait).
 - aggregate_batch (chord callback) and batch_watchdog: publish the report once.
+- feed_batch (queue `collect`): a run fed from its pool gets a waiting sandbox per freed slot.
 - cleanup_run, cancel_batch, fill_pool, sweep.
 
 Every task is acknowledged late and given back when its worker dies (`register`).
@@ -64,6 +65,12 @@ class CeleryScheduler:
     def fill_pool(self, batch_id: str) -> None:
         self.app.signature(k.TASK_FILL_POOL, args=(batch_id,), queue=k.QUEUE_CONTROL).apply_async()
 
+    def feed(self, batch_id: str) -> None:
+        # On the collect queue: it waits on the pool's watch like a collector on its Pod's.
+        self.app.signature(k.TASK_FEED, args=(batch_id,), queue=k.QUEUE_COLLECT).apply_async(
+            task_id=k.feed_task_id(batch_id)
+        )
+
 
 def worker(app: Celery) -> core.Worker:
     """This process's worker (Redis clients and backends are made after the fork)."""
@@ -123,6 +130,10 @@ def fill_pool(self: Task, batch_id: str) -> dict[str, Any]:
     return _run(self, lambda: worker(self.app).fill_pool(batch_id))
 
 
+def feed_batch(self: Task, batch_id: str) -> dict[str, Any]:
+    return _run(self, lambda: worker(self.app).feed(batch_id))
+
+
 def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
     return _run(self, lambda: worker(self.app).sweep(dry_run))
 
@@ -135,6 +146,7 @@ TASKS: dict[str, Callable[..., Any]] = {
     k.TASK_CLEANUP: cleanup_run,
     k.TASK_CANCEL: cancel_batch,
     k.TASK_FILL_POOL: fill_pool,
+    k.TASK_FEED: feed_batch,
     k.TASK_SWEEP: sweep,
 }
 

@@ -43,6 +43,9 @@ class RunHandle:
     # Episodes taken from a warm pool: [index, Pod name, Pod UID] each, in the pool's namespace.
     pool_namespace: str | None = None
     warm: list[list[Any]] = field(default_factory=list)
+    # Fed from its pool: no Job; the episodes not claimed at the start are claimed one per
+    # freed slot by the feeder (`feed_run`), and appended to `warm` in the receipt.
+    fed: bool = False
     # local
     run_dir: str | None = None
     run_uid: str | None = None
@@ -57,6 +60,10 @@ class RunHandle:
         if self.jobs:
             return dict(self.jobs)
         return {self.job_name: self.job_uid} if self.job_name else {}
+
+    def in_pool(self, index: int) -> bool:
+        """Whether episode `index` runs (or will run) in a pool Pod, not a Job's."""
+        return self.fed or self.warm_pod(index) is not None
 
     def warm_pod(self, index: int) -> tuple[str, str] | None:
         """(name, UID) of the warm Pod that runs episode `index`, if one does."""
@@ -151,3 +158,37 @@ class PoolBackend(Protocol):
     def list_pools(self) -> dict[str, dict[str, Any]]:
         """The pools of ours this backend can see, by key: {namespace (locally its folder),
         uid, waiting, claimed_running, pods}."""
+
+
+@dataclass(frozen=True)
+class Fed:
+    """One look of the feeder: the claims made so far ([index, name, UID] each, those of
+    earlier looks included) and whether it is done (every episode claimed, or the run
+    cannot take more)."""
+
+    claims: list[list[Any]]
+    done: bool
+
+
+@runtime_checkable
+class FeedingBackend(Protocol):
+    """A backend whose runs may be fed from a pool by a task (Kubernetes; the local
+    supervisor feeds its own run)."""
+
+    name: str
+
+    def feed_run(
+        self,
+        spec: BatchSpec,
+        handle: RunHandle,
+        claims: list[list[Any]],
+        record: ReceiptUpdate,
+        *,
+        timeout: float,
+        budget: int,
+        idle_seconds: float,
+    ) -> Fed:
+        """For up to `timeout` seconds: claim a waiting pool sandbox for the next episode
+        whenever one of the run's slots is free, and keep the pool topped up ahead of the
+        batch (within `budget` waiting sandboxes over all pools). `record` gets each Pod a
+        claim may touch before its claim."""

@@ -7,6 +7,7 @@
 - `finalize`: the report once, then the run's records.
 - `runs`: cleanup, cancel, the sweeper, which backend reaches a run.
 - `pools`: warm pool refill and drain.
+- `feed`: a run fed from its pool, one waiting sandbox per freed slot.
 - `worker`: what each Celery task decides (retries, what to send next), for `tasks.py`.
 
 Unit tests call these with an in-memory store and a stub backend. Every function is safe to
@@ -24,6 +25,7 @@ from rollout_worker.core.collect import (
     rescue,
     watchdog_countdown,
 )
+from rollout_worker.core.feed import FEEDER_INDEX, feed
 from rollout_worker.core.finalize import Finalized, finalize
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
@@ -53,6 +55,7 @@ from rollout_worker.core.worker import MAX_RETRIES, REDIS_WAIT_SECONDS, Again, S
 
 __all__ = [
     "CLEANUP_RECHECK_SECONDS",
+    "FEEDER_INDEX",
     "FLAG_CANCEL",
     "FLAG_CHORD",
     "FLAG_HALT",
@@ -82,6 +85,7 @@ __all__ = [
     "collect",
     "drain_pools",
     "fail",
+    "feed",
     "fill_pool",
     "finalize",
     "give_up_at",

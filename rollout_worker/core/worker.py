@@ -17,7 +17,15 @@ from rollout_wire.states import Cleanup, FailureKind, FinalizedBy
 from rollout_worker.backends import get_backend
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.admit import fail, submit
-from rollout_worker.core.collect import claim, collect, rescue, tripped_by, watchdog_countdown
+from rollout_worker.core.collect import (
+    claim,
+    collect,
+    give_up_at,
+    rescue,
+    tripped_by,
+    watchdog_countdown,
+)
+from rollout_worker.core.feed import feed
 from rollout_worker.core.finalize import finalize
 from rollout_worker.core.groups import publish_group_of, quota_unenforced
 from rollout_worker.core.pools import drain_pools, fill_pool
@@ -57,6 +65,7 @@ MAX_RETRIES: dict[str, int | None] = {
     k.TASK_SWEEP: 3,
     # x FILL_RETRY_SECONDS: long enough for a drained pool's namespace to go.
     k.TASK_FILL_POOL: SUBMIT_RETRIES,
+    k.TASK_FEED: None,  # like a collector: until every episode is claimed or the deadline
 }
 # A collector whose backend failed transiently pauses this long before it requeues: not with
 # a countdown, because a worker holds ETA messages beyond its prefetch limit, and a pile of
@@ -94,6 +103,8 @@ class Scheduler(Protocol):
     def cleanup(self, batch_id: str) -> None: ...
     def cancel(self, batch_id: str) -> None: ...
     def fill_pool(self, batch_id: str) -> None: ...
+    def feed(self, batch_id: str) -> None:
+        """The feeder of a run fed from its pool (one task id per batch)."""
 
 
 def default_batch_id(message_id: str) -> str | None:
@@ -160,6 +171,8 @@ class Worker:
             # backend and the per-index row store both absorb.
             countdown = watchdog_countdown(done.spec, done.run, self.limits, time.time())
             self.scheduler.collect_batch(done.spec.batch_id, done.spec.count, countdown)
+            if done.run.fed:
+                self.scheduler.feed(done.spec.batch_id)
             self.store.set_flag(done.spec.batch_id, FLAG_CHORD)
         return done.as_result()
 
@@ -256,6 +269,28 @@ class Worker:
             if countdown > 0:
                 raise Again(countdown)
         return self.finalize(batch_id, FinalizedBy.WATCHDOG)
+
+    def feed(self, batch_id: str) -> dict[str, Any]:
+        """Feed a run from its pool for one bounded look; then again, until done."""
+        receipt = self.started(batch_id)
+        if receipt is None or receipt.run is None:
+            return {"batch_id": batch_id, "feed": "no receipt or run for this batch"}
+        try:
+            why = feed(
+                self.store,
+                self.backend(receipt.run.backend),
+                batch_id,
+                limits=self.limits,
+                budget=self.settings.warm_pool_budget,
+                idle_seconds=self.settings.warm_pool_idle_seconds,
+            )
+        except TransientBackendError as exc:
+            raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
+        except NotYet:
+            if time.time() > give_up_at(receipt.spec, receipt.run, self.limits):
+                return {"batch_id": batch_id, "feed": "past the batch's deadline"}
+            raise Again() from None
+        return {"batch_id": batch_id, "feed": why}
 
     def cleanup(self, batch_id: str) -> dict[str, Any]:
         """Delete a reported run; while the backend deletes, look again later instead of

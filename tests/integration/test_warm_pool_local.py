@@ -124,6 +124,17 @@ def test_local_batches_take_episodes_from_a_warm_pool(open_tmp_path):
             assert time.monotonic() < deadline, (_sandboxes_of(pool_dir), bwraps)
             time.sleep(0.1)
 
+        # A batch of three waves: each freed slot takes a waiting sandbox, and the pool starts
+        # a replacement for each one taken, so every episode of every wave starts warm.
+        waves = client.submit(count=3 * SIZE, parallelism=SIZE)
+        report = client.wait(waves.batch_id, timeout=120)
+        assert report["successful_episodes"] == 3 * SIZE, report
+        rows = sorted(report["pods"], key=lambda row: row["index"])
+        assert [row["index"] for row in rows] == list(range(3 * SIZE))
+        assert all("pool_created_at" in row["timing"] for row in rows), rows
+        # One sandbox per episode: each was started by the pool at its own moment.
+        assert len({row["timing"]["pool_created_at"] for row in rows}) == 3 * SIZE
+
         # Drained on demand: its sandboxes stop, its process exits, its folder goes.
         drain = [sys.executable, "-m", "rollout_worker.cli", "pools", "--backend", "local"]
         run_env = {**os.environ, **env, "ROLLOUT_REDIS_URL": stack.redis_url}

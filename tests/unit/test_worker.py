@@ -11,6 +11,7 @@ from rollout_wire import constants as k
 from rollout_wire.errors import TransientBackendError
 from rollout_wire.states import FinalizedBy
 from rollout_worker import core
+from rollout_worker.backends.base import Fed as FedLook
 from rollout_worker.core import worker as worker_module
 from rollout_worker.settings import Settings
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
@@ -24,6 +25,10 @@ class Sent:
     cleanups: list[str] = field(default_factory=list)
     fills: list[str] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    feeds: list[str] = field(default_factory=list)
+
+    def feed(self, batch_id: str) -> None:
+        self.feeds.append(batch_id)
 
     def collect_batch(self, batch_id: str, count: int, watchdog_countdown: float) -> None:
         self.chords.append((batch_id, count, watchdog_countdown))
@@ -211,3 +216,48 @@ def test_the_watchdog_reports_at_once_when_every_row_is_in_but_the_chord_never_f
     # Long before the rescue may start (the run began just now): no need to wait for it.
     assert w.watchdog("b1")["status"] == "succeeded"
     assert store.reports["b1"]["finalized_by"] == "watchdog"
+
+
+class Fed(StubBackend):
+    """A run fed from a pool: the start claims episode 0, each look of the feeder one more."""
+
+    def start_run(self, spec, record):  # type: ignore[no-untyped-def]
+        handle = super().start_run(spec, record)
+        return replace(handle, warm=[[0, "pod-0", "uid-0"]], fed=True, pool_namespace="pool")
+
+    def feed_run(self, spec, handle, claims, record, *, timeout, budget, idle_seconds):  # type: ignore[no-untyped-def]
+        index = len(claims)
+        record({"feed_planned": {str(index): [f"pod-{index}", f"uid-{index}"]}})
+        claims = [*claims, [index, f"pod-{index}", f"uid-{index}"]]
+        record({"warm": claims})
+        return FedLook(claims, done=len(claims) == spec.count)
+
+
+def test_a_fed_run_gets_a_feeder_that_records_each_claim_until_every_episode_has_one(parts):
+    w, store, _, sent = parts
+    w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    w.submit({"batch_id": "b1", "count": 3, "parallelism": 1}, message_id="m1", attempt=0)
+    assert sent.feeds == ["b1"]
+    with pytest.raises(core.Again):
+        w.feed("b1")  # claims episode 1: not done
+    receipt = store.load_receipt("b1")
+    assert receipt["run"]["warm"] == [[0, "pod-0", "uid-0"], [1, "pod-1", "uid-1"]]
+    assert store.registered_runs()["b1"]["run"]["warm"] == receipt["run"]["warm"]
+    assert w.feed("b1")["feed"] == "every episode claimed"
+    receipt = store.load_receipt("b1")
+    assert [i for i, _, _ in receipt["run"]["warm"]] == [0, 1, 2]
+    # Every Pod a claim touched was named before its claim, none lost by the merge.
+    assert sorted(receipt["feed_planned"]) == ["1", "2"]
+
+
+def test_one_feeder_at_a_time_and_none_after_a_cancel(parts):
+    w, store, _, _ = parts
+    w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    w.submit({"batch_id": "b1", "count": 3, "parallelism": 1}, message_id="m1", attempt=0)
+    store.claim_collect("b1", core.FEEDER_INDEX, "another copy", 60)
+    with pytest.raises(core.Again):
+        w.feed("b1")
+    assert len(store.load_receipt("b1")["run"]["warm"]) == 1  # it claimed nothing
+    store.release_collect("b1", core.FEEDER_INDEX, "another copy")
+    store.set_flag("b1", core.FLAG_CANCEL)
+    assert w.feed("b1")["feed"] == "stopped"

@@ -35,7 +35,13 @@ from rollout_wire.errors import (
 )
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends import warm
-from rollout_worker.backends.base import MAX_LOG_BYTES, FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.backends.base import (
+    MAX_LOG_BYTES,
+    Fed,
+    FinishedRun,
+    ReceiptUpdate,
+    RunHandle,
+)
 from rollout_worker.backends.kube import objects, read
 from rollout_worker.backends.kube.namespaces import delete_namespace
 from rollout_worker.backends.kube.objects import (
@@ -48,7 +54,7 @@ from rollout_worker.backends.kube.objects import (
     namespace_name,
     network_policy_manifest,
 )
-from rollout_worker.backends.kube.pools import WarmPools
+from rollout_worker.backends.kube.pools import Claimed, WarmPools
 from rollout_worker.backends.kube.read import (
     RETRYING,
     capacity_plan,
@@ -71,6 +77,9 @@ from rollout_worker.settings import Settings
 JOB_CACHE_SECONDS = 1.0
 JOB_SETTLE_SECONDS = 25  # after the report; well under the visibility timeout
 REQUEST_TIMEOUT = 30
+# The feeder tops its pool up at most this often (each top-up lists the pool: the watch may
+# not show the Pods the last one created yet).
+FEED_FILL_EVERY_SECONDS = 1.0
 
 
 def _translate(exc: Exception, what: str) -> BackendError:
@@ -216,6 +225,10 @@ class KubernetesBackend:
         if claimed:
             record({"warm": [[c.index, c.name, c.uid] for c in claimed]})
             started = min(started, *(c.claimed_at for c in claimed))
+        # More episodes than slots, and a pool to take them from: every slot is fed from the
+        # pool as it frees (`feed_run`), not by a Job whose next wave starts cold once its
+        # controller sees the last one end.
+        fed = bool(claimed) and spec.count > spec.parallelism
         ns = self._create_or_adopt(
             spec,
             "namespace",
@@ -249,7 +262,7 @@ class KubernetesBackend:
         )
         jobs: dict[str, str] = {}
         created: list[dict[str, Any]] = []
-        warm = {c.index for c in claimed}
+        warm = set(range(spec.count)) if fed else {c.index for c in claimed}
         for part in job_parts(spec, warm):  # one Job per image and run of cold episodes
             manifest = job_manifest(
                 spec, ttl_seconds_after_finished=self.settings.kube_job_ttl_seconds, part=part
@@ -286,6 +299,7 @@ class KubernetesBackend:
             jobs=jobs,
             pool_namespace=objects.pool_namespace(key) if claimed and key else None,
             warm=[[c.index, c.name, c.uid] for c in claimed],
+            fed=fed,
         )
 
     def _create_or_adopt(
@@ -384,13 +398,13 @@ class KubernetesBackend:
         def done(seen: dict[str, dict[str, Any]]) -> bool:
             if warm and not seen:
                 return True  # claimed before the run existed, so a synced watch has it: gone
-            obs = observe_pods(handle, index, seen, final=warm)
+            obs = observe_pods(handle, index, seen, final=handle.in_pool(index))
             return obs.terminal or (until_ready and obs.ready)
 
-        if warm:
+        if handle.in_pool(index):
             pods = self._warm_watch(handle).wait(index, timeout, done)
             obs = observe_pods(handle, index, pods, final=True)
-            if not pods:
+            if warm and not pods:
                 # The watch has listed the pool: the Pod this episode claimed is gone (its
                 # hand-over failed, or it was deleted before any watch of ours saw it end).
                 obs.phase = "Failed"
@@ -475,7 +489,7 @@ class KubernetesBackend:
                 f"log of {obs.episode_id}",
                 self.core.read_namespaced_pod_log,
                 obs.episode_id,
-                handle.pool_namespace if handle.warm_pod(obs.index) else _namespace(handle),
+                handle.pool_namespace if handle.in_pool(obs.index) else _namespace(handle),
                 container=CONTAINER_NAME,
                 limit_bytes=MAX_LOG_BYTES,
             )
@@ -576,7 +590,8 @@ class KubernetesBackend:
         # The guide's job.json and job-submitted.json are the first Job's; a batch of several
         # images (or warm episodes between cold ones) adds job-<name>.json and
         # job-<name>-submitted.json for the others.
-        for part in job_parts(spec, {index for index, _, _ in handle.warm}):
+        in_pool = set(range(spec.count)) if handle.fed else {index for index, _, _ in handle.warm}
+        for part in job_parts(spec, in_pool):
             name = "job" if part.name == JOB_NAME else f"job-{part.name}"
             job = next((j for j in jobs if j["metadata"]["name"] == part.name), None)
             if job is not None:
@@ -590,8 +605,13 @@ class KubernetesBackend:
     def cancel_run(self, handle: RunHandle) -> None:
         """Suspend the Jobs: their controller deletes the running Pods and starts no more, and
         the Jobs stay (with their records) until the run is deleted. Warm Pods get a deadline
-        that has passed: the kubelet stops them, and they stay as records too."""
-        for _index, name, uid in handle.warm:
+        that has passed: the kubelet stops them, and they stay as records too. A fed run's
+        Pods are found by its label too (the feeder may have claimed one since the receipt
+        was read)."""
+        stop = {name: uid for _index, name, uid in handle.warm}
+        if handle.fed:
+            stop |= {p["metadata"]["name"]: p["metadata"]["uid"] for p in self._warm_pods(handle)}
+        for name, uid in stop.items():
             with contextlib.suppress(ResourceNotFound, ResourceConflict):
                 self._call(
                     "stop warm pod",
@@ -677,6 +697,94 @@ class KubernetesBackend:
 
     def drain_pool(self, key: str, namespace_uid: str | None) -> bool:
         return self.pools.drain(key, namespace_uid)
+
+    def _pool_watch(self, key: str) -> PodWatch:
+        """Every Pod of one pool (the feeder's view: waiting, starting, claimed)."""
+        namespace = objects.pool_namespace(key)
+        selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}={key}"
+
+        def make() -> PodWatch:
+            return PodWatch(
+                f"pool {key}",
+                lambda: self._call(
+                    "list pool pods",
+                    self.core.list_namespaced_pod,
+                    namespace,
+                    label_selector=selector,
+                ),
+                (self.core.list_namespaced_pod, (namespace,), {"label_selector": selector}),
+                lambda _pod: 0,  # one group: the feeder reads the whole pool at once
+            )
+
+        return self.watches.get(f"pool/{key}", make)
+
+    def feed_run(
+        self,
+        spec: BatchSpec,
+        handle: RunHandle,
+        claims: list[list[Any]],
+        record: ReceiptUpdate,
+        *,
+        timeout: float,
+        budget: int,
+        idle_seconds: float,
+    ) -> Fed:
+        key = self.pool_key(spec)
+        if key is None or not handle.fed or handle.pool_namespace is None:
+            return Fed(claims, done=True)
+        namespace, watch = handle.pool_namespace, self._pool_watch(key)
+        claims = [list(c) for c in claims]
+        end = time.monotonic() + timeout
+        filled_at = -math.inf
+
+        def plan_of(pods: dict[str, dict[str, Any]]) -> read.FeedPlan:
+            return read.feed_plan(
+                pods.values(), spec.batch_id, spec.parallelism, spec.count, claims
+            )
+
+        def actionable(pods: dict[str, dict[str, Any]]) -> bool:
+            plan = plan_of(pods)
+            top_up = plan.idle_have < plan.idle_wanted
+            return (
+                plan.done
+                or bool(plan.claims or plan.found)
+                or (top_up and time.monotonic() - filled_at >= FEED_FILL_EVERY_SECONDS)
+            )
+
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return Fed(claims, done=False)
+            plan = plan_of(watch.wait(0, min(left, FEED_FILL_EVERY_SECONDS), actionable))
+            if plan.found:
+                # Claimed by a look that died before its record: recorded now, handed over
+                # unless its runner already has its episode.
+                claims += plan.found
+                record({"warm": claims})
+                for index, name, uid in plan.found:
+                    self.pools.hand_over_again(spec, namespace, Claimed(index, name, uid, 0.0))
+            if plan.done:
+                return Fed(claims, done=True)
+            if plan.claims:
+                record(
+                    {
+                        "feed_planned": {
+                            str(i): [p["metadata"]["name"], p["metadata"]["uid"]]
+                            for i, p in plan.claims
+                        }
+                    }
+                )
+                taken = self.pools.take(spec, namespace, plan.claims, time.time)
+                claims += [[c.index, c.name, c.uid] for c in taken]
+                record({"warm": claims})
+            if plan.idle_have < plan.idle_wanted and (
+                time.monotonic() - filled_at >= FEED_FILL_EVERY_SECONDS
+            ):
+                filled_at = time.monotonic()
+                # The pool one wave ahead of the batch: its own count (a list) decides what
+                # is created, so a look racing a watch that has not seen its Pods yet does
+                # not create them twice.
+                self.pools.fill(spec, key, plan.idle_wanted, budget, idle_seconds)
 
     def list_pools(self) -> dict[str, dict[str, Any]]:
         """Pool key -> {namespace, uid, waiting, claimed_running, pods} of every pool namespace

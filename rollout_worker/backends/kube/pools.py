@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 # How long a hand-over waits for the episode's first event on the attached stdout.
 CONFIRM_SECONDS = 10.0
-# Claims, hand-overs and Pod creations of one call run on at most this many threads.
-THREADS = 4
+# Claims, hand-overs and Pod creations of one call run on at most this many threads: each
+# is a round trip to the API server (the hand-over an attach, ~90 ms), so threads overlap
+# waits, not CPU. Sized by benchmarks/bench_warm.py --burst (see README).
+THREADS = 16
 
 Call = Callable[..., Any]
 
@@ -185,8 +187,20 @@ class WarmPools:
             [index, p["metadata"]["name"], p["metadata"]["uid"]] for index, p in enumerate(waiting)
         ]
         record({"pool_namespace": namespace, "warm_planned": planned})
+        return self.take(spec, namespace, list(enumerate(waiting)), now)
 
-        def take(item: tuple[int, dict[str, Any]]) -> Claimed | None:
+    def take(
+        self,
+        spec: BatchSpec,
+        namespace: str,
+        pairs: list[tuple[int, dict[str, Any]]],
+        now: Callable[[], float],
+    ) -> list[Claimed]:
+        """Claim each Pod for its episode and hand it over right after its own claim (one
+        thread per Pod: no episode waits for another's claim). A Pod another batch took first,
+        or one with too little lifetime left, is skipped (its episode waits for another)."""
+
+        def take_one(item: tuple[int, dict[str, Any]]) -> Claimed | None:
             index, pod = item
             at = now()
             started = read.pool_pod_started_at(pod)
@@ -203,12 +217,18 @@ class WarmPools:
                     patch,
                 )
             except (ResourceConflict, ResourceNotFound):
-                return None  # another batch claimed it, or it is gone: this episode runs cold
+                return None  # another batch claimed it, or it is gone
             claimed = _claimed(done)
             self._hand_over(spec, namespace, claimed)
             return claimed
 
-        return [c for c in _threads(take, list(enumerate(waiting))) if c is not None]
+        return [c for c in _threads(take_one, pairs) if c is not None]
+
+    def hand_over_again(self, spec: BatchSpec, namespace: str, c: Claimed) -> None:
+        """A Pod claimed by a look that died before it recorded the claim: hand it its
+        episode unless its runner already has it (a runner reads one line only)."""
+        if not self._handed_over(namespace, c):
+            self._hand_over(spec, namespace, c)
 
     def _hand_over(self, spec: BatchSpec, namespace: str, c: Claimed) -> None:
         """Write a claimed Pod's episode to its stdin. A Pod the line could not reach (no

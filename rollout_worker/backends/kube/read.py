@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -400,3 +401,73 @@ def pool_pod_waiting(pod: dict[str, Any]) -> bool:
 def pool_pod_started_at(pod: dict[str, Any]) -> float | None:
     """When a pool Pod started (its deadline counts from then)."""
     return ts((pod.get("status") or {}).get("startTime"))
+
+
+def pool_pod_ended(pod: Mapping[str, Any]) -> bool:
+    """A pool Pod whose container ended (or that is gone, or going): its slot is free."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    if pod.get(DELETED_MARK) or meta.get("deletionTimestamp"):
+        return True
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return True
+    return any(
+        "terminated" in (c.get("state") or {}) for c in status.get("containerStatuses") or []
+    )
+
+
+@dataclass(frozen=True)
+class FeedPlan:
+    """What the feeder does next with a fed run's pool (`feed_plan`)."""
+
+    # Episode index -> the waiting Pod to claim for it (lowest indexes first, oldest Pods).
+    claims: list[tuple[int, dict[str, Any]]]
+    # Pods labelled with this batch that the claims list does not hold yet (a look that
+    # died between its claim and its record): [index, name, UID].
+    found: list[list[Any]]
+    # Idle Pods (waiting or starting) the pool should hold for the episodes not claimed yet.
+    idle_wanted: int
+    idle_have: int
+    done: bool  # every episode is claimed
+
+
+def feed_plan(
+    pods: Iterable[Mapping[str, Any]],
+    batch_id: str,
+    parallelism: int,
+    count: int,
+    claims: Iterable[list[Any]],
+) -> FeedPlan:
+    """The feeder's plan from one snapshot of the pool's Pods: a slot is a claimed Pod of the
+    batch whose container has not ended; each free slot gets the next unclaimed episode and
+    the oldest waiting Pod; the pool is kept one wave ahead (`parallelism` idle Pods, fewer
+    near the batch's end)."""
+    pods = list(pods)
+    claimed = {int(c[0]) for c in claims}
+    ours = [p for p in pods if (p["metadata"].get("labels") or {}).get(k.LABEL_BATCH) == batch_id]
+    found = []
+    for pod in ours:
+        index = int(pod["metadata"]["labels"][k.LABEL_EPISODE_INDEX])
+        if index not in claimed:
+            claimed.add(index)
+            found.append([index, pod["metadata"]["name"], pod["metadata"]["uid"]])
+    busy = sum(1 for p in ours if not pool_pod_ended(p))
+    unclaimed = [i for i in range(count) if i not in claimed]
+    waiting = sorted(
+        (p for p in pods if pool_pod_waiting(dict(p)) and not p.get(DELETED_MARK)),
+        key=lambda p: p["metadata"]["creationTimestamp"],
+    )
+    pairs = list(zip(unclaimed[: max(0, parallelism - busy)], waiting, strict=False))
+    idle = [
+        p
+        for p in pods
+        if (p["metadata"].get("labels") or {}).get(k.LABEL_POOL_STATE) == POOL_STATE_IDLE
+        and not pool_pod_ended(p)
+    ]
+    left = len(unclaimed) - len(pairs)
+    return FeedPlan(
+        claims=[(i, dict(p)) for i, p in pairs],
+        found=found,
+        idle_wanted=min(parallelism, left),
+        idle_have=len(idle) - len(pairs),
+        done=not unclaimed,
+    )

@@ -10,7 +10,8 @@ and bwrap's `--json-status-fd` (the exit code, for a supervisor that is not the 
 parent). A supervisor connects to the pool's SOCK_SEQPACKET socket and asks for n sandboxes;
 each comes back as one message with its stdin, stdout, status pipe and pidfd (SCM_RIGHTS). The
 pool keeps only the right to reap it and never hands a sandbox out twice; it starts replacements
-when asked to fill (behind a batch, after its report: not while the batch's episodes run).
+when asked to fill (behind a batch) and for each sandbox a running batch takes (so each freed
+slot of that batch finds a waiting sandbox again).
 The pool stops its waiting sandboxes and exits when drained or idle (no request for its idle
 time), once no sandbox it handed out still runs.
 
@@ -97,8 +98,11 @@ class Taken:
     pidfd: int
 
 
-def take(pool_dir: PoolDir, count: int, timeout: float = 2.0) -> list[Taken]:
-    """Up to `count` waiting sandboxes from the pool (none when it does not answer)."""
+def take(
+    pool_dir: PoolDir, count: int, timeout: float = 2.0, *, refill: bool = False
+) -> list[Taken]:
+    """Up to `count` waiting sandboxes from the pool (none when it does not answer). With
+    `refill`, the pool starts a replacement for each right after (a batch's pipeline)."""
     if count <= 0 or not pool_dir.socket.exists():
         return []
     taken: list[Taken] = []
@@ -106,7 +110,7 @@ def take(pool_dir: PoolDir, count: int, timeout: float = 2.0) -> list[Taken]:
         sock.settimeout(timeout)
         try:
             sock.connect(str(pool_dir.socket))
-            sock.send(orjson.dumps({"take": count}))
+            sock.send(orjson.dumps({"take": count, "refill": refill}))
             while True:
                 data, fds, _flags, _addr = socket.recv_fds(sock, REQUEST_BYTES, 4)
                 header: dict[str, Any] = orjson.loads(data) if data else {"done": True}
@@ -275,6 +279,8 @@ class PoolProcess:
             self.last_used = time.time()
             if "take" in request:
                 self.give(conn, int(request["take"]))
+                if request.get("refill"):
+                    self.refill()
             else:
                 if request.get("drain"):
                     self.stopping = True

@@ -136,6 +136,7 @@ class Supervisor:
         self.cpu_seconds: int = run["limits"]["cpu_seconds"]
         self.running: dict[int, Running] = {}
         self.pending: deque[int] = deque()
+        self.pool_empty = False  # its warm pool stopped answering: every start is cold
         # Earlier attempts of episodes run again under the retry budget (kept on disk too: a
         # supervisor started again after a crash knows which attempt comes next).
         self.retried: dict[int, list[dict[str, Any]]] = {}
@@ -353,17 +354,21 @@ class Supervisor:
         self.progress(item.index, "running")
 
     def take_warm(self) -> None:
-        """At the run's start: hand the first pending episodes (up to its parallelism) to
-        sandboxes of its warm pool, if it has one; the rest start cold."""
+        """Each free slot's next episode from a waiting sandbox of the run's warm pool, if it
+        has one (the pool starts a replacement for each, so it stays ahead of the batch);
+        what the pool cannot give starts cold."""
         pool_path = self.run.get("pool_dir")
-        if not pool_path or not self.pending:
+        free = min(len(self.pending), self.parallelism - len(self.running))
+        if not pool_path or free <= 0 or self.pool_empty:
             return
         if any("tests" in task for task in self.spec.tasks):
             # A warm sandbox has no grader's sandbox behind it and would be handed the tests
             # with its task: such episodes start cold (two sandboxes each).
             return
-        wanted = min(len(self.pending), self.parallelism)
-        for sandbox in take(PoolDir(Path(pool_path)), wanted):
+        taken = take(PoolDir(Path(pool_path)), free, refill=True)
+        if not taken and not PoolDir(Path(pool_path)).alive():
+            self.pool_empty = True  # the pool stopped: do not ask it again
+        for sandbox in taken:
             self.start_warm(self.pending.popleft(), sandbox)
 
     def start_warm(self, index: int, sandbox: Taken) -> None:
@@ -536,7 +541,6 @@ class Supervisor:
 
     def loop(self) -> None:
         pending = self.todo()
-        self.take_warm()
         while pending or self.running:
             now = time.time()
             if self.stopping or now >= self.run_deadline:
@@ -551,6 +555,7 @@ class Supervisor:
                         exit_code=None,
                         finished_at=now,
                     )
+            self.take_warm()
             while pending and len(self.running) < self.parallelism:
                 self.start(pending.popleft())
             for item in list(self.running.values()):

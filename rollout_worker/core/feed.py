@@ -1,0 +1,71 @@
+"""Feed a run from its pool: one freed slot, one claimed waiting sandbox (see
+`FeedingBackend.feed_run`). One feeder per batch at a time (a lock in Redis); each look is
+bounded and the task requeues itself, so a killed worker's feeder comes back like a collector.
+
+What it claims is recorded in the receipt: the Pods a claim may touch (`feed_planned`) before
+the claim, and the claims themselves in the run's `warm` list (the proof cleanup deletes by)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from rollout_worker.backends.base import Backend, FeedingBackend
+from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, load_receipt
+
+# The feeder's lock is the collecting claim of this index: no episode has it.
+FEEDER_INDEX = -1
+
+
+def feed(
+    store: BatchStore,
+    backend: Backend,
+    batch_id: str,
+    *,
+    limits: Limits,
+    budget: int,
+    idle_seconds: float,
+) -> str:
+    """One bounded look of the feeder. Returns why it is done; raises NotYet to look again."""
+    receipt = load_receipt(store, batch_id)
+    if receipt is None or receipt.run is None or not receipt.run.fed:
+        return "not fed"
+    if not isinstance(backend, FeedingBackend):
+        return f"the {backend.name} backend feeds its own runs"
+    if store.has_report(batch_id) or store.has_flag(batch_id, FLAG_CANCEL):
+        return "stopped"
+    token = uuid.uuid4().hex
+    if not store.claim_collect(batch_id, FEEDER_INDEX, token, limits.claim_seconds):
+        raise NotYet  # another copy feeds: look again later, in case it dies
+    spec, run = receipt.spec, receipt.run
+
+    def record(fields: Mapping[str, Any]) -> None:
+        current = store.load_receipt(batch_id) or {}
+        update: dict[str, Any] = {}
+        if "feed_planned" in fields:
+            update["feed_planned"] = dict(current.get("feed_planned") or {}) | dict(
+                fields["feed_planned"]
+            )
+        if "warm" in fields:
+            update["run"] = dict(current.get("run") or run.to_dict()) | {"warm": fields["warm"]}
+            store.register_run(batch_id, {"run": update["run"]})
+        store.update_receipt(batch_id, update)
+
+    try:
+        fed = backend.feed_run(
+            spec,
+            run,
+            list(run.warm),
+            record,
+            timeout=limits.collect_block_seconds,
+            budget=budget,
+            idle_seconds=idle_seconds,
+        )
+    finally:
+        store.release_collect(batch_id, FEEDER_INDEX, token)
+    if fed.done:
+        return "every episode claimed"
+    if store.has_flag(batch_id, FLAG_CANCEL):
+        return "stopped"
+    raise NotYet
