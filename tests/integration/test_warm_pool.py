@@ -211,3 +211,104 @@ def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real
     while not backend.drain_pool(key, registry["uid"]):
         assert time.monotonic() < deadline
         time.sleep(1)
+
+
+def _idle_pods(cluster, namespace: str) -> list:
+    return cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}"
+    ).items
+
+
+@pytest.mark.timeout(900)
+def test_a_batch_of_several_waves_is_fed_from_its_pool_and_a_drained_pool_runs_cold(
+    real_node, real_stack, k8s_cluster
+):
+    """Issue 26: more episodes than slots, a pool of the batch's shape: no Job; each freed
+    slot is given a waiting Pod, the pool is refilled while the batch runs, and every cold
+    guarantee holds (one Pod per episode, counted once, records, cleanup). A pool with nothing
+    waiting leaves the batch to the cold path whole."""
+    client = RolloutClient(real_stack.redis_url)
+    fields = real_node.batch_fields() | {"backend": "kubernetes"}
+    slots, count = 2, 7
+    key = warm.pool_key(
+        parse_spec(fields | {"count": 1}, max_episodes=None), episode_program_text()
+    )
+    assert key is not None
+    namespace = objects.pool_namespace(key)
+    first = client.submit(**fields, count=1, parallelism=1, warm_pool=slots)
+    assert client.wait(first.batch_id, timeout=300)["successful_episodes"] == 1
+    filled = {p.metadata.name for p in _wait_for_pool(k8s_cluster, namespace, slots)}
+
+    batch = client.submit(**fields, count=count, parallelism=slots)
+    report = client.wait(batch.batch_id, timeout=300)
+    receipt = client.receipt(batch.batch_id)
+    run = receipt["run"]
+    assert run["fed"] is True and not run["jobs"] and run["job_uid"] is None, run
+    assert report["successful_episodes"] == count, report
+    assert sorted(index for index, _, _ in run["warm"]) == list(range(count))
+    names = {name for _, name, _ in run["warm"]}
+    assert len(names) == count  # one Pod per episode, never reused
+    assert filled <= names and len(names - filled) == count - slots  # refilled as it ran
+    # Every Pod the feeder claimed was named in the receipt (with its UID) before its claim.
+    planned = receipt["feed_planned"]
+    for index, name, uid in run["warm"]:
+        if name not in filled:
+            assert planned[str(index)] == [name, uid]
+    rows = {row["index"]: row for row in report["pods"]}
+    assert sorted(rows) == list(range(count))  # each episode counted once
+    for index, name, _uid in run["warm"]:
+        row = rows[index]
+        assert row["pod"] == name and row["reward"] == 1, row
+        assert row["timing"]["pool_created_at"] < row["created_at"] <= row["ready_at"]
+    # Never more than `slots` episodes at once (a claim waits for a freed slot).
+    spans = [(row["created_at"], row["finished_at"]) for row in rows.values()]
+    for start, _ in spans:
+        assert sum(1 for s, e in spans if s <= start < e) <= slots, spans
+    deadline = time.monotonic() + 60
+    while client.receipt(batch.batch_id).get("records") != "complete":
+        assert time.monotonic() < deadline, client.receipt(batch.batch_id)
+        time.sleep(0.2)
+    pods_record = json.loads(client.redis.hget(k.artifacts_key(batch.batch_id), "pods.json"))
+    assert names <= {p["metadata"]["name"] for p in pods_record}
+    _wait_cleanup(client, batch.batch_id)
+    left = k8s_cluster.core.list_namespaced_pod(
+        namespace, label_selector=f"{k.LABEL_BATCH}={batch.batch_id}"
+    ).items
+    assert not [p.metadata.name for p in left if not p.metadata.deletion_timestamp]
+
+    # Drained: the pool's namespace is there but nothing waits in it. The batch runs cold
+    # (one Job), with no warm episode.
+    for pod in _idle_pods(k8s_cluster, namespace):
+        k8s_cluster.core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+    deadline = time.monotonic() + 60
+    while _idle_pods(k8s_cluster, namespace):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    cold = client.submit(**fields, count=3, parallelism=slots)
+    report = client.wait(cold.batch_id, timeout=300)
+    run = client.receipt(cold.batch_id)["run"]
+    assert not run["fed"] and not run["warm"] and run["jobs"], run
+    assert report["successful_episodes"] == 3, report
+    assert not [row for row in report["pods"] if "pool_created_at" in row["timing"]]
+    for s in (first, cold):
+        _wait_cleanup(client, s.batch_id)
+    env = {
+        **os.environ,
+        "ROLLOUT_REDIS_URL": real_stack.redis_url,
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+    }
+    deadline = time.monotonic() + 120
+    while True:
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        if key not in done.stdout:
+            break
+        assert time.monotonic() < deadline, done.stdout
+        time.sleep(1)
+    client.close()
