@@ -61,6 +61,9 @@ SETTINGS_DOC: dict[str, str] = {
     "warm_pool refill stops there (default 64)",
     "ROLLOUT_WARM_POOL_IDLE_SECONDS": "a warm pool no batch asked to refill for this long is "
     "emptied by the sweeper (default 900)",
+    "ROLLOUT_WARM_HANDOVER_THREADS": "Kubernetes: warm Pods claimed and handed their episodes "
+    "at once by one worker (each hand-over is an attach, mostly waiting on the API server; "
+    "default 16, sized by benchmarks/bench_warm.py)",
     "ROLLOUT_REDIS_OUTAGE_SECONDS": "clients (rollout run, trainer-stub, the trainer API): how "
     "long Redis may be unreachable before the client gives up with one clear error (default 60)",
 }
@@ -91,6 +94,7 @@ class Settings:
     kube_context: str | None = None
     warm_pool_budget: int = 64
     warm_pool_idle_seconds: float = 900.0
+    warm_handover_threads: int = 16
     agent_envs: tuple[str, ...] = ()
     rootfs_dir: Path = Path(tempfile.gettempdir()) / "rollout-rootfs"
 
@@ -120,6 +124,11 @@ class Settings:
             )
         if not self.pod_create_rate >= 0:  # also refuses NaN
             problems.append("ROLLOUT_POD_CREATE_RATE must be >= 0 (0: do not check)")
+        if self.warm_handover_threads < 1:
+            problems.append(
+                f"ROLLOUT_WARM_HANDOVER_THREADS must be at least 1, got "
+                f"{self.warm_handover_threads}"
+            )
         if self.warm_pool_budget < 0 or not self.warm_pool_idle_seconds > 0:
             problems.append(
                 "ROLLOUT_WARM_POOL_BUDGET must be >= 0 and ROLLOUT_WARM_POOL_IDLE_SECONDS > 0"
@@ -177,6 +186,7 @@ class Settings:
         number("ROLLOUT_SWEEP_SECONDS", "sweep_seconds", float)
         number("ROLLOUT_WARM_POOL_BUDGET", "warm_pool_budget", int)
         number("ROLLOUT_WARM_POOL_IDLE_SECONDS", "warm_pool_idle_seconds", float)
+        number("ROLLOUT_WARM_HANDOVER_THREADS", "warm_handover_threads", int)
         values["kubeconfig"] = env.get("KUBECONFIG") or None
         values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
         values.update(overrides)

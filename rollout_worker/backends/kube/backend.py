@@ -132,7 +132,9 @@ class KubernetesBackend:
         self.nodes_api = client.NodeV1Api(self.api)
         self.net = client.NetworkingV1Api(self.api)
         self.watches = PodWatches()
-        self.pools = WarmPools(self._call, self._text, self.core, self.net)
+        self.pools = WarmPools(
+            self._call, self._text, self.core, self.net, settings.warm_handover_threads
+        )
         self.program = episode_program_text()  # read once: pool keys, ConfigMaps
         self._jobs: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._jobs_lock = threading.Lock()

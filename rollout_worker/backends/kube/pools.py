@@ -43,10 +43,6 @@ log = logging.getLogger(__name__)
 
 # How long a hand-over waits for the episode's first event on the attached stdout.
 CONFIRM_SECONDS = 10.0
-# Claims, hand-overs and Pod creations of one call run on at most this many threads: each
-# is a round trip to the API server (the hand-over an attach, ~90 ms), so threads overlap
-# waits, not CPU. Sized by benchmarks/bench_warm.py --burst (see README).
-THREADS = 16
 
 Call = Callable[..., Any]
 
@@ -61,8 +57,17 @@ class Claimed:
 
 class WarmPools:
     def __init__(
-        self, call: Call, text: Call, core: client.CoreV1Api, net: client.NetworkingV1Api
+        self,
+        call: Call,
+        text: Call,
+        core: client.CoreV1Api,
+        net: client.NetworkingV1Api,
+        threads: int,
     ) -> None:
+        # Claims, hand-overs and Pod creations of one call run on at most this many threads:
+        # each is a round trip to the API server (a hand-over an attach), so the threads
+        # overlap waits, not CPU (ROLLOUT_WARM_HANDOVER_THREADS).
+        self.threads = threads
         self._call = call
         self._text = text
         self.core = core
@@ -97,6 +102,9 @@ class WarmPools:
             with contextlib.suppress(ResourceConflict):  # made by an earlier fill (ours: ns)
                 self._call(f"create pool {what}", create, namespace, body)
         return str(ns["metadata"]["uid"])
+
+    def _threads(self, fn: Callable[[Any], Any], items: Any) -> Iterator[Any]:
+        return _threads(fn, items, self.threads)
 
     def _check_ours(self, obj: dict[str, Any], key: str) -> None:
         labels = obj["metadata"].get("labels") or {}
@@ -145,7 +153,7 @@ class WarmPools:
         manifest = objects.pool_pod_manifest(spec, key, idle_seconds)
         namespace = objects.pool_namespace(key)
         created = list(
-            _threads(
+            self._threads(
                 lambda _: self._call(
                     "create pool pod", self.core.create_namespaced_pod, namespace, manifest
                 ),
@@ -172,7 +180,7 @@ class WarmPools:
         if mine:
             claimed = sorted((_claimed(p) for p in mine), key=lambda c: c.index)
             again = [c for c in claimed if not self._handed_over(namespace, c)]
-            list(_threads(lambda c: self._hand_over(spec, namespace, c), again))
+            list(self._threads(lambda c: self._hand_over(spec, namespace, c), again))
             return claimed
         # At most `parallelism`: a batch never starts more episodes at once than it asked for
         # (its Job's parallelism runs beside them only when it has more episodes than that).
@@ -222,7 +230,7 @@ class WarmPools:
             self._hand_over(spec, namespace, claimed)
             return claimed
 
-        return [c for c in _threads(take_one, pairs) if c is not None]
+        return [c for c in self._threads(take_one, pairs) if c is not None]
 
     def hand_over_again(self, spec: BatchSpec, namespace: str, c: Claimed) -> None:
         """A Pod claimed by a look that died before it recorded the claim: hand it its
@@ -349,12 +357,12 @@ def _claimed(pod: dict[str, Any]) -> Claimed:
     )
 
 
-def _threads(fn: Callable[[Any], Any], items: Any) -> Iterator[Any]:
+def _threads(fn: Callable[[Any], Any], items: Any, threads: int) -> Iterator[Any]:
     items = list(items)
     if len(items) <= 1:
         yield from map(fn, items)
         return
-    with ThreadPoolExecutor(max_workers=min(THREADS, len(items))) as executor:
+    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as executor:
         yield from executor.map(fn, items)
 
 
