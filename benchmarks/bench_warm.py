@@ -4,7 +4,10 @@ Each round runs, with the same workers (a control worker and two collectors, sta
 - cold: a batch of `--count` episodes while the pool of its shape has no waiting Pod;
 - fill: a one-episode batch with warm_pool=`--count` (the refill behind it is what a trainer's
   previous round leaves), then the benchmark waits until that many pool Pods wait;
-- warm: a batch of `--count` episodes, which takes them all from the pool.
+- warm: a batch of `--count` episodes, which takes them all from the pool;
+- drained (Kubernetes): at once after it, a batch of `--count` episodes that finds the pool's
+  namespace with nothing waiting in it (the warm batch took it all): it must run cold, no
+  slower than the cold batch.
 Figures per batch: submit -> report (the client's `submit` call to its `wait` returning), and
 per episode: cold, Pod created -> `ready` event (the guide's metric); warm, claim -> `ready`
 event (the row's `handover_seconds`: the claim patch's time to the runner's own event); per
@@ -16,7 +19,12 @@ each round's p50 / p95 / wall, and the warm/cold wall ratio of each round.
 where "Pod created" is the sandbox process started. Kubernetes (the default) needs the local
 cluster with the real node: `hack/localkube/cluster.sh node-up`.
 
+A burst (issue 26): `--count 100 --cpu-request 10m --memory-request 16Mi` (100 sandboxes
+waiting on a 2-core node need a small request; the pool budget is raised to fit), with
+`--handover-threads N` for the claims and hand-overs one worker runs at once.
+
     python -m benchmarks.bench_warm [--backend kubernetes|local] [--rounds 3] [--count 10]
+        [--handover-threads N] [--cpu-request Q --memory-request Q]
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any
 from benchmarks.proc import Stats
 from rollout_wire import constants as k
 from rollout_wire.request import parse_spec
-from rollout_worker.backends import warm
+from rollout_worker.backends import warm as warm_pools
 from rollout_worker.backends.kube import objects
 from rollout_worker.cli.stack import LocalStack
 from rollout_worker.sandbox import episode_program_text
@@ -44,9 +52,13 @@ from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
 
 
-def p95(values: list[float]) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def p95(values: list[float]) -> float:
+    return percentile(values, 0.95)
 
 
 def waiting_pods(cluster: kc.Cluster, namespace: str) -> int:
@@ -88,7 +100,7 @@ class KubeTarget:
         self.node = kc.ensure_real_node(self.cluster)
         self.fields = self.node.batch_fields() | {"backend": "kubernetes"}
         spec = parse_spec(self.fields | {"count": 1}, max_episodes=None)
-        key = warm.pool_key(spec, episode_program_text())
+        key = warm_pools.pool_key(spec, episode_program_text())
         assert key is not None
         self.namespace = objects.pool_namespace(key)
         self.env = {"KUBECONFIG": str(self.cluster.kubeconfig)}
@@ -122,17 +134,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--backend", choices=["kubernetes", "local"], default="kubernetes")
+    parser.add_argument("--handover-threads", type=int, default=None)
+    parser.add_argument("--cpu-request", default=None)
+    parser.add_argument("--memory-request", default=None)
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (figures are medians of rounds)")
     target = KubeTarget() if args.backend == "kubernetes" else LocalTarget()
-    fields = target.fields
+    fields = dict(target.fields)
+    if args.cpu_request or args.memory_request:
+        fields["resources"] = {
+            **({"cpu_request": args.cpu_request} if args.cpu_request else {}),
+            **({"memory_request": args.memory_request} if args.memory_request else {}),
+        }
+    env = dict(target.env) | {"ROLLOUT_WARM_POOL_BUDGET": str(max(64, 2 * args.count))}
+    if args.handover_threads:
+        env["ROLLOUT_WARM_HANDOVER_THREADS"] = str(args.handover_threads)
+    if isinstance(target, KubeTarget) and "resources" in fields:
+        spec = parse_spec(fields | {"count": 1}, max_episodes=None)
+        key = warm_pools.pool_key(spec, episode_program_text())
+        assert key is not None
+        target.namespace = objects.pool_namespace(key)
     figures: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
         figures.setdefault(name, []).append(value)
 
-    with LocalStack(collectors=2, extra_env=target.env) as stack:
+    with LocalStack(collectors=2, extra_env=env) as stack:
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
         drain = [
@@ -144,7 +172,7 @@ def main() -> None:
             args.backend,
             "--drain",
         ]
-        drain_env = {**os.environ, **target.env, "ROLLOUT_REDIS_URL": stack.redis_url}
+        drain_env = {**os.environ, **env, "ROLLOUT_REDIS_URL": stack.redis_url}
         run_batch(client, fields, count=2, parallelism=2)  # warm-up, not measured
         for number in range(args.rounds):
             subprocess.run(drain, env=drain_env, check=True, capture_output=True)
@@ -154,7 +182,7 @@ def main() -> None:
                 client, fields, count=args.count, parallelism=args.count
             )
             run_batch(client, fields, count=1, parallelism=1, warm_pool=args.count)
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + 180 + 3 * args.count
             while target.waiting() < args.count:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pool did not fill")
@@ -162,14 +190,24 @@ def main() -> None:
             warm, warm_wall, warm_ready = run_batch(
                 client, fields, count=args.count, parallelism=args.count
             )
-            handover = [r["timing"]["handover_seconds"] for r in warm["pods"]]
+            handover = [r["timing"].get("handover_seconds") for r in warm["pods"]]
             if len(handover) != args.count or None in handover:
                 raise RuntimeError("the warm batch did not take every episode from the pool")
+            if isinstance(target, KubeTarget):
+                drained, drained_wall, drained_ready = run_batch(
+                    client, fields, count=args.count, parallelism=args.count
+                )
+                if any("handover_seconds" in r["timing"] for r in drained["pods"]):
+                    raise RuntimeError("the drained pool gave a warm Pod")
+                add("drained submit -> last ready s", drained_ready)
+                add("drained submit -> report s", drained_wall)
+                add("drained / cold submit -> last ready", drained_ready / cold_ready)
             pod_ready = [r["pod_to_ready_seconds"] for r in cold["pods"]]
             add("cold Pod created -> ready p50 ms", statistics.median(pod_ready) * 1000)
             add("cold Pod created -> ready p95 ms", p95(pod_ready) * 1000)
             add("warm claim -> ready p50 ms", statistics.median(handover) * 1000)
             add("warm claim -> ready p95 ms", p95(handover) * 1000)
+            add("warm claim -> ready p99 ms", percentile(handover, 0.99) * 1000)
             add("cold submit -> last ready s", cold_ready)
             add("warm submit -> last ready s", warm_ready)
             add("cold submit -> report s", cold_wall)
@@ -182,7 +220,12 @@ def main() -> None:
             )
         subprocess.run(drain, env=drain_env, check=True, capture_output=True)
         client.close()
-    print(f"\n{args.count} episodes on {target.where}, {args.rounds} rounds: median [min-max]")
+    threads = args.handover_threads or "default"
+    print(
+        f"\n{args.count} episodes on {target.where}, {args.rounds} rounds, hand-over threads "
+        f"{threads}, resources {fields.get('resources', 'default')}: median [min-max]"
+    )
+    print(f"  load average after: {os.getloadavg()}")
     for name, values in figures.items():
         digits = 0 if name.endswith("ms") else 2
         print(f"  {name:34} {Stats(values).fmt(digits=digits)}")

@@ -63,6 +63,9 @@ class LocalStack:
     tls: bool = False
     # Workers only, on a Redis someone else runs (a Sentinel set in tests): no redis-server.
     external_redis_url: str | None = None
+    # The workers' working directory (`python -m` imports from it first): a benchmark runs
+    # an older checkout's workers this way, beside today's.
+    cwd: str | None = None
 
     def __post_init__(self) -> None:
         if self.collectors < 1:
@@ -204,6 +207,7 @@ class LocalStack:
             proc = subprocess.Popen(
                 cmd,
                 env=self.env,
+                cwd=self.cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

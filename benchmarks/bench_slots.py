@@ -1,0 +1,207 @@
+"""Every slot busy (issue 26): a batch of many waves on the real node, before and after, and the
+local backend on the same batch, side by side in one run.
+
+The batch: the bundled tasks x --samples (18: 162 episodes), the scripted policy answering at
+once, --parallelism 10 (about 16 waves), a pool of that many waiting sandboxes before it
+(`warm_pool` = parallelism: each batch refills its pool behind itself for the next round; the
+benchmark waits, untimed, until the pool has them). Small requests (50m CPU, 64Mi) so the
+running Pods and the waiting ones fit the 2-core node.
+
+Three sides, each with its own stack (redis-server, a control worker, two collectors):
+- before: the workers of an older checkout (--before, default the commit before issue 26, in
+  a git worktree), where warm Pods serve a batch's first wave and the rest runs as a Job;
+- after: today's workers (a run fed from its pool, slot by slot);
+- local: today's workers on the local backend (bwrap sandboxes), same batch, its own pool.
+Figures per batch: submit -> report, and slot utilisation = the episodes' own seconds (each
+row's ready -> finished: the runner's first event to the sandbox's end) / (parallelism x
+submit -> the last episode's end). Each round runs the three sides (the order rotates); a
+batch's cleanup ends before the next batch starts. Printed: median [min-max] over rounds, and
+the after/before and after/local ratios of each round.
+
+    python -m benchmarks.bench_slots [--rounds 3] [--samples 18] [--parallelism 10]
+        [--before REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_tail import ensure_real_node, node_address
+from benchmarks.proc import Stats
+from rollout_wire import constants as k
+from rollout_wire.tasksets import bundled_tasks
+from rollout_worker.backends.kube import objects
+from rollout_worker.cli.policy_server import bundled_script, running
+from rollout_worker.cli.stack import LocalStack
+from trainer_stub.client import RolloutClient
+
+BEFORE = "663e2c2"  # main before issue 26: warm Pods for the first wave, then a Job
+REPO = Path(__file__).resolve().parents[1]
+RESOURCES = {"cpu_request": "50m", "memory_request": "64Mi"}
+GOAL_BEFORE = 1 / 3  # after / before, at most
+GOAL_LOCAL = 2.0  # after / local, at most
+GOAL_UTILISATION = 0.6  # after, at least
+
+
+def worktree(rev: str) -> Path:
+    path = Path(f"/tmp/rollout-before-{rev}")
+    if not (path / "rollout_worker").is_dir():
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(path), rev],
+            check=True,
+            capture_output=True,
+        )
+    return path
+
+
+def utilisation(report: dict[str, Any], parallelism: int, submitted: float) -> float:
+    rows = report["pods"]
+    busy = sum(r["finished_at"] - r["ready_at"] for r in rows)
+    end = max(r["finished_at"] for r in rows)
+    return busy / (parallelism * (end - submitted))
+
+
+class Side:
+    def __init__(self, name: str, stack: LocalStack, fields: dict[str, Any], cluster: Any) -> None:
+        self.name, self.stack, self.fields, self.cluster = name, stack, fields, cluster
+        self.client = RolloutClient(stack.redis_url)
+
+    def waiting(self) -> int:
+        """Waiting sandboxes of the pools this side's workers registered."""
+        keys = [key.decode() for key in self.client.redis.hkeys(k.POOLS_KEY)]
+        total = 0
+        for key in keys:
+            if self.cluster is None:
+                state = Path(self.stack.dir) / "runs" / "_pools" / key / "state.json"
+                if state.exists():
+                    total += int(json.loads(state.read_text())["waiting"])
+                continue
+            pods = self.cluster.core.list_namespaced_pod(
+                objects.pool_namespace(key),
+                label_selector=f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}",
+            ).items
+            total += sum(
+                1
+                for p in pods
+                if p.status.phase == "Running"
+                and any(c.state.running for c in p.status.container_statuses or [])
+            )
+        return total
+
+    def batch(self, parallelism: int, **extra: Any) -> tuple[dict[str, Any], float, float]:
+        start, clock = time.perf_counter(), time.time()
+        submission = self.client.submit(**self.fields, parallelism=parallelism, **extra)
+        report = self.client.wait(submission.batch_id, timeout=1800)
+        wall = time.perf_counter() - start
+        deadline = time.monotonic() + 600
+        while self.client.receipt(submission.batch_id).get("cleanup") != "deleted":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: cleanup of {submission.batch_id} did not end")
+            time.sleep(0.5)
+        if report["successful_episodes"] != report["episodes"]:
+            raise RuntimeError(f"{self.name}: batch {submission.batch_id}: {report['status']}")
+        return report, wall, clock
+
+    def pool_ready(self, size: int) -> None:
+        deadline = time.monotonic() + 300
+        while self.waiting() < size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: the pool did not fill to {size}")
+            time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=18)
+    parser.add_argument("--parallelism", type=int, default=10)
+    parser.add_argument("--before", default=BEFORE)
+    args = parser.parse_args()
+    if args.rounds < 3:
+        parser.error("--rounds must be at least 3 (figures are medians of rounds)")
+    cluster, node = ensure_real_node()
+    old = worktree(args.before)
+    tasks = bundled_tasks()
+    p = args.parallelism
+    kube_env = {"KUBECONFIG": str(cluster.kubeconfig)}
+    local_root_env = {"ROLLOUT_LOCAL_ISOLATION": "bwrap"}
+    figures: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        figures.setdefault(name, []).append(value)
+
+    with (
+        running(host="0.0.0.0", script=bundled_script()) as server,
+        LocalStack(
+            collectors=2, extra_env=kube_env | {"PYTHONPATH": str(old)}, cwd=str(old)
+        ) as before_stack,
+        LocalStack(collectors=2, extra_env=kube_env) as after_stack,
+        LocalStack(collectors=2, extra_env=local_root_env) as local_stack,
+    ):
+        for stack in (before_stack, after_stack, local_stack):
+            stack.wait_ready()
+        kube_policy = {"url": f"http://{node_address(cluster, node)}:{server.port}"}
+        kube_fields = node.batch_fields() | {
+            "backend": "kubernetes",
+            "capacity_check": "warn",
+            "resources": RESOURCES,
+            "policy": kube_policy,
+        }
+        local_fields = {"backend": "local", "policy": {"url": f"http://127.0.0.1:{server.port}"}}
+        sides = [
+            Side("before", before_stack, kube_fields, cluster),
+            Side("after", after_stack, kube_fields, cluster),
+            Side("local", local_stack, local_fields, None),
+        ]
+        for side in sides:  # warm-up (images, imports) and the first fill: not measured
+            side.batch(2, tasks=tasks[:2], warm_pool=p)
+        count = len(tasks) * args.samples
+        print(f"{count} episodes ({len(tasks)} tasks x {args.samples}), parallelism {p}")
+        for number in range(args.rounds):
+            walls: dict[str, float] = {}
+            order = sides[number % 3 :] + sides[: number % 3]
+            for side in order:
+                side.pool_ready(p)
+                print(f"  round {number + 1} {side.name}: load {os.getloadavg()}", flush=True)
+                report, wall, clock = side.batch(
+                    p, tasks=tasks, samples_per_task=args.samples, warm_pool=p
+                )
+                warm = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
+                used = utilisation(report, p, clock)
+                walls[side.name] = wall
+                add(f"{side.name} submit -> report s", wall)
+                add(f"{side.name} slot utilisation", used)
+                add(f"{side.name} warm episodes", warm)
+                print(
+                    f"  round {number + 1} {side.name}: {wall:.1f} s, utilisation "
+                    f"{used:.2f}, {warm} of {count} warm",
+                    flush=True,
+                )
+            add("after / before", walls["after"] / walls["before"])
+            add("after / local", walls["after"] / walls["local"])
+        for side in sides:
+            side.client.close()
+    print(f"\n{count} episodes, parallelism {p}, {args.rounds} rounds: median [min-max]")
+    for name, values in figures.items():
+        digits = 0 if name.endswith("episodes") else 2
+        print(f"  {name:32} {Stats(values).fmt(digits=digits)}")
+    goals = [
+        ("after / before", GOAL_BEFORE, "<="),
+        ("after / local", GOAL_LOCAL, "<="),
+        ("after slot utilisation", GOAL_UTILISATION, ">="),
+    ]
+    for name, goal, how in goals:
+        median = Stats(figures[name]).median
+        met = median <= goal if how == "<=" else median >= goal
+        print(f"  goal {name} {how} {goal:.2f}: {'met' if met else 'MISSED'} ({median:.2f})")
+    print(f"  load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
