@@ -16,6 +16,7 @@ REPORT_METRICS = (
     "lost_episodes",
     "reward_sum",
     "parallelism",
+    "slot_utilisation",
     "batch_to_all_ready_seconds",
     "pod_to_ready_p50_seconds",
     "pod_to_ready_p95_seconds",
@@ -23,6 +24,25 @@ REPORT_METRICS = (
     "batch_to_all_rewards_seconds",
     "job_complete_seconds",
 )
+
+# An episode's cost ledger (EpisodeRow.cost), as the runner measures it at the end of each of
+# its sandboxes (rollout_worker/sandbox/episode.py) and validation checks it. Seconds and bytes
+# are numbers >= 0, counts integers >= 0; any of them None when unknown.
+COST_SECONDS = (
+    "cpu_seconds",  # user + system, every process of the sandbox
+    "cpu_user_seconds",
+    "cpu_system_seconds",
+    "policy_seconds",  # wall time spent waiting on the policy
+    "ledger_cpu_seconds",  # what reading the ledger itself cost the runner
+)
+COST_COUNTS = ("policy_turns", "prompt_tokens", "completion_tokens")
+# The largest: on Kubernetes the container's cgroup peak; locally the largest single process.
+COST_PEAK = "peak_memory_bytes"
+COST_SOURCES = ("cgroup", "proc")  # `cpu_source`: where the CPU and memory figures come from
+# `wall`: sandbox seconds per phase, from the row's own timestamps and the runner's events:
+# start (created or claimed -> ready), agent (the agent's turns, or its command),
+# grader_start (a second, grading sandbox's start) and tests (the grading).
+COST_PHASES = ("start", "agent", "grader_start", "tests")
 
 
 @dataclass
@@ -77,6 +97,9 @@ class EpisodeRow:
     agent_seconds: float | None = None
     # A `file` reward's other numbers (Harbor's reward.json may hold several).
     reward_details: dict[str, float] | None = None
+    # What the episode used (COST_SECONDS, COST_COUNTS, COST_PEAK, cpu_source, wall); None when
+    # its runner measured nothing (an older runner, or one that never reached its outcome).
+    cost: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Typed however it was built (a plain "ok" from a caller reads as the member).

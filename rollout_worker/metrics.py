@@ -46,3 +46,44 @@ def phase_breakdown(rows: Sequence[EpisodeRow]) -> dict[str, Any]:
         name: {"p50": percentile(v, 0.5), "p95": percentile(v, 0.95), "max": max(v), "n": len(v)}
         for name, v in sorted(phases.items())
     }
+
+
+def busy_span(
+    ready_at: float | None, finished_at: float | None, collected_at: float | None
+) -> tuple[float, float] | None:
+    """When an episode kept its slot busy with episode work: from its sandbox being ready to
+    it finishing (collected, when it was stopped before it could say). Start-up is left out on
+    purpose: a slot waiting on a sandbox to start does no episode work, so utilisation shows
+    start-up as idle along with the gaps between episodes."""
+    end = finished_at if finished_at is not None else collected_at
+    if ready_at is None or end is None or end < ready_at:
+        return None
+    return ready_at, end
+
+
+def slot_utilisation(
+    spans: Sequence[tuple[float, float]], parallelism: int | None, origin: float | None
+) -> float | None:
+    """Busy slot-seconds over the slots there were: the sum of the episodes' busy spans
+    divided by parallelism x (the run's origin -> its last episode finishing). None when there
+    is nothing to measure."""
+    if not spans or not parallelism or parallelism <= 0 or origin is None:
+        return None
+    end = max(stop for _, stop in spans)
+    if end <= origin:
+        return None
+    busy = sum(max(0.0, stop - max(start, origin)) for start, stop in spans)
+    return busy / (parallelism * (end - origin))
+
+
+def busy_slots(spans: Sequence[tuple[float, float]]) -> list[tuple[float, int]]:
+    """The number of busy slots over time, as steps: [(moment, slots busy from then on)]."""
+    changes: dict[float, int] = {}
+    for start, stop in spans:
+        changes[start] = changes.get(start, 0) + 1
+        changes[stop] = changes.get(stop, 0) - 1
+    steps, busy = [], 0
+    for moment in sorted(changes):
+        busy += changes[moment]
+        steps.append((moment, busy))
+    return steps

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rollout_wire.request import BatchSpec
-from rollout_wire.rows import EpisodeRow
+from rollout_wire.rows import COST_COUNTS, COST_PEAK, COST_PHASES, COST_SECONDS, EpisodeRow
 from rollout_wire.states import (
     BatchStatus,
     EpisodeStatus,
@@ -17,7 +17,7 @@ from rollout_wire.states import (
     GroupStatus,
 )
 from rollout_worker.backends.base import FinishedRun, RunHandle
-from rollout_worker.metrics import phase_breakdown, spread
+from rollout_worker.metrics import busy_span, phase_breakdown, slot_utilisation, spread
 
 
 def dedupe_rows(rows: Iterable[EpisodeRow]) -> dict[int, EpisodeRow]:
@@ -86,6 +86,12 @@ def build_report(
                 )
     withdrawn = [r for r in ordered if r.status.withdrawn]
     quota = _quota(spec, ordered, groups, counted)
+    reward_sum = sum(r.reward for r in ok_rows)
+    spans = [
+        span
+        for r in ordered
+        if (span := busy_span(r.ready_at, r.finished_at, r.collected_at)) is not None
+    ]
     if quota is None:
         ok = not errors and len(ok_rows) + len(withdrawn) == spec.count
         status = BatchStatus.SUCCEEDED if ok else BatchStatus.FAILED
@@ -107,7 +113,7 @@ def build_report(
         "lost_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.LOST) + len(missing),
         "aborted_episodes": sum(1 for r in withdrawn if r.status == EpisodeStatus.ABORTED),
         "stale_episodes": sum(1 for r in withdrawn if r.status == EpisodeStatus.STALE),
-        "reward_sum": sum(r.reward for r in ok_rows),
+        "reward_sum": reward_sum,
         "infrastructure_failures": sum(
             1 for r in ordered if r.failure_kind == FailureKind.INFRASTRUCTURE
         )
@@ -123,6 +129,10 @@ def build_report(
         "quota": quota,
         "policy_version": spec.policy_version,
         "parallelism": spec.parallelism,
+        # Busy slot-seconds (ready -> finished, metrics.busy_span) over parallelism x the
+        # batch's wall (the run's origin -> its last episode finishing).
+        "slot_utilisation": slot_utilisation(spans, spec.parallelism, run.origin),
+        "cost": cost_figures(ordered, reward_sum),
         "backend": spec.backend,
         "image": spec.image,
         "runtime": spec.runtime,
@@ -275,10 +285,50 @@ def group_figures(
         "failed": failed,
         "withdrawn": withdrawn,
         "retries": sum(len(r.retried) for r in rows if r is not None),
+        "cost": cost_figures([r for r in rows if r is not None], sum(rewards)),
         # The spread of policy versions its samples saw: (oldest first turn, newest last turn).
         "policy_versions": _version_spread(versions),
         "status": status,
     }
+
+
+def _known(values: Iterable[Any]) -> list[float]:
+    return [
+        v  # as they are: counts stay integers
+        for v in values
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+
+
+def _total(values: Iterable[Any]) -> float | None:
+    """The sum of the known values; None when none is known."""
+    known = _known(values)
+    return sum(known) if known else None
+
+
+def cost_figures(rows: Sequence[EpisodeRow], reward_sum: float) -> dict[str, Any]:
+    """What `rows` cost: each ledger figure summed over the rows that measured it (failed
+    episodes included: their CPU and tokens were spent too), the largest peak memory, sandbox
+    seconds per phase, and the cost per unit of reward (None unless reward_sum > 0).
+    `ledgers`: how many rows carry a ledger at all."""
+    ledgers = [r.cost for r in rows if isinstance(r.cost, dict)]
+    figures: dict[str, Any] = {"ledgers": len(ledgers), "episodes": len(rows)}
+    for name in (*COST_SECONDS, *COST_COUNTS):
+        figures[name] = _total(ledger.get(name) for ledger in ledgers)
+    peaks = _known(ledger.get(COST_PEAK) for ledger in ledgers)
+    figures[COST_PEAK] = max(peaks) if peaks else None
+    prompt, completion = figures["prompt_tokens"], figures["completion_tokens"]
+    tokens = None if prompt is None and completion is None else (prompt or 0) + (completion or 0)
+    figures["tokens"] = tokens
+    walls = [w for ledger in ledgers if isinstance(w := ledger.get("wall"), dict)]
+    figures["wall"] = {phase: _total(w.get(phase) for w in walls) for phase in COST_PHASES}
+    cpu = figures["cpu_seconds"]
+    per_reward = reward_sum > 0
+    figures["cpu_seconds_per_reward"] = cpu / reward_sum if per_reward and cpu is not None else None
+    figures["tokens_per_reward"] = (
+        tokens / reward_sum if per_reward and tokens is not None else None
+    )
+    return figures
 
 
 def _version_spread(versions: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:

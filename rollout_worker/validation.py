@@ -23,7 +23,13 @@ from typing import Any
 
 import orjson
 
-from rollout_wire.rows import EpisodeRow
+from rollout_wire.rows import (
+    COST_COUNTS,
+    COST_PEAK,
+    COST_SECONDS,
+    COST_SOURCES,
+    EpisodeRow,
+)
 from rollout_wire.states import EpisodeStatus, FailureKind, Progress
 from rollout_wire.trajectory import MAX_EVENT_BYTES, STEP_EVENT
 from rollout_worker.observation import EpisodeObservation
@@ -229,6 +235,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
         row.batch_to_ready_seconds = row.ready_at - origin
     if row.reward_at is not None:
         row.batch_to_reward_seconds = row.reward_at - origin
+    row.cost = episode_cost(events, row, mode, steps, exits, p, g)
     if errors:
         row.status = EpisodeStatus.FAILED
         row.reward = 0  # a failed episode never hands the trainer a reward
@@ -245,6 +252,95 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
             f"(max lag {s['max_policy_lag']})"
         )
     return row
+
+
+CPU_FIELDS = ("cpu_seconds", "cpu_user_seconds", "cpu_system_seconds")
+# The events that end one sandbox's part of an episode; the runner's ledger rides on them.
+FINAL_EVENTS = ("reward", GRADE_PENDING_EVENT, STALE_EVENT, "error")
+
+
+def sanitize_cost(value: Any) -> dict[str, Any] | None:
+    """A runner's `cost` object with every field checked: seconds and bytes finite numbers
+    >= 0, counts integers >= 0, cpu_source one of COST_SOURCES; anything else is None (the
+    ledger informs, it is no rule of the episode: a bad figure is dropped, never an error)."""
+    if not isinstance(value, dict):
+        return None
+    cost: dict[str, Any] = {}
+    for name in (*COST_SECONDS, COST_PEAK):
+        number: Any = value.get(name)
+        cost[name] = float(number) if _finite(number) and number >= 0 else None
+    for name in COST_COUNTS:
+        count = value.get(name)
+        ok = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+        cost[name] = count if ok else None
+    source = value.get("cpu_source")
+    cost["cpu_source"] = source if source in COST_SOURCES else None
+    return cost
+
+
+def _combine_costs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One episode's ledger from its sandboxes' (the agent's, then a grader's): sums, the
+    larger peak; a figure one of them lacks is unknown for the whole."""
+    cost: dict[str, Any] = {}
+    for name in (*COST_SECONDS, *COST_COUNTS, COST_PEAK):
+        values = [part[name] for part in parts]
+        if any(v is None for v in values):
+            cost[name] = None
+        else:
+            cost[name] = max(values) if name == COST_PEAK else sum(values)
+    sources = {part["cpu_source"] for part in parts}
+    cost["cpu_source"] = sources.pop() if len(sources) == 1 else None
+    return cost
+
+
+def _duration(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None and end >= start else None
+
+
+def episode_cost(
+    events: list[dict[str, Any]],
+    row: EpisodeRow,
+    mode: Any,
+    steps: list[dict[str, Any]],
+    exits: list[dict[str, Any]],
+    pending: dict[str, Any] | None,
+    grader: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """The row's cost: the ledgers of its final events (one per sandbox), and `wall`, its
+    sandbox seconds per phase from the timestamps the row and the events already carry
+    (no second clock). None when no final event carries a ledger (an older runner)."""
+    parts = [
+        part
+        for e in events
+        if e.get("event") in FINAL_EVENTS and "cost" in e
+        if (part := sanitize_cost(e["cost"])) is not None
+    ]
+    if not parts:
+        return None
+    cost = _combine_costs(parts)
+    if pending is not None and len(parts) < 2:
+        # The grader's sandbox never said what it used: the CPU and memory are the agent's
+        # sandbox's alone, no figure for the episode. (The policy's all come from the agent's.)
+        cost.update(dict.fromkeys((*CPU_FIELDS, COST_PEAK)), cpu_source=None)
+    agent: float | None = None
+    agent_end: float | None = None
+    if mode in COMMAND_MODES and len(exits) == 1:
+        agent, agent_end = row.agent_seconds, _number(exits[0], "at")
+    elif mode == "agent":
+        # The loop's turns: each step times its wait on the policy and its actions.
+        spent = [(_number(s, "policy_seconds"), _number(s, "action_seconds")) for s in steps]
+        if all(a is not None and b is not None for a, b in spent):
+            agent = sum(a + b for a, b in spent if a is not None and b is not None)
+        agent_end = _number(steps[-1], "at") if steps else row.ready_at
+    tests_start = _number(grader, "at") if grader is not None else agent_end
+    start = row.pod_to_ready_seconds
+    cost["wall"] = {
+        "start": start if start is not None and start >= 0 else None,
+        "agent": agent,
+        "grader_start": _duration(_number(pending, "at"), _number(grader, "at")),
+        "tests": _duration(tests_start, row.reward_at),
+    }
+    return cost
 
 
 # The backend's reasons that say the sandbox was ended from outside (deadlines, a stop, a lost

@@ -1,9 +1,12 @@
 """A batch's timeline as a picture, from its report (results.json).
 
-`episode_timelines` and `startup_seconds` are pure: they turn the report into seconds since the
-run started. `render_timeline` draws them (matplotlib, Agg, no pyplot state) into a PNG with two
-panels: one row per episode (created, scheduled when known, ready, reward, finished; failed
-episodes in red) and the distribution of Pod-created-to-ready times with p50/p95 marked.
+`episode_timelines`, `startup_seconds`, `busy_spans` and `episode_cpu` are pure: they turn the
+report into seconds since the run started (and CPU-seconds per episode). `render_timeline` draws
+them (matplotlib, Agg, no pyplot state) into a PNG: one row per episode (created, scheduled when
+known, ready, reward, finished; failed episodes in red); under it, on the same time axis, the
+slots busy with episode work against the parallelism, the idle part shaded; then the
+distribution of Pod-created-to-ready times with p50/p95 marked, and where the CPU went (the
+cost ledger's CPU-seconds per episode, user and system).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from rollout_wire.states import EpisodeStatus
-from rollout_worker.metrics import percentile
+from rollout_worker.metrics import busy_slots, busy_span, percentile
 
 # More rows than this and per-row tick labels become noise.
 MAX_LABELLED_ROWS = 40
@@ -34,6 +37,10 @@ COLORS = {
     "scheduled": "#756bb1",
     "ready": "#31a354",
     "reward": "#fd8d3c",
+    "busy": "#3182bd",
+    "idle": "#fdd0a2",
+    "cpu_user": "#6baed6",
+    "cpu_system": "#08519c",
 }
 
 
@@ -112,6 +119,55 @@ def startup_seconds(report: Mapping[str, Any]) -> list[float]:
     return values
 
 
+def busy_spans(report: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """Each episode's busy span (ready -> finished, as the report's slot_utilisation counts
+    it: metrics.busy_span), in seconds since the run started."""
+    origin = run_origin(report)
+    if origin is None:
+        return []
+    spans = []
+    for row in report.get("pods") or []:
+        span = busy_span(
+            _number(row.get("ready_at")),
+            _number(row.get("finished_at")),
+            _number(row.get("collected_at")),
+        )
+        if span is not None:
+            spans.append((span[0] - origin, span[1] - origin))
+    return spans
+
+
+@dataclass(frozen=True)
+class EpisodeCpu:
+    """One episode's CPU-seconds from its cost ledger (user and system when known)."""
+
+    index: int
+    total: float
+    user: float | None
+    system: float | None
+    failed: bool
+
+
+def episode_cpu(report: Mapping[str, Any]) -> list[EpisodeCpu]:
+    """The episodes whose ledger has CPU-seconds, in index order."""
+    found = []
+    for row in report.get("pods") or []:
+        cost = row.get("cost") if isinstance(row.get("cost"), Mapping) else {}
+        total = _number(cost.get("cpu_seconds"))
+        if total is None:
+            continue
+        found.append(
+            EpisodeCpu(
+                index=int(row.get("index", 0)),
+                total=total,
+                user=_number(cost.get("cpu_user_seconds")),
+                system=_number(cost.get("cpu_system_seconds")),
+                failed=row.get("status") != EpisodeStatus.OK,
+            )
+        )
+    return sorted(found, key=lambda e: e.index)
+
+
 def title(report: Mapping[str, Any]) -> str:
     return (
         f"batch {report.get('batch_id', '?')} ({report.get('backend', '?')} backend): "
@@ -184,7 +240,7 @@ def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping
         ax.set_yticks(range(n), [str(e.index) for e in episodes], fontsize=7)
     ax.set_ylabel("episode (index)")
     ax.set_xlabel("seconds since run start")
-    ax.set_xlim(left=min(0.0, *(e.created for e in episodes if e.created is not None)))
+    ax.set_xlim(left=min([0.0, *(e.created for e in episodes if e.created is not None)]))
     ax.grid(axis="x", alpha=0.3)
     legend = [
         Line2D([], [], color=COLORS["startup"], linewidth=6, label="created → ready"),
@@ -235,15 +291,71 @@ def _draw_startup(ax: Any, startup: Sequence[float]) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
+def _draw_slots(ax: Any, spans: Sequence[tuple[float, float]], report: Mapping[str, Any]) -> None:
+    parallelism = _number(report.get("parallelism"))
+    utilisation = _number(report.get("slot_utilisation"))
+    shown = f" (slot_utilisation {utilisation:.2f})" if utilisation is not None else ""
+    ax.set_title(f"slots busy with episode work (ready → finished){shown}", fontsize=10)
+    ax.set_xlabel("seconds since run start")
+    ax.set_ylabel("slots")
+    steps = [(0.0, 0), *busy_slots(spans)] if spans else []
+    if not steps:
+        ax.text(
+            0.5, 0.5, "no episode became ready", ha="center", va="center", transform=ax.transAxes
+        )
+        return
+    xs, ys = [x for x, _ in steps], [y for _, y in steps]
+    ax.step(xs, ys, where="post", color=COLORS["busy"], linewidth=1.5, label="busy")
+    if parallelism:
+        ax.axhline(parallelism, color="#636363", linestyle="--", linewidth=1, label="parallelism")
+        ax.fill_between(
+            xs, ys, parallelism, step="post", color=COLORS["idle"], alpha=0.7, label="idle slots"
+        )
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+
+
+def _draw_cpu(ax: Any, cpu: Sequence[EpisodeCpu]) -> None:
+    total = sum(e.total for e in cpu)
+    ax.set_title(f"where the CPU went: {total:.1f} CPU-s over {len(cpu)} episodes", fontsize=10)
+    ax.set_xlabel("episode (index)")
+    ax.set_ylabel("CPU-seconds")
+    if not cpu:
+        ax.text(
+            0.5,
+            0.5,
+            "no cost ledger in this report",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+        return
+    xs = [e.index for e in cpu]
+    # Split into user and system where the ledger says; else the whole bar is user's colour.
+    users = [e.user if e.user is not None and e.system is not None else e.total for e in cpu]
+    systems = [e.system if e.user is not None and e.system is not None else 0.0 for e in cpu]
+    edges = [COLORS["failed"] if e.failed else "none" for e in cpu]
+    ax.bar(xs, users, color=COLORS["cpu_user"], edgecolor=edges, label="user")
+    ax.bar(xs, systems, bottom=users, color=COLORS["cpu_system"], edgecolor=edges, label="system")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def render_timeline(report: Mapping[str, Any], path: Path, *, dpi: int = 120) -> Path:
-    """Write the two-panel PNG and return its path."""
+    """Write the PNG (timeline, busy slots, start-up, CPU) and return its path."""
     episodes = episode_timelines(report)
     rows = len(episodes)
     timeline_height = max(2.5, min(12.0, 0.22 * rows + 1.5))
-    fig = Figure(figsize=(12, timeline_height + 3.2), layout="constrained")
-    timeline, startup = fig.subplots(
-        2, 1, gridspec_kw={"height_ratios": [timeline_height, 2.6]}, squeeze=True
+    fig = Figure(figsize=(12, timeline_height + 5.0), layout="constrained")
+    panels = fig.subplot_mosaic(
+        [["timeline", "timeline"], ["slots", "slots"], ["startup", "cpu"]],
+        height_ratios=[timeline_height, 1.8, 2.6],
     )
+    timeline, startup = panels["timeline"], panels["startup"]
+    panels["slots"].sharex(timeline)
     fig.suptitle(title(report), fontsize=12)
     timeline.set_title(f"episode timeline ({rows} episodes)", fontsize=10)
     if episodes:
@@ -257,6 +369,13 @@ def render_timeline(report: Mapping[str, Any], path: Path, *, dpi: int = 120) ->
             va="center",
             transform=timeline.transAxes,
         )
+    spans = busy_spans(report)
+    _draw_slots(panels["slots"], spans, report)
+    if spans:
+        # The shared time axis reaches the last episode's end, whatever the timeline drew.
+        left, right = timeline.get_xlim()
+        timeline.set_xlim(left, max(right, max(stop for _, stop in spans) * 1.02))
     _draw_startup(startup, startup_seconds(report))
+    _draw_cpu(panels["cpu"], episode_cpu(report))
     fig.savefig(path, dpi=dpi, format="png")
     return path

@@ -33,7 +33,11 @@ slow, the version it answered with), for tests.
 
 Responses look like vLLM's: `logprobs` when the request asks for them, `prompt_token_ids` and
 per-choice `token_ids` when it sets `return_token_ids` (made-up but deterministic values), so
-trainers' code paths that keep them can be exercised.
+trainers' code paths that keep them can be exercised. Every answer carries `usage`, plausible
+counts for the cost ledger: prompt_tokens is the size of the request's messages as JSON over 4
+(about 4 bytes a token), completion_tokens the answer's 16 made-up token ids; so a longer
+conversation costs more. A stream sends it as its last chunk when the request asks
+(stream_options.include_usage), as OpenAI's API does.
 
     rollout policy-server --port 8000                 # the bundled set's script
     rollout policy-server --port 8000 --script my.json

@@ -94,6 +94,7 @@ def summary_tables(report: Mapping[str, Any]) -> list[Table]:
                 ],
             )
         )
+    tables += cost_tables(report)
     nodes = report.get("nodes") or {}
     if nodes:
         tables.append(
@@ -118,6 +119,57 @@ def summary_tables(report: Mapping[str, Any]) -> list[Table]:
                 ],
             )
         )
+    return tables
+
+
+COST_HEADER = (
+    "scope",
+    "ledgers",
+    "cpu s",
+    "peak MiB",
+    "turns",
+    "prompt tokens",
+    "completion tokens",
+    "policy s",
+    "cpu s / reward",
+    "tokens / reward",
+)
+
+
+def _cost_row(scope: str, cost: Mapping[str, Any]) -> tuple[str, ...]:
+    peak = cost.get("peak_memory_bytes")
+    return (
+        scope,
+        f"{cell(cost.get('ledgers'))}/{cell(cost.get('episodes'))}",
+        cell(cost.get("cpu_seconds")),
+        cell(peak / 2**20 if isinstance(peak, (int, float)) else None),
+        cell(cost.get("policy_turns")),
+        cell(cost.get("prompt_tokens")),
+        cell(cost.get("completion_tokens")),
+        cell(cost.get("policy_seconds")),
+        cell(cost.get("cpu_seconds_per_reward")),
+        cell(cost.get("tokens_per_reward")),
+    )
+
+
+def cost_tables(report: Mapping[str, Any]) -> list[Table]:
+    """The cost ledger: the batch's totals and each group's (rows that carried a ledger out of
+    the rows), and the sandbox seconds per phase. None for a report without ledgers."""
+    cost = report.get("cost")
+    if not isinstance(cost, Mapping) or not cost.get("ledgers"):
+        return []
+    rows = [_cost_row("batch", cost)]
+    for group in report.get("groups") or []:
+        figures = group.get("cost")
+        if isinstance(figures, Mapping) and len(report.get("groups") or []) > 1:
+            rows.append(_cost_row(str(group.get("task_id") or group.get("group_id")), figures))
+    tables = [Table("Cost", COST_HEADER, rows)]
+    wall = cost.get("wall") or {}
+    phases: list[tuple[str, ...]] = [
+        (str(phase), cell(value)) for phase, value in wall.items() if value is not None
+    ]
+    if phases:
+        tables.append(Table("Sandbox seconds per phase", ("phase", "seconds"), phases))
     return tables
 
 

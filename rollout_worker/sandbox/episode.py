@@ -57,6 +57,15 @@ the agent's sandbox ends with a `grade_pending` event (the outcome's fields so f
 and a second sandbox runs this program with ROLLOUT_PHASE=grade over a copy of the workspace:
 `ready` (mode "grade"), then `reward`.
 
+The cost ledger: the event that ends a sandbox's part of the episode (reward, grade_pending,
+stale or error) carries `cost`, read just before it: cpu_seconds (user + system),
+cpu_user_seconds, cpu_system_seconds, peak_memory_bytes and cpu_source (`cgroup`: the
+container's cgroup files, with ROLLOUT_COST_SOURCE=cgroup; `proc`: the processes in /proc,
+every one with ROLLOUT_COST_SOURCE=proc in a PID namespace of its own, else the runner's own
+tree; peak memory then is the largest single process), policy_turns, prompt_tokens and
+completion_tokens (the responses' `usage`; null when no answer had one), policy_seconds, and
+ledger_cpu_seconds (what the reading cost). Unknown figures are null.
+
 Environment: EPISODE_ID (the sandbox's name), ROLLOUT_WORKSPACE (default /workspace),
 ROLLOUT_ACTION; for the agent runner ROLLOUT_POLICY (JSON: model, sampling,
 request_timeout_seconds, max_retries, optionally max_policy_lag), ROLLOUT_POLICY_SOCKET (a
@@ -81,6 +90,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -228,6 +238,9 @@ def finite(value: object) -> object:
 def emit(event: str, **data: object) -> dict[str, object]:
     record = {"event": event, "at": time.time(), "episode_id": os.environ["EPISODE_ID"]}
     record.update(data)
+    if event in FINAL_EVENTS:
+        # Measured last, so the reading covers all the sandbox did (its tests included).
+        record["cost"] = LEDGER.measure()
     try:
         line = json.dumps(record, allow_nan=False)
     except ValueError:
@@ -278,6 +291,225 @@ def record_outcome(event: dict[str, object]) -> None:
                 handle.write(json.dumps(summary))
         except OSError:
             pass
+
+
+# -- the cost ledger ---------------------------------------------------------------------------
+# Where the CPU and memory figures come from, set by the backend: "cgroup" (Kubernetes: the
+# container's own cgroup holds every process of the sandbox), "proc" (a PID namespace of its
+# own, the local bubblewrap sandbox: every process in /proc is the sandbox's). Unset: the
+# runner's own process tree (a runner with no namespace of its own must not count the host's).
+COST_SOURCE_ENV = "ROLLOUT_COST_SOURCE"
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_ROOT = "/proc"
+# The events that end a sandbox's part of the episode: each carries the ledger.
+FINAL_EVENTS = ("reward", "grade_pending", "stale", "error")
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read(65536)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _keyed_numbers(text: str | None) -> dict:
+    """`name value` lines (cpu.stat, cpuacct.stat) as {name: int}."""
+    found: dict = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            found[parts[0]] = int(parts[1])
+    return found
+
+
+def _first_number(root: str, names: tuple) -> int | None:
+    for name in names:
+        text = _read_text(os.path.join(root, name))
+        if text is not None and text.strip().isdigit():
+            return int(text.strip())
+    return None
+
+
+def read_cgroup(root: str = CGROUP_ROOT, ticks: float | None = None) -> dict:
+    """CPU and peak memory of the cgroup at `root`: cgroup v2 (cpu.stat, memory.peak), else
+    v1 (cpuacct.usage and cpuacct.stat, memory.max_usage_in_bytes); None for what is not
+    there."""
+    cost: dict = {
+        "cpu_seconds": None,
+        "cpu_user_seconds": None,
+        "cpu_system_seconds": None,
+        "peak_memory_bytes": None,
+        "cpu_source": "cgroup",
+    }
+    v2 = _keyed_numbers(_read_text(os.path.join(root, "cpu.stat")))
+    if "usage_usec" in v2:
+        cost["cpu_seconds"] = v2["usage_usec"] / 1e6
+        if "user_usec" in v2 and "system_usec" in v2:
+            cost["cpu_user_seconds"] = v2["user_usec"] / 1e6
+            cost["cpu_system_seconds"] = v2["system_usec"] / 1e6
+    else:
+        for folder in ("cpuacct", "cpu,cpuacct", "cpu"):
+            base = os.path.join(root, folder)
+            usage = _first_number(base, ("cpuacct.usage",))  # nanoseconds
+            split = _keyed_numbers(_read_text(os.path.join(base, "cpuacct.stat")))  # ticks
+            if usage is None and not split:
+                continue
+            hz = ticks or os.sysconf("SC_CLK_TCK")
+            if "user" in split and "system" in split:
+                cost["cpu_user_seconds"] = split["user"] / hz
+                cost["cpu_system_seconds"] = split["system"] / hz
+            if usage is not None:
+                cost["cpu_seconds"] = usage / 1e9
+            elif cost["cpu_user_seconds"] is not None:
+                cost["cpu_seconds"] = (split["user"] + split["system"]) / hz
+            break
+    cost["peak_memory_bytes"] = _first_number(
+        root,
+        ("memory.peak", "memory.max_usage_in_bytes", "memory/memory.max_usage_in_bytes"),
+    )
+    return cost
+
+
+def read_proc(root: str = PROC_ROOT, scope: int | None = None, ticks: float | None = None) -> dict:
+    """CPU and peak memory of the processes in `root` (every one, or `scope` and the processes
+    below it), in one pass. A process's CPU is its utime + stime plus cutime + cstime: a child
+    that was waited for is in its reaper's, so the live processes account for every process
+    that ever ran below them (an orphan's time is in whoever reaped it: the runner, a
+    subreaper, or the namespace's init). Peak memory is the largest VmHWM: the largest single
+    process, not a sum. CPU fields None when `root` (or the scope's process) is unreadable."""
+    cost: dict = {
+        "cpu_seconds": None,
+        "cpu_user_seconds": None,
+        "cpu_system_seconds": None,
+        "peak_memory_bytes": None,
+        "cpu_source": "proc",
+    }
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return cost
+    stats: dict = {}  # pid -> (parent, user ticks, system ticks)
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(root, entry, "stat"), "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+            # After the command: state, ppid, ... utime (14), stime, cutime, cstime (17).
+            stats[int(entry)] = (
+                int(fields[1]),
+                int(fields[11]) + int(fields[13]),
+                int(fields[12]) + int(fields[14]),
+            )
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not a process's stat
+    if scope is None:
+        chosen = list(stats)
+    elif scope in stats:
+        children: dict = {}
+        for pid, (parent, _, _) in stats.items():
+            children.setdefault(parent, []).append(pid)
+        chosen, todo = [scope], [scope]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                if child not in chosen:
+                    chosen.append(child)
+                    todo.append(child)
+    else:
+        chosen = []
+    if not chosen:
+        return cost
+    hz = ticks or os.sysconf("SC_CLK_TCK")
+    user = sum(stats[pid][1] for pid in chosen) / hz
+    system = sum(stats[pid][2] for pid in chosen) / hz
+    cost.update(cpu_seconds=user + system, cpu_user_seconds=user, cpu_system_seconds=system)
+    peaks = []
+    for pid in chosen:
+        for line in (_read_text(os.path.join(root, str(pid), "status")) or "").splitlines():
+            if line.startswith("VmHWM:"):
+                parts = line.split()
+                if len(parts) >= 2 and parts[1].isdigit():
+                    peaks.append(int(parts[1]) * 1024)  # kB
+                break
+    cost["peak_memory_bytes"] = max(peaks) if peaks else None
+    return cost
+
+
+def read_usage(
+    source: str | None, cgroup_root: str = CGROUP_ROOT, proc_root: str = PROC_ROOT
+) -> dict:
+    """The sandbox's CPU and peak memory as `source` (ROLLOUT_COST_SOURCE) says to read them."""
+    if source == "cgroup":
+        cost = read_cgroup(cgroup_root)
+        if cost["cpu_seconds"] is not None:
+            return cost
+    # Kubernetes without readable cgroup files: the container's PID namespace is its own too.
+    everything = source in ("cgroup", "proc")
+    cost = read_proc(proc_root, scope=None if everything else os.getpid())
+    # Also the largest child the runner waited for (kilobytes on Linux): one that ended before
+    # the reading has no VmHWM left to read. Still the largest single process, not a sum.
+    peaks = [cost["peak_memory_bytes"] or 0]
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        with contextlib.suppress(OSError, ValueError):
+            peaks.append(resource.getrusage(who).ru_maxrss * 1024)
+    cost["peak_memory_bytes"] = max(peaks) or None
+    return cost
+
+
+def _count(usage: object, key: str) -> int | None:
+    value = usage.get(key) if isinstance(usage, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    return int(value)
+
+
+class Ledger:
+    """What the episode asked of its policy: turns (every completion asked for), tokens (the
+    responses' `usage`; a stream's comes in its last chunk), seconds waited. Counted where the
+    answers arrive: the built-in loop's client and the recording proxy's threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.turns = 0
+        self.with_usage = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.policy_seconds = 0.0
+
+    def turn(self, response: object, seconds: float) -> None:
+        """One completion asked for: `response` the parsed answer (None when there is none),
+        `seconds` the wall time spent waiting on it."""
+        usage = response.get("usage") if isinstance(response, dict) else None
+        prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+        with self.lock:
+            self.turns += 1
+            self.policy_seconds += max(0.0, seconds)
+            if prompt is not None or completion is not None:
+                self.with_usage += 1
+                self.prompt_tokens += prompt or 0
+                self.completion_tokens += completion or 0
+
+    def measure(self) -> dict:
+        """The `cost` object of a final event: one reading of the sandbox's CPU and memory,
+        and the policy's figures so far."""
+        began = time.thread_time()  # this thread's reading alone
+        cost = read_usage(os.environ.get(COST_SOURCE_ENV))
+        with self.lock:
+            # Turns whose answers all lacked `usage`: their tokens are unknown, not zero.
+            unknown = self.turns > 0 and self.with_usage == 0
+            cost.update(
+                policy_turns=self.turns,
+                prompt_tokens=None if unknown else self.prompt_tokens,
+                completion_tokens=None if unknown else self.completion_tokens,
+                policy_seconds=self.policy_seconds,
+            )
+        cost["ledger_cpu_seconds"] = time.thread_time() - began
+        return cost
+
+
+# One episode per runner process: its one ledger.
+LEDGER = Ledger()
 
 
 # -- the guide's demo --------------------------------------------------------------------------
@@ -1251,6 +1483,7 @@ class Proxy:
         failure = None
         if status == 200 and is_completion(parsed):
             if self.too_stale(version):
+                LEDGER.turn(parsed, time.time() - asked)  # answered, though never recorded
                 handler.send_json(409, STALE_ANSWER)
                 return
         elif status == 200:
@@ -1279,6 +1512,7 @@ class Proxy:
         assert conn is not None and upstream is not None
         if self.too_stale(policy_version(answer.header, None)):
             conn.close()
+            LEDGER.turn(None, time.time() - asked)
             handler.send_json(409, STALE_ANSWER)
             return
         handler.start_stream(answer.header)
@@ -1308,6 +1542,7 @@ class Proxy:
         assembled = assemble_stream(events.chunks)
         version = policy_version(answer.header, assembled)
         if problem is None and self.too_stale(version):
+            LEDGER.turn(assembled, time.time() - asked)
             handler.close_connection = True  # no end: the agent is stopped anyway
             return
         self.record(
@@ -1343,6 +1578,7 @@ class Proxy:
         with self.lock:
             if self.closed:
                 return
+            LEDGER.turn(response, answered - asked)
             if failure is not None:
                 self.failure = self.failure or failure
                 self.stop.set()
@@ -1680,8 +1916,13 @@ class Runner:
                 return step, "time_limit"
             step += 1
             asked = time.time()
-            response, raw, attempts, header = self.need_policy().complete(messages)
+            try:
+                response, raw, attempts, header = self.need_policy().complete(messages)
+            except InfrastructureError:
+                LEDGER.turn(None, time.time() - asked)  # waited on, never answered
+                raise
             answered = time.time()
+            LEDGER.turn(response, answered - asked)
             version = policy_version(header, response)
             if step == 1:
                 first_version = version

@@ -260,6 +260,9 @@ def sandbox_pod_spec(
                     },
                     {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
                     {"name": "ROLLOUT_READY_FILE", "value": READY_FILE},
+                    # The container's own cgroup holds every process of the sandbox: the
+                    # runner's cost ledger reads it (the local sandbox sums its /proc).
+                    {"name": "ROLLOUT_COST_SOURCE", "value": "cgroup"},
                     *env,
                 ],
                 "securityContext": {

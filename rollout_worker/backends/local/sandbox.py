@@ -175,6 +175,9 @@ def plan_sandbox(
         "--clearenv",
     ]
     env = base_env | {"ROLLOUT_WORKSPACE": workspace_mount, "HOME": workspace_mount}
+    # --unshare-all gives the sandbox its own PID namespace (and /proc): every process the
+    # runner sees there is the episode's, so its cost ledger sums them all.
+    env["ROLLOUT_COST_SOURCE"] = "proc"
     env |= {m.env: m.target for m in mounts if m.env}
     for key, value in env.items():
         argv += ["--setenv", key, value]
