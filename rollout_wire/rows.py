@@ -16,6 +16,7 @@ REPORT_METRICS = (
     "lost_episodes",
     "reward_sum",
     "parallelism",
+    "warm_episodes",
     "slot_utilisation",
     "batch_to_all_ready_seconds",
     "pod_to_ready_p50_seconds",

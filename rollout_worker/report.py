@@ -129,6 +129,8 @@ def build_report(
         "quota": quota,
         "policy_version": spec.policy_version,
         "parallelism": spec.parallelism,
+        # Episodes that ran in a sandbox taken from a warm pool (the rest started cold).
+        "warm_episodes": sum(1 for r in ordered if "pool_created_at" in r.timing),
         # Busy slot-seconds (ready -> finished, metrics.busy_span) over parallelism x the
         # batch's wall (the run's origin -> its last episode finishing).
         "slot_utilisation": slot_utilisation(spans, spec.parallelism, run.origin),

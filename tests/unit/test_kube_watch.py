@@ -34,7 +34,7 @@ def test_waiters_wake_on_their_episode_and_a_deleted_pod_keeps_its_last_state(mo
         ("MODIFIED", pod("b", 1, "Succeeded")),
         ("DELETED", pod("a", 0, "Running")),
     ]
-    monkeypatch.setattr(watch.watch, "Watch", ScriptedWatch)
+    monkeypatch.setattr(watch, "RawWatch", ScriptedWatch)
     listing = {"items": [], "metadata": {"resourceVersion": "1"}}
     w = watch.PodWatch(
         "ns", lambda: listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX])
@@ -50,3 +50,18 @@ def test_waiters_wake_on_their_episode_and_a_deleted_pod_keeps_its_last_state(mo
         assert w.lists == 1  # one list per batch, then the watch
     finally:
         w.stop()
+
+
+def test_raw_watch_events_stay_dicts_and_never_become_client_models(monkeypatch):
+    raw = watch.RawWatch()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("deserialised into client models")
+
+    monkeypatch.setattr(raw._api_client, "deserialize", refuse)
+    pod = {"metadata": {"name": "p", "uid": "u", "resourceVersion": "7"}}
+    line = '{"type": "MODIFIED", "object": %s}' % __import__("json").dumps(pod)
+    assert raw.get_return_type(lambda: None) is None
+    event = raw.unmarshal_event(line, raw.get_return_type(lambda: None))
+    assert event == {"type": "MODIFIED", "object": pod, "raw_object": pod}
+    assert raw.unmarshal_event("  ", None) is None

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 import urllib3
-from kubernetes import client, config, watch
+from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rollout_wire import constants as k
@@ -69,7 +69,7 @@ from rollout_worker.backends.kube.read import (
     pretty_json,
     ts,
 )
-from rollout_worker.backends.kube.watch import PodWatch, PodWatches
+from rollout_worker.backends.kube.watch import PodWatch, PodWatches, RawWatch
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
@@ -342,7 +342,7 @@ class KubernetesBackend:
         objects = {o["metadata"]["uid"]: o for o in listing.get("items", [])}
         if done(objects) or timeout <= 0:
             return objects
-        stream = watch.Watch()
+        stream = RawWatch()
         try:
             for event in stream.stream(
                 list_fn,
