@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import time
 
 from rollout_worker.backends.kube import watch
@@ -60,7 +62,7 @@ def test_raw_watch_events_stay_dicts_and_never_become_client_models(monkeypatch)
 
     monkeypatch.setattr(raw._api_client, "deserialize", refuse)
     pod = {"metadata": {"name": "p", "uid": "u", "resourceVersion": "7"}}
-    line = '{"type": "MODIFIED", "object": %s}' % __import__("json").dumps(pod)
+    line = json.dumps({"type": "MODIFIED", "object": pod})
     assert raw.get_return_type(lambda: None) is None
     event = raw.unmarshal_event(line, raw.get_return_type(lambda: None))
     assert event == {"type": "MODIFIED", "object": pod, "raw_object": pod}
