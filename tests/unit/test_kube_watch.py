@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import time
 
 from rollout_worker.backends.kube import watch
