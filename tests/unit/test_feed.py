@@ -84,3 +84,11 @@ def test_done_once_every_episode_is_claimed():
     pods = [pool_pod("a", "2026-01-01T00:00:01Z", batch=BATCH, index=0)]
     plan = feed_plan(pods, BATCH, parallelism=4, count=1, claims=[[0, "a", "uid-a"]])
     assert plan.done and plan.idle_wanted == 0 and plan.claims == []
+
+
+def test_the_pool_is_kept_ahead_by_the_asked_number_of_pods_within_what_is_left():
+    pods = [pool_pod("a", "2026-01-01T00:00:01Z", batch=BATCH, index=0)]
+    plan = feed_plan(pods, BATCH, parallelism=1, count=10, claims=[[0, "a", "u"]], ahead=2)
+    assert plan.idle_wanted == 2
+    plan = feed_plan(pods, BATCH, parallelism=1, count=2, claims=[[0, "a", "u"]], ahead=2)
+    assert plan.idle_wanted == 1  # one episode left: one Pod is enough

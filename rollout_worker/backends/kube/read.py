@@ -436,11 +436,12 @@ def feed_plan(
     parallelism: int,
     count: int,
     claims: Iterable[list[Any]],
+    ahead: int | None = None,
 ) -> FeedPlan:
     """The feeder's plan from one snapshot of the pool's Pods: a slot is a claimed Pod of the
     batch whose container has not ended; each free slot gets the next unclaimed episode and
-    the oldest waiting Pod; the pool is kept one wave ahead (`parallelism` idle Pods, fewer
-    near the batch's end)."""
+    the oldest waiting Pod; the pool is kept `ahead` idle Pods ahead (default one wave,
+    `parallelism`; fewer near the batch's end)."""
     pods = list(pods)
     claimed = {int(c[0]) for c in claims}
     ours = [p for p in pods if (p["metadata"].get("labels") or {}).get(k.LABEL_BATCH) == batch_id]
@@ -467,7 +468,7 @@ def feed_plan(
     return FeedPlan(
         claims=[(i, dict(p)) for i, p in pairs],
         found=found,
-        idle_wanted=min(parallelism, left),
+        idle_wanted=min(parallelism if ahead is None else ahead, left),
         idle_have=len(idle) - len(pairs),
         done=not unclaimed,
     )
