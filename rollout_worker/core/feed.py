@@ -1,12 +1,15 @@
 """Feed a run from its pool: one freed slot, one claimed waiting sandbox (see
-`FeedingBackend.feed_run`). One feeder per batch at a time (a lock in Redis); each look is
-bounded and the task requeues itself, so a killed worker's feeder comes back like a collector.
+`FeedingBackend.feed_run`). One look at a time per batch (a lock in Redis). The collector that
+sees its episode end looks at once (it is the first to know a slot is free); the feed task is
+the backstop (the first claims, the pool's top-up, a collector that died): each of its looks is
+bounded and it requeues itself, so a killed worker's feeder comes back like a collector.
 
 What it claims is recorded in the receipt: the Pods a claim may touch (`feed_planned`) before
 the claim, and the claims themselves in the run's `warm` list (the proof cleanup deletes by)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +19,7 @@ from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, l
 
 # The feeder's lock is the collecting claim of this index: no episode has it.
 FEEDER_INDEX = -1
+LOCK_POLL_SECONDS = 0.05
 
 
 def feed(
@@ -26,8 +30,12 @@ def feed(
     limits: Limits,
     budget: int,
     idle_seconds: float,
+    timeout: float | None = None,
+    lock_wait: float = 0.0,
 ) -> str:
-    """One bounded look of the feeder. Returns why it is done; raises NotYet to look again."""
+    """One bounded look of the feeder (`timeout`, default one collect block). Returns why it
+    is done; raises NotYet to look again. `lock_wait`: how long to wait for another copy's
+    look to end before giving up on this one."""
     receipt = load_receipt(store, batch_id)
     if receipt is None or receipt.run is None or not receipt.run.fed:
         return "not fed"
@@ -36,8 +44,11 @@ def feed(
     if store.has_report(batch_id) or store.has_flag(batch_id, FLAG_CANCEL):
         return "stopped"
     token = uuid.uuid4().hex
-    if not store.claim_collect(batch_id, FEEDER_INDEX, token, limits.claim_seconds):
-        raise NotYet  # another copy feeds: look again later, in case it dies
+    give_up = time.monotonic() + lock_wait
+    while not store.claim_collect(batch_id, FEEDER_INDEX, token, limits.claim_seconds):
+        if time.monotonic() >= give_up:
+            raise NotYet  # another copy feeds: look again later, in case it dies
+        time.sleep(LOCK_POLL_SECONDS)
     spec, run = receipt.spec, receipt.run
 
     def record(fields: Mapping[str, Any]) -> None:
@@ -58,7 +69,7 @@ def feed(
             run,
             list(run.warm),
             record,
-            timeout=limits.collect_block_seconds,
+            timeout=limits.collect_block_seconds if timeout is None else timeout,
             budget=budget,
             idle_seconds=idle_seconds,
         )

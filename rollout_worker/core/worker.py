@@ -6,6 +6,7 @@ backend to use lives here; the retry budgets too (`MAX_RETRIES`, one table for a
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -72,6 +73,9 @@ MAX_RETRIES: dict[str, int | None] = {
 # them outlives the visibility timeout and is delivered twice.
 TRANSIENT_PAUSE_SECONDS = 1.0
 CANCEL_RETRY_SECONDS = 1.0
+# A collector whose fed episode ended looks for its slot's next episode this long (its own
+# Pod's end may reach the pool's watch a moment after the batch's).
+FEED_AFTER_ROW_SECONDS = 1.0
 FILL_RETRY_SECONDS = 5.0
 # A task whose Redis went away mid-run (a restart, a failover) waits this long for it to
 # answer again, then runs again from the start (every task is idempotent). A task that
@@ -79,6 +83,7 @@ FILL_RETRY_SECONDS = 5.0
 REDIS_WAIT_SECONDS = 60.0
 # What the receipt cache holds at most per process (a started batch's receipt never changes).
 RECEIPT_CACHE_SIZE = 10_000
+log = logging.getLogger(__name__)
 _UNSAFE_ID = re.compile(r"[^a-z0-9-]")
 
 
@@ -210,6 +215,8 @@ class Worker:
         finally:
             # Released before the retry is sent: the next copy may start at once.
             self.store.release_collect(batch_id, index, token)
+        if receipt.run.fed:
+            self._feed_freed_slot(batch_id)
         if row.failure_kind == FailureKind.INFRASTRUCTURE and tripped_by(
             self.store, batch_id, index
         ):
@@ -291,6 +298,27 @@ class Worker:
                 return {"batch_id": batch_id, "feed": "past the batch's deadline"}
             raise Again() from None
         return {"batch_id": batch_id, "feed": why}
+
+    def _feed_freed_slot(self, batch_id: str) -> None:
+        """A fed run's episode ended: give its slot the next episode now. The feed task's own
+        looks wait behind the collectors in their queue; this one does not. Best effort: the
+        feed task is the backstop."""
+        receipt = self.started(batch_id)
+        if receipt is None or receipt.run is None:
+            return
+        try:
+            feed(
+                self.store,
+                self.backend(receipt.run.backend),
+                batch_id,
+                limits=self.limits,
+                budget=self.settings.warm_pool_budget,
+                idle_seconds=self.settings.warm_pool_idle_seconds,
+                timeout=FEED_AFTER_ROW_SECONDS,
+                lock_wait=FEED_AFTER_ROW_SECONDS,
+            )
+        except (NotYet, TransientBackendError) as exc:
+            log.debug("feed after a row of %s: %r", batch_id, exc)
 
     def cleanup(self, batch_id: str) -> dict[str, Any]:
         """Delete a reported run; while the backend deletes, look again later instead of

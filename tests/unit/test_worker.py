@@ -261,3 +261,14 @@ def test_one_feeder_at_a_time_and_none_after_a_cancel(parts):
     store.release_collect("b1", core.FEEDER_INDEX, "another copy")
     store.set_flag("b1", core.FLAG_CANCEL)
     assert w.feed("b1")["feed"] == "stopped"
+
+
+def test_the_collector_of_a_fed_episode_gives_its_slot_the_next_episode(parts):
+    w, store, _, _ = parts
+    backend = w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    w.submit({"batch_id": "b1", "count": 3, "parallelism": 1}, message_id="m1", attempt=0)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 1))
+    w.collect("b1", 0)
+    # Its row is in, and episode 1 was claimed by the same call (not by the feed task).
+    assert store.has_episode("b1", 0)
+    assert [i for i, _, _ in store.load_receipt("b1")["run"]["warm"]] == [0, 1]
