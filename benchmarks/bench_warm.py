@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--handover-threads", type=int, default=None)
     parser.add_argument("--cpu-request", default=None)
     parser.add_argument("--memory-request", default=None)
+    parser.add_argument(
+        "--warm-only", action="store_true", help="no cold or drained batches: the burst alone"
+    )
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (figures are medians of rounds)")
@@ -178,9 +181,10 @@ def main() -> None:
             subprocess.run(drain, env=drain_env, check=True, capture_output=True)
             while target.waiting():
                 time.sleep(0.2)
-            cold, cold_wall, cold_ready = run_batch(
-                client, fields, count=args.count, parallelism=args.count
-            )
+            if not args.warm_only:
+                cold, cold_wall, cold_ready = run_batch(
+                    client, fields, count=args.count, parallelism=args.count
+                )
             run_batch(client, fields, count=1, parallelism=1, warm_pool=args.count)
             deadline = time.monotonic() + 180 + 3 * args.count
             while target.waiting() < args.count:
@@ -193,6 +197,18 @@ def main() -> None:
             handover = [r["timing"].get("handover_seconds") for r in warm["pods"]]
             if len(handover) != args.count or None in handover:
                 raise RuntimeError("the warm batch did not take every episode from the pool")
+            add("warm claim -> ready p50 ms", statistics.median(handover) * 1000)
+            add("warm claim -> ready p95 ms", p95(handover) * 1000)
+            add("warm claim -> ready p99 ms", percentile(handover, 0.99) * 1000)
+            add("warm submit -> last ready s", warm_ready)
+            add("warm submit -> report s", warm_wall)
+            print(
+                f"round {number + 1}: warm {warm_wall:.2f} s, claim -> ready ms "
+                f"{sorted(round(h * 1000) for h in handover)}",
+                flush=True,
+            )
+            if args.warm_only:
+                continue
             if isinstance(target, KubeTarget):
                 drained, drained_wall, drained_ready = run_batch(
                     client, fields, count=args.count, parallelism=args.count
@@ -205,19 +221,9 @@ def main() -> None:
             pod_ready = [r["pod_to_ready_seconds"] for r in cold["pods"]]
             add("cold Pod created -> ready p50 ms", statistics.median(pod_ready) * 1000)
             add("cold Pod created -> ready p95 ms", p95(pod_ready) * 1000)
-            add("warm claim -> ready p50 ms", statistics.median(handover) * 1000)
-            add("warm claim -> ready p95 ms", p95(handover) * 1000)
-            add("warm claim -> ready p99 ms", percentile(handover, 0.99) * 1000)
             add("cold submit -> last ready s", cold_ready)
-            add("warm submit -> last ready s", warm_ready)
             add("cold submit -> report s", cold_wall)
-            add("warm submit -> report s", warm_wall)
             add("warm / cold submit -> report", warm_wall / cold_wall)
-            print(
-                f"round {number + 1}: cold {cold_wall:.2f} s, warm {warm_wall:.2f} s, claim -> "
-                f"ready ms {[round(h * 1000) for h in handover]}",
-                flush=True,
-            )
         subprocess.run(drain, env=drain_env, check=True, capture_output=True)
         client.close()
     threads = args.handover_threads or "default"
