@@ -216,7 +216,7 @@ class Worker:
             # Released before the retry is sent: the next copy may start at once.
             self.store.release_collect(batch_id, index, token)
         if receipt.run.fed:
-            self._feed_freed_slot(batch_id)
+            self._feed_freed_slot(receipt)
         if row.failure_kind == FailureKind.INFRASTRUCTURE and tripped_by(
             self.store, batch_id, index
         ):
@@ -283,14 +283,7 @@ class Worker:
         if receipt is None or receipt.run is None:
             return {"batch_id": batch_id, "feed": "no receipt or run for this batch"}
         try:
-            why = feed(
-                self.store,
-                self.backend(receipt.run.backend),
-                batch_id,
-                limits=self.limits,
-                budget=self.settings.warm_pool_budget,
-                idle_seconds=self.settings.warm_pool_idle_seconds,
-            )
+            why = self._feed_look(receipt)
         except TransientBackendError as exc:
             raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
         except NotYet:
@@ -299,26 +292,29 @@ class Worker:
             raise Again() from None
         return {"batch_id": batch_id, "feed": why}
 
-    def _feed_freed_slot(self, batch_id: str) -> None:
+    def _feed_freed_slot(self, receipt: Receipt) -> None:
         """A fed run's episode ended: give its slot the next episode now. The feed task's own
         looks wait behind the collectors in their queue; this one does not. Best effort: the
         feed task is the backstop."""
-        receipt = self.started(batch_id)
-        if receipt is None or receipt.run is None:
-            return
         try:
-            feed(
-                self.store,
-                self.backend(receipt.run.backend),
-                batch_id,
-                limits=self.limits,
-                budget=self.settings.warm_pool_budget,
-                idle_seconds=self.settings.warm_pool_idle_seconds,
-                timeout=FEED_AFTER_ROW_SECONDS,
-                lock_wait=FEED_AFTER_ROW_SECONDS,
-            )
+            self._feed_look(receipt, FEED_AFTER_ROW_SECONDS)
         except (NotYet, TransientBackendError) as exc:
-            log.debug("feed after a row of %s: %r", batch_id, exc)
+            log.debug("feed after a row of %s: %r", receipt.batch_id, exc)
+
+    def _feed_look(self, receipt: Receipt, seconds: float | None = None) -> str:
+        """One look of the feeder (`seconds`: its length and its wait for the lock; default:
+        one collect block, no wait)."""
+        assert receipt.run is not None
+        return feed(
+            self.store,
+            self.backend(receipt.run.backend),
+            receipt.batch_id,
+            limits=self.limits,
+            budget=self.settings.warm_pool_budget,
+            idle_seconds=self.settings.warm_pool_idle_seconds,
+            timeout=seconds,
+            lock_wait=seconds or 0.0,
+        )
 
     def cleanup(self, batch_id: str) -> dict[str, Any]:
         """Delete a reported run; while the backend deletes, look again later instead of

@@ -53,6 +53,29 @@ def _wait_cleanup(client: RolloutClient, batch_id: str) -> None:
         time.sleep(0.5)
 
 
+def _drain(real_stack, k8s_cluster, key: str) -> None:
+    """`rollout pools --drain` until the pool is drained, forgotten and its namespace gone."""
+    env = {
+        **os.environ,
+        "ROLLOUT_REDIS_URL": real_stack.redis_url,
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+    }
+    deadline = time.monotonic() + 120
+    while True:
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        if key not in done.stdout:
+            return
+        assert time.monotonic() < deadline, done.stdout
+        time.sleep(1)
+
+
 @pytest.mark.timeout(1800)  # six batches on the real node, two pool fills, cleanups, a drain
 def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
     real_node, real_stack, k8s_cluster
@@ -143,25 +166,7 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
     # Draining on demand empties the pool and deletes its namespace (registry UID + labels).
     for s in (first, third, *racing):
         _wait_cleanup(client, s.batch_id)
-    env = {
-        **os.environ,
-        "ROLLOUT_REDIS_URL": real_stack.redis_url,
-        "KUBECONFIG": str(k8s_cluster.kubeconfig),
-    }
-    deadline = time.monotonic() + 120
-    while True:
-        done = subprocess.run(
-            [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        if key not in done.stdout:
-            break  # drained, forgotten and its namespace gone
-        assert time.monotonic() < deadline, done.stdout
-        time.sleep(1)
+    _drain(real_stack, k8s_cluster, key)
     assert not any(ns.metadata.name == namespace for ns in k8s_cluster.core.list_namespace().items)
     client.close()
 
@@ -292,23 +297,5 @@ def test_a_batch_of_several_waves_is_fed_from_its_pool_and_a_drained_pool_runs_c
     assert not [row for row in report["pods"] if "pool_created_at" in row["timing"]]
     for s in (first, cold):
         _wait_cleanup(client, s.batch_id)
-    env = {
-        **os.environ,
-        "ROLLOUT_REDIS_URL": real_stack.redis_url,
-        "KUBECONFIG": str(k8s_cluster.kubeconfig),
-    }
-    deadline = time.monotonic() + 120
-    while True:
-        done = subprocess.run(
-            [sys.executable, "-m", "rollout_worker.cli", "pools", "--drain"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        if key not in done.stdout:
-            break
-        assert time.monotonic() < deadline, done.stdout
-        time.sleep(1)
+    _drain(real_stack, k8s_cluster, key)
     client.close()
