@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_tail import ensure_real_node, node_address
+from benchmarks.bench_warm import waiting_pods
 from benchmarks.proc import Stats
 from rollout_wire import constants as k
 from rollout_wire.tasksets import bundled_tasks
@@ -82,16 +83,7 @@ class Side:
                 if state.exists():
                     total += int(json.loads(state.read_text())["waiting"])
                 continue
-            pods = self.cluster.core.list_namespaced_pod(
-                objects.pool_namespace(key),
-                label_selector=f"{k.LABEL_POOL_STATE}={objects.POOL_STATE_IDLE}",
-            ).items
-            total += sum(
-                1
-                for p in pods
-                if p.status.phase == "Running"
-                and any(c.state.running for c in p.status.container_statuses or [])
-            )
+            total += waiting_pods(self.cluster, objects.pool_namespace(key))
         return total
 
     def batch(self, parallelism: int, **extra: Any) -> tuple[dict[str, Any], float, float]:
