@@ -283,6 +283,9 @@ def main() -> None:
         help="ROLLOUT_POD_CREATE_RATE for the workers (default: theirs)",
     )
     parser.add_argument("--out", default=None, help="JSON lines of every run (default: tmp)")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the stack's folder (worker logs)"
+    )
     args = parser.parse_args()
     assert args.runs >= 3, "a figure is a median of at least 3 runs"
     cluster = kc.ensure_cluster()
@@ -305,7 +308,9 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory() as logs,
         TimedEpisodes(cluster, Path(logs)) as episodes,
-        LocalStack(collect_concurrency=args.collect_concurrency, extra_env=env) as stack,
+        LocalStack(
+            collect_concurrency=args.collect_concurrency, extra_env=env, keep_dir=args.keep_logs
+        ) as stack,
         out.open("a") as log,
     ):
         stack.wait_ready()
@@ -325,7 +330,7 @@ def main() -> None:
             "placement": kc.kwok_placement(),
             "log": log,
         }
-        print(f"runs logged to {out}", flush=True)
+        print(f"runs logged to {out}; worker logs in {stack.dir}", flush=True)
         one_batch(ctx, 10, 10, 0, args.deadline)  # warm-up (imports, connections), not counted
         plan = [(size, args.seconds, args.runs) for size in args.sizes]
         plan += [

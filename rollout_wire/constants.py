@@ -23,6 +23,7 @@ TASK_CANCEL = "rollout.cancel_batch"
 TASK_SWEEP = "rollout.sweep"
 TASK_FILL_POOL = "rollout.fill_pool"
 TASK_FEED = "rollout.feed_batch"
+TASK_WAKE = "rollout.wake_batch"
 TASKS = (
     TASK_SUBMIT,
     TASK_COLLECT,
@@ -33,6 +34,7 @@ TASKS = (
     TASK_SWEEP,
     TASK_FILL_POOL,
     TASK_FEED,
+    TASK_WAKE,
 )
 
 KEY_PREFIX = "rollout"
@@ -99,6 +101,21 @@ def collecting_key(batch_id: str, index: int) -> str:
     return batch_key(batch_id, f"collecting:{index}")
 
 
+def parked_key(batch_id: str) -> str:
+    """Hash index -> the collect message (JSON) of an episode parked until it ends."""
+    return batch_key(batch_id, "parked")
+
+
+def parked_until_ready_key(batch_id: str) -> str:
+    """Set of the parked episodes whose waker sends them again once ready (to stream it)."""
+    return batch_key(batch_id, "parked-ready")
+
+
+def waker_key(batch_id: str) -> str:
+    """Set while the batch's waker runs (it renews it each look; expires if it died)."""
+    return batch_key(batch_id, "waker")
+
+
 def infra_streak_key(batch_id: str) -> str:
     """The batch's latest infrastructure failures in a row (the circuit breaker's count)."""
     return batch_key(batch_id, "infra-streak")
@@ -150,6 +167,10 @@ def watchdog_task_id(batch_id: str) -> str:
 
 def feed_task_id(batch_id: str) -> str:
     return f"{batch_id}.feed"
+
+
+def wake_task_id(batch_id: str) -> str:
+    return f"{batch_id}.wake"
 
 
 def cancel_task_id(batch_id: str) -> str:

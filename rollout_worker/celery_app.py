@@ -8,6 +8,9 @@ from rollout_wire import constants as k
 from rollout_wire.redis_url import celery_settings
 from rollout_worker.settings import Settings
 
+# Tasks that wait on episodes run beside the collectors (scaled with them), the rest on control.
+COLLECT_TASKS = (k.TASK_COLLECT, k.TASK_FEED, k.TASK_WAKE)
+
 
 def celery_config(settings: Settings) -> dict[str, object]:
     # The broker and result backend from ROLLOUT_REDIS_URL: as it is, or for a Sentinel URL
@@ -43,7 +46,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_default_queue": k.QUEUE_CONTROL,
         # Every task on `control` except the per-episode collectors (scaled apart).
         "task_routes": {
-            name: {"queue": k.QUEUE_COLLECT if name == k.TASK_COLLECT else k.QUEUE_CONTROL}
+            name: {"queue": k.QUEUE_COLLECT if name in COLLECT_TASKS else k.QUEUE_CONTROL}
             for name in k.TASKS
         },
         "worker_hijack_root_logger": False,

@@ -31,8 +31,8 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_RECORD_TTL": "seconds receipts, episode rows, logs and reports stay in Redis "
     "(default 604800)",
     "ROLLOUT_COLLECT_BLOCK_SECONDS": "longest a collect task waits for its episode (on the batch's "
-    "shared watch, or the local done signal) before it requeues itself; at most half of "
-    "ROLLOUT_VISIBILITY_TIMEOUT (default 15)",
+    "shared watch, or the local done signal) before it parks until its episode ends (or, not yet "
+    "ready, requeues itself); at most half of ROLLOUT_VISIBILITY_TIMEOUT (default 15)",
     "ROLLOUT_COLLECT_GRACE_SECONDS": "after a run's deadline, how long collectors keep waiting "
     "before marking an episode lost (default 30)",
     "ROLLOUT_LOCAL_ROOT": "directory for local runs (default <tmp>/rollout-runs)",

@@ -83,6 +83,15 @@ return 0
 """
 
 
+# Take or renew a lease held by token ARGV[1] for ARGV[2] ms; 0 while another token holds it.
+_CLAIM_WAKER = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
 @dataclass(frozen=True)
 class GroupPublished:
     published: bool  # this call streamed the group (False: it was streamed before)
@@ -101,6 +110,7 @@ class Store:
         self._publish_report = client.register_script(_PUBLISH_REPORT)
         self._publish_state = client.register_script(_PUBLISH_STATE)
         self._release = client.register_script(_RELEASE)
+        self._claim_waker = client.register_script(_CLAIM_WAKER)
         self._publish_group = client.register_script(_PUBLISH_GROUP)
 
     @classmethod
@@ -249,6 +259,43 @@ class Store:
         and the error must not replace the task's own outcome."""
         with contextlib.suppress(redis.RedisError):
             self._release(keys=[k.collecting_key(batch_id, index)], args=[token])
+
+    # -- parked collectors (core/park.py) ----------------------------------------------------
+    def park(self, batch_id: str, index: int, message: str, until_ready: bool) -> None:
+        parked, ready = k.parked_key(batch_id), k.parked_until_ready_key(batch_id)
+        pipe = self.redis.pipeline(transaction=True)
+        if until_ready:
+            pipe.sadd(ready, index)
+        else:
+            pipe.srem(ready, index)
+        pipe.hset(parked, str(index), message)
+        pipe.expire(parked, self.ttl)
+        pipe.expire(ready, self.ttl)
+        pipe.execute()
+
+    def parked(self, batch_id: str) -> tuple[list[int], set[int]]:
+        """The parked episodes, and those of them waited on until ready only."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hkeys(k.parked_key(batch_id))
+        pipe.smembers(k.parked_until_ready_key(batch_id))
+        indexes, ready = pipe.execute()
+        return sorted(int(i) for i in indexes), {int(i) for i in ready}
+
+    def unpark(self, batch_id: str, index: int) -> str | None:
+        """Take episode `index`'s parked message: exactly one caller gets it."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hget(k.parked_key(batch_id), str(index))
+        pipe.hdel(k.parked_key(batch_id), str(index))
+        pipe.srem(k.parked_until_ready_key(batch_id), index)
+        message, deleted, _ = pipe.execute()
+        return message.decode() if deleted and message is not None else None
+
+    def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool:
+        """Be (or stay) the batch's waker for `ttl` seconds; False while another holds it."""
+        return bool(self._claim_waker(keys=[k.waker_key(batch_id)], args=[token, int(ttl * 1000)]))
+
+    def drop_waker(self, batch_id: str, token: str) -> None:
+        self._release(keys=[k.waker_key(batch_id)], args=[token])
 
     def publish_state(self, batch_id: str, index: int, state: str) -> bool:
         """Stream an episode's progress (running, ready, rewarded) once per state."""

@@ -5,6 +5,7 @@ is made here; what each task does is in `core/worker.py`:
 - collect_episode (queue `collect`): one episode's row, or requeue itself (bounded wait).
 - aggregate_batch (chord callback) and batch_watchdog: publish the report once.
 - feed_batch (queue `collect`): a run fed from its pool gets a waiting sandbox per freed slot.
+- wake_batch (queue `collect`): sends a parked collector again when its episode ends.
 - cleanup_run, cancel_batch, fill_pool, sweep.
 
 Every task is acknowledged late and given back when its worker dies (`register`).
@@ -18,8 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import kombu.exceptions
+import kombu.utils.json
 import redis
 from celery import Celery, Task, chord, group
+from celery.exceptions import Ignore
 
 from rollout_wire import constants as k
 from rollout_wire.states import FinalizedBy
@@ -71,6 +74,14 @@ class CeleryScheduler:
             task_id=k.feed_task_id(batch_id)
         )
 
+    def waker(self, batch_id: str, token: str) -> None:
+        self.app.signature(k.TASK_WAKE, args=(batch_id, token), queue=k.QUEUE_COLLECT).apply_async(
+            task_id=k.wake_task_id(batch_id)
+        )
+
+    def resend(self, message: str) -> None:
+        self.app.signature(kombu.utils.json.loads(message)).apply_async()
+
 
 def worker(app: Celery) -> core.Worker:
     """This process's worker (Redis clients and backends are made after the fork)."""
@@ -90,6 +101,12 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.Operat
 def _run(task: Task, call: Callable[[], Any]) -> Any:
     try:
         return call()
+    except core.Park as parked:
+        # The message as it came (its chord and group too), for the waker to send again.
+        message = kombu.utils.json.dumps(task.signature_from_request(task.request))
+        if worker(task.app).park(parked, message):
+            raise Ignore() from None  # acknowledged, no result: the resent copy gives it
+        raise task.retry(countdown=0) from None
     except core.Again as again:
         if again.pause:
             time.sleep(again.pause)
@@ -134,6 +151,10 @@ def feed_batch(self: Task, batch_id: str) -> dict[str, Any]:
     return _run(self, lambda: worker(self.app).feed(batch_id))
 
 
+def wake_batch(self: Task, batch_id: str, token: str) -> dict[str, Any]:
+    return _run(self, lambda: worker(self.app).wake(batch_id, token))
+
+
 def sweep(self: Task, dry_run: bool = False) -> list[dict[str, str]]:
     return _run(self, lambda: worker(self.app).sweep(dry_run))
 
@@ -147,6 +168,7 @@ TASKS: dict[str, Callable[..., Any]] = {
     k.TASK_CANCEL: cancel_batch,
     k.TASK_FILL_POOL: fill_pool,
     k.TASK_FEED: feed_batch,
+    k.TASK_WAKE: wake_batch,
     k.TASK_SWEEP: sweep,
 }
 

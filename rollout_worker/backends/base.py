@@ -92,6 +92,9 @@ class FinishedRun:
 
 class Backend(Protocol):
     name: str
+    # Its sandboxes stream their own progress (running, ready); otherwise a collector streams
+    # what it sees, so it parks only once its episode is ready (core/park.py).
+    streams_progress: bool
 
     def preflight(self, spec: BatchSpec) -> list[str]:
         """Check the run can start; raise BackendError if not, return warnings otherwise."""
@@ -105,6 +108,14 @@ class Backend(Protocol):
         """Observe episode `index`, waiting up to `timeout` seconds for it to be terminal (or,
         with `until_ready`, for `obs.ready` too: progress, where the backend does not stream
         it itself)."""
+
+    def wait_ended(
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+    ) -> list[int]:
+        """Those of `indexes` whose episodes have ended (or, for those in `ready`, are ready),
+        waiting up to `timeout` seconds for one (the waker of parked collectors: cheap per
+        call, whatever their number). It may miss an end that its collector would find by
+        asking more (a Pod never created): the watchdog's rescue and the deadline cover those."""
 
     def resume_run(self, handle: RunHandle) -> None:
         """Make sure what runs the episodes still runs (the lifecycle calls this when an

@@ -8,6 +8,7 @@
 - `runs`: cleanup, cancel, the sweeper, which backend reaches a run.
 - `pools`: warm pool refill and drain.
 - `feed`: a run fed from its pool, one waiting sandbox per freed slot.
+- `park`: collectors parked until their episode ends, and the waker that sends them again.
 - `worker`: what each Celery task decides (retries, what to send next), for `tasks.py`.
 
 Unit tests call these with an in-memory store and a stub backend. Every function is safe to
@@ -51,7 +52,14 @@ from rollout_worker.core.state import (
     Receipt,
     load_receipt,
 )
-from rollout_worker.core.worker import MAX_RETRIES, REDIS_WAIT_SECONDS, Again, Scheduler, Worker
+from rollout_worker.core.worker import (
+    MAX_RETRIES,
+    REDIS_WAIT_SECONDS,
+    Again,
+    Park,
+    Scheduler,
+    Worker,
+)
 
 __all__ = [
     "CLEANUP_RECHECK_SECONDS",
@@ -71,6 +79,7 @@ __all__ = [
     "Finalized",
     "Limits",
     "NotYet",
+    "Park",
     "Receipt",
     "Scheduler",
     "Submitted",

@@ -139,7 +139,7 @@ def collect(
                 row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
         elif cancelled and not obs.terminal and in_time():
             backend.resume_run(run)
-            raise NotYet  # the stop is under way: the report must not come before it
+            raise NotYet(stopping=True)  # the report must not come before the stop
         elif obs.terminal:
             text = backend.read_output(run, obs)
             row = stale_or_not(store, spec, validate_episode(obs, text, run.origin))
@@ -154,7 +154,7 @@ def collect(
             backend.resume_run(run)
             if obs.phase == "Running":
                 store.publish_state(spec.batch_id, index, Progress.RUNNING)
-            raise NotYet
+            raise NotYet(settled=obs.ready or backend.streams_progress)
         else:
             row = lost_row(
                 index,

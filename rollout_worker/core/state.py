@@ -64,6 +64,11 @@ class BatchStore(Protocol):
     def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool: ...
     def count_collect_copy(self, batch_id: str) -> None: ...
     def release_collect(self, batch_id: str, index: int, token: str) -> None: ...
+    def park(self, batch_id: str, index: int, message: str, until_ready: bool) -> None: ...
+    def parked(self, batch_id: str) -> tuple[list[int], set[int]]: ...
+    def unpark(self, batch_id: str, index: int) -> str | None: ...
+    def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool: ...
+    def drop_waker(self, batch_id: str, token: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,14 @@ FLAG_QUOTA = "quota"  # groups_wanted groups passed: the rest is aborted (throug
 
 
 class NotYet(Exception):
-    """The episode is still running and its batch is within its deadline."""
+    """The episode is still running and its batch is within its deadline. `settled`: its
+    progress so far is streamed (ready, or the backend streams it itself), so its collector
+    may park until it ends; else until it is ready (core/park.py). `stopping`: a cancel is
+    under way, look again soon."""
+
+    def __init__(self, settled: bool = False, *, stopping: bool = False) -> None:
+        super().__init__("not yet")
+        self.settled, self.stopping = settled, stopping
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from rollout_worker.core.collect import (
 from rollout_worker.core.feed import feed
 from rollout_worker.core.finalize import finalize
 from rollout_worker.core.groups import publish_group_of, quota_unenforced
+from rollout_worker.core.park import park, wake, waker_lease
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
@@ -67,6 +68,7 @@ MAX_RETRIES: dict[str, int | None] = {
     # x FILL_RETRY_SECONDS: long enough for a drained pool's namespace to go.
     k.TASK_FILL_POOL: SUBMIT_RETRIES,
     k.TASK_FEED: None,  # like a collector: until every episode is claimed or the deadline
+    k.TASK_WAKE: None,  # like a collector: while any collector is parked
 }
 # A collector whose backend failed transiently pauses this long before it requeues: not with
 # a countdown, because a worker holds ETA messages beyond its prefetch limit, and a pile of
@@ -98,6 +100,15 @@ class Again(Exception):
         self.countdown, self.pause, self.cause = countdown, pause, cause
 
 
+class Park(Exception):
+    """Park this collect task: leave its message for the batch's waker (`Worker.park`), which
+    sends it again when its episode ends."""
+
+    def __init__(self, batch_id: str, index: int, *, until_ready: bool = False) -> None:
+        super().__init__(f"park {batch_id} #{index}")
+        self.batch_id, self.index, self.until_ready = batch_id, index, until_ready
+
+
 class Scheduler(Protocol):
     """The messages the lifecycle sends (Celery signatures in `tasks.py`). Each is idempotent:
     a deterministic task id, or a task that does nothing the second time."""
@@ -110,6 +121,12 @@ class Scheduler(Protocol):
     def fill_pool(self, batch_id: str) -> None: ...
     def feed(self, batch_id: str) -> None:
         """The feeder of a run fed from its pool (one task id per batch)."""
+
+    def waker(self, batch_id: str, token: str) -> None:
+        """The waker of a batch's parked collectors, holding lease `token`."""
+
+    def resend(self, message: str) -> None:
+        """Send a parked task's message again, as it was."""
 
 
 def default_batch_id(message_id: str) -> str | None:
@@ -210,8 +227,10 @@ class Worker:
             )
         except TransientBackendError as exc:
             raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
-        except NotYet:
-            raise Again() from None
+        except NotYet as exc:
+            if exc.stopping:
+                raise Again() from None
+            raise Park(batch_id, index, until_ready=not exc.settled) from None
         finally:
             # Released before the retry is sent: the next copy may start at once.
             self.store.release_collect(batch_id, index, token)
@@ -225,6 +244,46 @@ class Worker:
             self.scheduler.cancel(batch_id)
         self._after_row(receipt, index)
         return {"index": index, "status": row.status}
+
+    def park(self, parked: Park, message: str) -> bool:
+        """Leave a collect task's `message` for the batch's waker (sent if none runs). False:
+        its episode moved meanwhile, run it again now."""
+        batch_id = parked.batch_id
+        receipt = self.started(batch_id)
+        if receipt is None or receipt.run is None:
+            return False
+        backend = self.backend(receipt.run.backend)
+        if not park(
+            self.store, backend, receipt, parked.index, message, until_ready=parked.until_ready
+        ):
+            return False
+        self._ensure_waker(batch_id)
+        return True
+
+    def _ensure_waker(self, batch_id: str) -> None:
+        token = uuid.uuid4().hex
+        if self.store.claim_waker(batch_id, token, waker_lease(self.limits)):
+            self.scheduler.waker(batch_id, token)
+
+    def wake(self, batch_id: str, token: str) -> dict[str, Any]:
+        """One look of the batch's waker; then again, while collectors are parked."""
+        receipt = self.started(batch_id)
+        if receipt is None or receipt.run is None:
+            return {"batch_id": batch_id, "wake": "no receipt or run for this batch"}
+        try:
+            why = wake(
+                self.store,
+                self.backend(receipt.run.backend),
+                receipt,
+                token,
+                self.scheduler.resend,
+                limits=self.limits,
+            )
+        except TransientBackendError as exc:
+            raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
+        except NotYet:
+            raise Again() from None
+        return {"batch_id": batch_id, "wake": why}
 
     def _after_row(self, receipt: Receipt, index: int) -> None:
         """Stream the episode's group if this row completed it; once the quota is met, stop
@@ -265,6 +324,8 @@ class Worker:
                 # The collector that met the quota died before it sent the stop.
                 self.store.set_flag(batch_id, FLAG_QUOTA)
                 self.scheduler.cancel(batch_id)
+            if self.store.parked(batch_id)[0]:
+                self._ensure_waker(batch_id)  # its waker died
             if self.store.count_episodes(batch_id) == receipt.spec.count:
                 # Every row is in but no report: the chord's count missed a collector (its
                 # result was lost in a Redis restart) and its callback may never come.

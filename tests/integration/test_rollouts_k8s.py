@@ -96,6 +96,31 @@ def test_a_mixed_batch_on_the_real_node_gets_the_scripted_rewards(
     assert calls and all(pods[c["episode_id"]] == c["group_id"] for c in calls)
 
 
+def test_the_cost_ledger_on_the_real_node_reads_each_pods_own_cgroup(
+    real_node, real_stack, k8s_cluster
+):
+    """The same three episodes as the local ledger test (tests/integration/test_cost.py): the
+    runner reads its container's cgroup and the numbers move with the work."""
+    from tests.integration.test_cost import BURN_SECONDS, SCRIPT, task
+
+    host = node_address(k8s_cluster, real_node.name)
+    with running(host="0.0.0.0", script=SCRIPT) as server:
+        tasks = [task("burn"), task("idle"), task("chatty")]
+        client, submission = submit(real_stack, real_node, f"http://{host}:{server.port}", tasks, 1)
+        report = client.wait(submission.batch_id, timeout=300)
+    assert report["status"] == "succeeded", report["errors"]
+    costs = {row["task_id"]: row["cost"] for row in report["pods"]}
+    for name, cost in costs.items():
+        assert cost["cpu_source"] == "cgroup", name  # the container's own, seen from inside
+        assert cost["cpu_seconds"] > 0 and cost["peak_memory_bytes"] > 2**20, name
+        assert cost["ledger_cpu_seconds"] <= 0.02 * cost["cpu_seconds"], (name, cost)
+    assert costs["burn"]["cpu_seconds"] >= costs["idle"]["cpu_seconds"] + 0.8 * BURN_SECONDS
+    assert costs["idle"]["cpu_seconds"] < 0.5 * costs["idle"]["wall"]["agent"]
+    assert costs["chatty"]["policy_turns"] == 6 and costs["idle"]["policy_turns"] == 2
+    assert costs["chatty"]["prompt_tokens"] > 3 * costs["idle"]["prompt_tokens"]
+    assert report["cost"]["ledgers"] == 3
+
+
 def test_a_pod_reaches_its_policy_endpoint_and_nothing_else(real_node, real_stack, k8s_cluster):
     """The batch's NetworkPolicy holds on the real node (hack/localkube/rollout-netpol): from
     an episode Pod, the policy endpoint answers and the node's kubelet port (same address,

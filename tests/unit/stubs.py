@@ -38,6 +38,9 @@ class MemoryStore:
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
         self.counted: dict[str, list[str]] = {}
         self.versions: dict[str, str] = {}
+        self.parked_messages: dict[str, dict[int, str]] = {}
+        self.until_ready: set[tuple[str, int]] = set()
+        self.wakers: dict[str, str] = {}  # batch -> the waker lease's token (never expires)
 
     def rows_of(self, batch_id: str, indexes: Sequence[int]) -> dict[int, EpisodeRow]:
         rows = self.rows.get(batch_id, {})
@@ -84,6 +87,25 @@ class MemoryStore:
     def release_collect(self, batch_id: str, index: int, token: str) -> None:
         if self.claims.get((batch_id, index)) == token:
             del self.claims[(batch_id, index)]
+
+    def park(self, batch_id: str, index: int, message: str, until_ready: bool) -> None:
+        self.parked_messages.setdefault(batch_id, {})[index] = message
+        (self.until_ready.add if until_ready else self.until_ready.discard)((batch_id, index))
+
+    def parked(self, batch_id: str) -> tuple[list[int], set[int]]:
+        ready = {i for b, i in self.until_ready if b == batch_id}
+        return sorted(self.parked_messages.get(batch_id, {})), ready
+
+    def unpark(self, batch_id: str, index: int) -> str | None:
+        self.until_ready.discard((batch_id, index))
+        return self.parked_messages.get(batch_id, {}).pop(index, None)
+
+    def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool:
+        return self.wakers.setdefault(batch_id, token) == token
+
+    def drop_waker(self, batch_id: str, token: str) -> None:
+        if self.wakers.get(batch_id) == token:
+            del self.wakers[batch_id]
 
     def create_receipt(self, batch_id: str, fields: Mapping[str, Any]) -> bool:
         if batch_id in self.receipts:
@@ -195,6 +217,7 @@ class StubBackend:
 
     origin: float = 1000.0
     name: str = "stub"
+    streams_progress: bool = False
     ended: dict[int, tuple[str, str]] = field(default_factory=dict)
     created: int = 0
     deleted: int = 0
@@ -238,6 +261,11 @@ class StubBackend:
             finished_at=self.finished_at.get(index, self.origin + 2),
             exit_code=0 if phase == "Succeeded" else 1,
         )
+
+    def wait_ended(
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+    ) -> list[int]:
+        return [i for i in indexes if i in self.ended or (i in ready and i in self.ready)]
 
     def resume_run(self, handle: RunHandle) -> None:
         self.resumed += 1

@@ -66,3 +66,35 @@ def test_raw_watch_events_stay_dicts_and_never_become_client_models(monkeypatch)
     event = raw.unmarshal_event(line, raw.get_return_type(lambda: None))
     assert event == {"type": "MODIFIED", "object": pod, "raw_object": pod}
     assert raw.unmarshal_event("  ", None) is None
+
+
+def test_a_waiter_on_many_episodes_checks_each_event_for_its_own_episode_only(monkeypatch):
+    ScriptedWatch.script = [
+        ("MODIFIED", pod("a", 0, "Running")),
+        ("MODIFIED", pod("c", 2, "Succeeded")),
+        ("MODIFIED", pod("b", 1, "Succeeded")),
+    ]
+    monkeypatch.setattr(watch, "RawWatch", ScriptedWatch)
+    listing = {"items": [pod("z", 3, "Succeeded")], "metadata": {"resourceVersion": "1"}}
+    w = watch.PodWatch(
+        "ns", lambda: listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX])
+    )
+    checked: list[int] = []
+
+    def ended(index: int, pods: dict) -> bool:
+        checked.append(index)
+        return any(p["status"]["phase"] == "Succeeded" for p in pods.values())
+
+    try:
+        # The first look checks every episode waited on: 3 ended before the watch started.
+        assert w.wait_any([0, 1, 3], 5, ended) == [3]
+        checked.clear()
+        started = time.monotonic()
+        assert w.wait_any([0, 1], 5, ended) == [1]
+        assert time.monotonic() - started < 2  # woken by the event, not the timeout
+        # One full look (0 and 1), then one check per event of a waited episode (0, then 1):
+        # never every waited episode at every event, and never 2, which nobody waits on.
+        assert len(checked) <= 4 and 2 not in checked
+        assert w.wait_any([0], 0.2, ended) == []
+    finally:
+        w.stop()

@@ -26,9 +26,17 @@ class Sent:
     fills: list[str] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     feeds: list[str] = field(default_factory=list)
+    wakers: list[tuple[str, str]] = field(default_factory=list)
+    resent: list[str] = field(default_factory=list)
 
     def feed(self, batch_id: str) -> None:
         self.feeds.append(batch_id)
+
+    def waker(self, batch_id: str, token: str) -> None:
+        self.wakers.append((batch_id, token))
+
+    def resend(self, message: str) -> None:
+        self.resent.append(message)
 
     def collect_batch(self, batch_id: str, count: int, watchdog_countdown: float) -> None:
         self.chords.append((batch_id, count, watchdog_countdown))
@@ -85,13 +93,12 @@ def test_a_transient_start_failure_backs_off_then_ends_the_batch_with_a_report(p
     assert store.reports["b1"]["status"] == "error" and sent.chords == []
 
 
-def test_a_collector_requeues_while_its_episode_runs_and_records_it_once_it_ended(parts):
+def test_a_collector_parks_while_its_episode_runs_and_records_it_once_it_ended(parts):
     w, store, backend, _ = parts
     w.submit({"batch_id": "b1", "count": 2}, message_id="m1", attempt=0)
-    with pytest.raises(core.Again) as again:
+    with pytest.raises(core.Park):
         w.collect("b1", 0)
-    assert (again.value.countdown, again.value.pause, again.value.cause) == (0, 0, None)
-    assert store.claims == {}  # released before the retry, so the next copy starts at once
+    assert store.claims == {}  # released before it parks, so the resent copy starts at once
     assert backend.resumed == 1  # not ended after a wait: what runs it is revived if it died
     backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
     assert w.collect("b1", 0)["status"] == "ok"

@@ -85,6 +85,9 @@ FEED_FILL_EVERY_SECONDS = 1.0
 # node, 72 episodes at parallelism 10: 111 s with one wave ahead, 62 s with two, 61 s with
 # three; benchmarks/bench_slots.py).
 FEED_AHEAD_WAVES = 2
+# A waker whose parked episodes run both in a pool and in the Job waits on the Job's watch this
+# long at a time, looking at the pool's in between.
+MIXED_WAIT_SECONDS = 1.0
 
 
 def _translate(exc: Exception, what: str) -> BackendError:
@@ -126,8 +129,16 @@ def _api_client(settings: Settings) -> tuple[client.ApiClient, str]:
     return client.ApiClient(cfg), context
 
 
+def _ended(handle: RunHandle, index: int, pods: dict[str, dict[str, Any]]) -> bool:
+    """What the watch shows of episode `index` is its end."""
+    if handle.warm_pod(index) is not None and not pods:
+        return True  # claimed before the run existed, so a synced watch has it: gone
+    return observe_pods(handle, index, pods, final=handle.in_pool(index)).terminal
+
+
 class KubernetesBackend:
     name = "kubernetes"
+    streams_progress = False  # a Pod cannot reach Redis: collectors stream what they watch
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -403,10 +414,9 @@ class KubernetesBackend:
         warm = handle.warm_pod(index) is not None
 
         def done(seen: dict[str, dict[str, Any]]) -> bool:
-            if warm and not seen:
-                return True  # claimed before the run existed, so a synced watch has it: gone
-            obs = observe_pods(handle, index, seen, final=handle.in_pool(index))
-            return obs.terminal or (until_ready and obs.ready)
+            return _ended(handle, index, seen) or (
+                until_ready and observe_pods(handle, index, seen).ready
+            )
 
         if handle.in_pool(index):
             pods = self._warm_watch(handle).wait(index, timeout, done)
@@ -424,6 +434,25 @@ class KubernetesBackend:
         elif (obs.reason or "").startswith(RETRYING) and self._no_retry_coming(handle, index):
             obs = observe_pods(handle, index, pods, final=True)
         return obs
+
+    def wait_ended(
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+    ) -> list[int]:
+        def done(index: int, pods: dict[str, dict[str, Any]]) -> bool:
+            return _ended(handle, index, pods) or (
+                index in ready and observe_pods(handle, index, pods).ready
+            )
+
+        pooled = [i for i in indexes if handle.in_pool(i)]
+        cold = [i for i in indexes if not handle.in_pool(i)]
+        if pooled and cold:
+            # Two watches: look at the pool's at once, wait on the batch's a little at a time.
+            ended = self._warm_watch(handle).wait_any(pooled, 0, done)
+            if ended:
+                return ended
+            timeout = min(timeout, MIXED_WAIT_SECONDS)
+        watch = self._pod_watch(handle) if cold else self._warm_watch(handle)
+        return watch.wait_any(cold or pooled, timeout, done)
 
     def _no_retry_coming(self, handle: RunHandle, index: int) -> bool:
         """The Job will not replace this index's failed Pod: it ended, or counted the index

@@ -32,6 +32,8 @@ IDLE_SECONDS = 120.0
 # After an error, wait this long before listing again (doubling, at most RETRY_MAX_SECONDS).
 RETRY_SECONDS = 0.5
 RETRY_MAX_SECONDS = 8.0
+# The recent events a watch remembers for its `wait_any` waiters.
+MAX_CHANGES = 8192
 
 Pods = dict[str, dict[str, Any]]  # uid -> Pod (raw JSON)
 ListPods = Callable[[], dict[str, Any]]  # one list call: {"items": [...], "metadata": {...}}
@@ -77,6 +79,12 @@ class PodWatch:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._per_index: dict[int, threading.Condition] = {}
+        # For waiters on many episodes (`wait_any`): the indexes of recent events in order
+        # (`_changes[0]` is event number `_changes_base`), and a count of relists.
+        self._any = threading.Condition(self._lock)
+        self._changes: list[int] = []
+        self._changes_base = 0
+        self._relists = 0
         self._synced = False
         self._error: BackendError | None = None
         self._last_wait = time.monotonic()
@@ -101,6 +109,7 @@ class PodWatch:
         """Called with the lock held: a relist, an error or the end concerns every waiter."""
         for cond in self._per_index.values():
             cond.notify_all()
+        self._any.notify_all()
 
     def stop(self) -> None:
         with self._cond:
@@ -128,6 +137,43 @@ class PodWatch:
                         )
                     return pods
                 self._index_cond(index).wait(remaining)
+                self._last_wait = time.monotonic()
+
+    def wait_any(
+        self, indexes: list[int], timeout: float, done: Callable[[int, Pods], bool]
+    ) -> list[int]:
+        """Those of `indexes` for which `done(index, pods)` holds, waiting up to `timeout` for
+        one. Each event is checked once, for its own episode: the cost does not grow with the
+        number of episodes waited on.
+
+        Raises TransientBackendError when the watch cannot sync with the API server in time.
+        """
+        end = time.monotonic() + max(0.0, timeout)
+        wanted = set(indexes)
+        with self._cond:
+            self._last_wait = time.monotonic()
+            seen, relists = 0, -1  # the first look checks every episode
+            while True:
+                if self._synced:
+                    if relists != self._relists or seen < self._changes_base:
+                        candidates = wanted
+                    else:
+                        candidates = wanted.intersection(self._changes[seen - self._changes_base :])
+                    ended = [
+                        i for i in sorted(candidates) if done(i, dict(self._by_index.get(i, {})))
+                    ]
+                    if ended:
+                        return ended
+                    relists = self._relists
+                seen = self._changes_base + len(self._changes)
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    if not self._synced:
+                        raise TransientBackendError(
+                            f"watch of {self.name} not synced: {self._error or 'starting'}"
+                        )
+                    return []
+                self._any.wait(remaining)
                 self._last_wait = time.monotonic()
 
     # -- the watch thread ----------------------------------------------------------------------
@@ -164,6 +210,7 @@ class PodWatch:
                 by_index.setdefault(index, {})[pod["metadata"]["uid"]] = pod
         with self._cond:
             self._by_index = by_index
+            self._relists += 1
             self._synced = True
             self._error = None
             self._wake_all()
@@ -216,6 +263,12 @@ class PodWatch:
         with self._cond:
             self._by_index.setdefault(index, {})[uid] = pod
             self._index_cond(index).notify_all()
+            self._changes.append(index)
+            if len(self._changes) > MAX_CHANGES:
+                # A waiter further behind looks at all its episodes again.
+                del self._changes[: MAX_CHANGES // 2]
+                self._changes_base += MAX_CHANGES // 2
+            self._any.notify_all()
 
 
 class _Gone(Exception):

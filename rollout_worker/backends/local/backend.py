@@ -102,6 +102,7 @@ def _closed_to_others(path: Path) -> Path | None:
 
 class LocalBackend:
     name = "local"
+    streams_progress = True  # the supervisor streams running/ready from the runner's output
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -270,6 +271,22 @@ class LocalBackend:
             phase="Running" if run_dir.log(index).exists() else "Pending",
             node=handle.node,
         )
+
+    def wait_ended(
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+    ) -> list[int]:
+        # `ready` is moot: the supervisor streams it, so no collector parks until ready.
+        run_dir = self._dir(handle)
+        end = time.monotonic() + timeout
+        while True:
+            ended = [i for i in indexes if run_dir.status(i).exists()]
+            if ended or not indexes or not run_dir.run_file.exists():
+                # A deleted run: its collectors record what they find (or that it is gone).
+                return ended if run_dir.run_file.exists() else list(indexes)
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return []
+            self._done_signal().wait_any(handle.batch_id, indexes, remaining)
 
     def resume_run(self, handle: RunHandle) -> None:
         """Revive a supervisor that died mid-run (it reports the episodes it lost as failed

@@ -43,3 +43,13 @@ class DoneSignal:
                 self.notify(batch_id, index)
         except redis.RedisError:
             time.sleep(min(POLL_SECONDS, timeout))
+
+    def wait_any(self, batch_id: str, indexes: list[int], timeout: float) -> None:
+        """`wait` for the first of several episodes (one BLPOP on all their lists)."""
+        keys = [k.done_key(batch_id, index) for index in indexes]
+        try:
+            popped = self.redis.blpop(keys, timeout=max(0.01, timeout))
+            if popped is not None:
+                self.redis.rpush(popped[0], 1)  # its own collector must wake too
+        except redis.RedisError:
+            time.sleep(min(POLL_SECONDS, timeout))

@@ -1,0 +1,84 @@
+"""Parked collectors end to end on the local backend (real Redis, real Celery workers, real
+bubblewrap sandboxes): a collector whose episode outlasts its block leaves its message for the
+batch's waker instead of requeueing itself every block, and the waker sends it again the
+moment its episode ends. The chord still counts each episode once."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from rollout_worker.cli.policy_server import running
+from rollout_worker.cli.stack import LocalStack
+from trainer_stub.client import RolloutClient
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
+
+BLOCK_SECONDS = 1
+EPISODE_SECONDS = 8  # each run turn sleeps this long: 8 collect blocks
+EPISODES = 4
+PASSING_TEST = (
+    "import unittest\n\n\nclass T(unittest.TestCase):\n    def test_ok(self):\n        pass\n\n\n"
+    "if __name__ == '__main__':\n    unittest.main()\n"
+)
+SCRIPT = {
+    "tasks": {
+        f"slow-{i}": {
+            "plans": [
+                [
+                    {"tool": "run", "arguments": {"command": f"sleep {EPISODE_SECONDS}"}},
+                    {"tool": "submit", "arguments": {}},
+                ]
+            ]
+        }
+        for i in range(EPISODES)
+    }
+}
+
+
+def task(task_id: str) -> dict:
+    return {
+        "id": task_id,
+        "statement": f"Task {task_id}.",
+        "files": {"notes.txt": "wait\n"},
+        "test_files": {"test_ok.py": PASSING_TEST},
+        "test_command": ["python", "-B", "test_ok.py"],
+        "baseline": False,
+        "max_steps": 5,
+    }
+
+
+def test_long_episodes_are_collected_by_parked_collectors_and_each_is_counted_once():
+    env = {"ROLLOUT_COLLECT_BLOCK_SECONDS": str(BLOCK_SECONDS)}
+    with (
+        LocalStack(collectors=1, extra_env=env) as stack,
+        running(script=SCRIPT) as server,
+    ):
+        stack.wait_ready()
+        client = RolloutClient(stack.redis_url)
+        try:
+            batch = client.submit(
+                tasks=[task(name) for name in SCRIPT["tasks"]],
+                parallelism=EPISODES,
+                policy={"url": server.url},
+            )
+            report = client.wait(batch.batch_id, timeout=180)
+        finally:
+            client.close()
+        logs = "".join(w.log.read_text(errors="replace") for w in stack.workers)
+    assert report["status"] == "succeeded", report["errors"]
+    # Reported by the chord: every collector's result counted (a parked task gives none).
+    assert report["finalized_by"] == "chord"
+    rows = report["pods"]
+    assert sorted(r["index"] for r in rows) == list(range(EPISODES))
+    assert all(r["status"] == "ok" and r["reward"] == 1 for r in rows), rows
+    # Requeued every block, each collector would have run about 8 times; parked, it runs
+    # when it starts, maybe once more before its sandbox runs, and once its episode ended.
+    runs = Counter(re.findall(r"Task rollout\.collect_episode\[(\S+)\] received", logs))
+    assert len(runs) == EPISODES and max(runs.values()) <= 3, runs
+    assert "Task rollout.wake_batch[" in logs
+    # The waker sends a collector again the moment its episode ends, not a block later.
+    last_end = max(r["finished_at"] for r in rows)
+    assert report["reported_at"] - last_end < 3, (report["reported_at"], last_end)

@@ -1,0 +1,131 @@
+"""Parked collectors (`core/park.py`): a collector whose episode is still running leaves its
+message for the batch's waker, which sends it again once the episode ends."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rollout_worker import core
+from rollout_worker.settings import Settings
+from tests.unit.stubs import MemoryStore, StubBackend, good_log
+from tests.unit.test_worker import Sent
+
+
+@pytest.fixture
+def parts():
+    store, backend, sent = MemoryStore(), StubBackend(origin=time.time()), Sent()
+    w = core.Worker(Settings(collect_block_seconds=0.01), store, sent)
+    w._backends.update(local=backend, stub=backend)
+    w.submit({"batch_id": "b1", "count": 3}, message_id="m1", attempt=0)
+    return w, store, backend, sent
+
+
+def test_a_collector_not_yet_ready_parks_until_ready_then_until_its_episode_ends(parts):
+    w, store, backend, sent = parts
+    with pytest.raises(core.Park) as parked:  # its ready is still to be streamed
+        w.collect("b1", 0)
+    assert (parked.value.batch_id, parked.value.index, parked.value.until_ready) == ("b1", 0, True)
+    assert w.park(parked.value, "message 0")
+    ((_, token),) = sent.wakers
+    with pytest.raises(core.Again):
+        w.wake("b1", token)
+    assert sent.resent == []  # neither ready nor ended
+    backend.ready.add(0)
+    assert w.wake("b1", token)["wake"] == "nothing parked"
+    assert sent.resent == ["message 0"]  # ready: its collector streams it, then parks again
+    with pytest.raises(core.Park) as parked:
+        w.collect("b1", 0)
+    assert parked.value.until_ready is False
+    assert store.states["b1"][0] == "ready"
+
+
+def test_on_a_backend_that_streams_progress_a_running_collector_parks_at_once(parts):
+    w, _, backend, _ = parts
+    backend.streams_progress = True
+    with pytest.raises(core.Park):
+        w.collect("b1", 1)
+
+
+def test_the_first_parked_collector_sends_the_one_waker(parts):
+    w, store, _, sent = parts
+    assert w.park(core.Park("b1", 0), "message 0") and w.park(core.Park("b1", 1), "message 1")
+    assert store.parked("b1") == ([0, 1], set())
+    assert [batch for batch, _ in sent.wakers] == ["b1"]  # one lease, one waker
+    assert sent.resent == []
+
+
+def test_a_collector_whose_episode_ended_while_it_parked_runs_again_at_once(parts):
+    w, store, backend, sent = parts
+    backend.ended[2] = ("Succeeded", good_log("ep-b1-2", backend.origin + 0.5))
+    assert w.park(core.Park("b1", 2), "message 2") is False
+    assert store.parked("b1")[0] == [] and sent.wakers == []
+
+
+def test_the_waker_resends_each_ended_episode_once_and_looks_again_while_any_is_parked(parts):
+    w, store, backend, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    w.park(core.Park("b1", 1), "message 1")
+    ((_, token),) = sent.wakers
+    backend.ended[1] = ("Succeeded", good_log("ep-b1-1", backend.origin + 0.5))
+    with pytest.raises(core.Again):  # 0 still runs: it looks again after its block
+        w.wake("b1", token)
+    assert sent.resent == ["message 1"] and store.parked("b1")[0] == [0]
+    backend.ended[0] = ("Failed", "")
+    assert w.wake("b1", token)["wake"] == "nothing parked"
+    assert sent.resent == ["message 1", "message 0"]
+    assert store.wakers == {}  # the next collector to park sends a new waker
+
+
+def test_a_second_waker_stands_aside_while_the_first_holds_the_lease(parts):
+    w, store, _, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    assert w.wake("b1", "another token")["wake"] == "another waker holds the lease"
+    assert store.parked("b1")[0] == [0] and sent.resent == []
+
+
+def test_a_collector_that_sees_a_cancel_under_way_requeues_instead_of_parking(parts):
+    w, store, _, _ = parts
+    store.set_flag("b1", core.FLAG_CANCEL)
+    with pytest.raises(core.Again):
+        w.collect("b1", 0)
+    assert store.parked("b1")[0] == []
+
+
+def test_the_waker_revives_what_runs_the_episodes_while_collectors_are_parked(parts):
+    w, _, backend, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    ((_, token),) = sent.wakers
+    resumed = backend.resumed
+    with pytest.raises(core.Again):
+        w.wake("b1", token)
+    assert backend.resumed == resumed + 1
+
+
+def test_a_cancel_or_the_deadline_wakes_every_parked_collector(parts):
+    w, store, _, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    w.park(core.Park("b1", 1), "message 1")
+    ((_, token),) = sent.wakers
+    store.set_flag("b1", core.FLAG_CANCEL)
+    assert w.wake("b1", token)["wake"] == "nothing parked"
+    assert sorted(sent.resent) == ["message 0", "message 1"]
+
+
+def test_the_watchdog_sends_a_new_waker_when_the_last_one_died(parts):
+    w, store, _, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    store.wakers.clear()  # its lease expired: the waker died
+    with pytest.raises(core.Again):
+        w.watchdog("b1")
+    assert len(sent.wakers) == 2 and store.wakers["b1"] == sent.wakers[-1][1]
+
+
+def test_parked_messages_of_a_reported_batch_are_dropped(parts):
+    w, store, _, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    ((_, token),) = sent.wakers
+    store.reports["b1"] = {"status": "failed"}
+    assert w.wake("b1", token)["wake"] == "reported"
+    assert store.parked("b1")[0] == [] and sent.resent == []
