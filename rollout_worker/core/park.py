@@ -1,19 +1,21 @@
 """Parked collectors, so that collecting an episode costs the same whatever its length.
 
-A collect task waits one block for its episode; one that has not ended by then does not
-requeue itself every block, which cost a long episode one Celery round trip per block (and
-filled the collect queue with the collectors of episodes not started yet). It leaves its own
-message in Redis and ends (`park`). One waker task per batch waits on every parked episode at
-once (`Backend.wait_ended`) and sends each message again the moment its episode ends (`wake`):
-the same task, so the chord counts it. Where the collector streams `ready` (Kubernetes), an
-episode parked before it was ready is sent again once ready, to stream it and park again.
+A collect task waits one block for its episode (one second if it has not even started); one
+that has not ended by then does not requeue itself every block, which cost a long episode one
+Celery round trip per block and filled the collect queue with the collectors of episodes not
+started yet. It leaves its own message in Redis and ends (`park`). One waker per batch waits
+on every parked episode at once (`Backend.wait_ended`) and sends each message again the moment
+its episode ends (`wake`): the same task, so the chord counts it. The waker is a thread of the
+collector process that parked first (a task would wait behind the whole collect queue), holding
+a lease in Redis. Where the collector streams `ready` (Kubernetes), an episode parked before it
+was ready is sent again once ready, to stream it and park again.
 
 Nothing is lost when a worker dies:
 - a collector killed before its message was parked is redelivered as before; one killed after
   leaves a copy in both places, and the second copy finds the row (every collect is
   idempotent, the chord counts a task id once);
-- the waker requeues itself every block like a collector; one that dies stops renewing its
-  lease, and the next collector to park or the watchdog's next look sends another;
+- a waker renews its lease at every look; one that died lets it lapse, and the next collector to
+  park starts another, or the watchdog sends a `wake_batch` task that starts one;
 - an end the waker cannot see (a Pod never created) is recorded by the watchdog's rescue.
 """
 
@@ -26,15 +28,11 @@ from rollout_worker.backends.base import Backend
 from rollout_worker.core.collect import give_up_at
 from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, Receipt
 
-# A waker that has not looked for this many collect blocks is presumed dead (its look is one
-# block, then it waits in the collect queue): another may be sent.
-WAKER_LEASE_BLOCKS = 4
-# The waker reads the list of parked episodes again this often (collectors park meanwhile).
+# The waker reads the list of parked episodes again (and renews its lease) this often:
+# collectors park meanwhile.
 RESCAN_SECONDS = 1.0
-
-
-def waker_lease(limits: Limits) -> float:
-    return WAKER_LEASE_BLOCKS * limits.collect_block_seconds
+# A waker that has not renewed its lease for this long is presumed dead: another may start.
+WAKER_LEASE_SECONDS = 10.0
 
 
 def park(
@@ -72,15 +70,15 @@ def wake(
     `send` the message of every parked episode that ends. Returns why the waker is done;
     raises NotYet to look again."""
     assert receipt.run is not None
-    batch_id, lease = receipt.batch_id, waker_lease(limits)
-    if not store.claim_waker(batch_id, token, lease):
-        return "another waker holds the lease"
+    batch_id, lease = receipt.batch_id, WAKER_LEASE_SECONDS
     end = time.monotonic() + limits.collect_block_seconds
     if not store.has_flag(batch_id, FLAG_CANCEL):
         # What a collector did after each block: revive what runs the episodes if it died
         # (locally, the run's supervisor); parked collectors no longer do it.
         backend.resume_run(receipt.run)
     while True:
+        if not store.claim_waker(batch_id, token, lease):
+            return "another waker holds the lease"
         parked, until_ready = store.parked(batch_id)
         if store.has_report(batch_id):
             for index in parked:  # reported: their rows are in, their messages are moot
@@ -107,5 +105,4 @@ def wake(
             if message is not None:
                 send(message)
         if time.monotonic() >= end:
-            store.claim_waker(batch_id, token, lease)  # renewed for the next look
             raise NotYet

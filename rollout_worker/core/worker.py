@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from rollout_worker.core.collect import (
 from rollout_worker.core.feed import feed
 from rollout_worker.core.finalize import finalize
 from rollout_worker.core.groups import publish_group_of, quota_unenforced
-from rollout_worker.core.park import park, wake, waker_lease
+from rollout_worker.core.park import WAKER_LEASE_SECONDS, park, wake
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
@@ -68,7 +69,7 @@ MAX_RETRIES: dict[str, int | None] = {
     # x FILL_RETRY_SECONDS: long enough for a drained pool's namespace to go.
     k.TASK_FILL_POOL: SUBMIT_RETRIES,
     k.TASK_FEED: None,  # like a collector: until every episode is claimed or the deadline
-    k.TASK_WAKE: None,  # like a collector: while any collector is parked
+    k.TASK_WAKE: 3,  # it only starts a waker thread: again only when Redis went away
 }
 # A collector whose backend failed transiently pauses this long before it requeues: not with
 # a countdown, because a worker holds ETA messages beyond its prefetch limit, and a pile of
@@ -123,7 +124,8 @@ class Scheduler(Protocol):
         """The feeder of a run fed from its pool (one task id per batch)."""
 
     def waker(self, batch_id: str, token: str) -> None:
-        """The waker of a batch's parked collectors, holding lease `token`."""
+        """A task that starts the waker of a batch's parked collectors (lease `token`) in the
+        collector process that runs it."""
 
     def resend(self, message: str) -> None:
         """Send a parked task's message again, as it was."""
@@ -257,16 +259,47 @@ class Worker:
             self.store, backend, receipt, parked.index, message, until_ready=parked.until_ready
         ):
             return False
-        self._ensure_waker(batch_id)
+        self._ensure_waker(batch_id, here=True)
         return True
 
-    def _ensure_waker(self, batch_id: str) -> None:
+    def _ensure_waker(self, batch_id: str, *, here: bool) -> None:
+        """Start the batch's waker unless one holds its lease: in this process (a collector's),
+        or through a task that starts it in a collector's (`here` False: the watchdog)."""
         token = uuid.uuid4().hex
-        if self.store.claim_waker(batch_id, token, waker_lease(self.limits)):
-            self.scheduler.waker(batch_id, token)
+        if self.store.claim_waker(batch_id, token, WAKER_LEASE_SECONDS):
+            if here:
+                self._start_waker(batch_id, token)
+            else:
+                self.scheduler.waker(batch_id, token)
 
     def wake(self, batch_id: str, token: str) -> dict[str, Any]:
-        """One look of the batch's waker; then again, while collectors are parked."""
+        """The `wake_batch` task: start the batch's waker in this process."""
+        self._start_waker(batch_id, token)
+        return {"batch_id": batch_id, "wake": "started"}
+
+    def _start_waker(self, batch_id: str, token: str) -> None:
+        threading.Thread(
+            target=self._waker, args=(batch_id, token), name=f"waker-{batch_id}", daemon=True
+        ).start()
+
+    def _waker(self, batch_id: str, token: str) -> None:
+        """Look until done. An error pauses it; a pause longer than its lease lets another
+        take over (its next look then sees the lease held and ends)."""
+        while True:
+            try:
+                done = self.wake_once(batch_id, token)
+            except Again as again:
+                time.sleep(again.pause)
+                continue
+            except Exception:  # Redis away, a bug: its lease lapses if this goes on
+                log.exception("waker of %s", batch_id)
+                time.sleep(TRANSIENT_PAUSE_SECONDS)
+                continue
+            log.info("waker of %s: %s", batch_id, done["wake"])
+            return
+
+    def wake_once(self, batch_id: str, token: str) -> dict[str, Any]:
+        """One look of the batch's waker (`Again`: look again)."""
         receipt = self.started(batch_id)
         if receipt is None or receipt.run is None:
             return {"batch_id": batch_id, "wake": "no receipt or run for this batch"}
@@ -325,7 +358,7 @@ class Worker:
                 self.store.set_flag(batch_id, FLAG_QUOTA)
                 self.scheduler.cancel(batch_id)
             if self.store.parked(batch_id)[0]:
-                self._ensure_waker(batch_id)  # its waker died
+                self._ensure_waker(batch_id, here=False)  # its waker died
             if self.store.count_episodes(batch_id) == receipt.spec.count:
                 # Every row is in but no report: the chord's count missed a collector (its
                 # result was lost in a Redis restart) and its callback may never come.

@@ -4,10 +4,13 @@ message for the batch's waker, which sends it again once the episode ends."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from rollout_worker import core
+from rollout_worker.core.collect import FIRST_LOOK_SECONDS
+from rollout_worker.observation import EpisodeObservation
 from rollout_worker.settings import Settings
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
 from tests.unit.test_worker import Sent
@@ -18,6 +21,8 @@ def parts():
     store, backend, sent = MemoryStore(), StubBackend(origin=time.time()), Sent()
     w = core.Worker(Settings(collect_block_seconds=0.01), store, sent)
     w._backends.update(local=backend, stub=backend)
+    # The waker's thread is not started here: each test runs its looks (`wake_once`) itself.
+    w._start_waker = lambda batch_id, token: sent.wakers.append((batch_id, token))
     w.submit({"batch_id": "b1", "count": 3}, message_id="m1", attempt=0)
     return w, store, backend, sent
 
@@ -30,10 +35,10 @@ def test_a_collector_not_yet_ready_parks_until_ready_then_until_its_episode_ends
     assert w.park(parked.value, "message 0")
     ((_, token),) = sent.wakers
     with pytest.raises(core.Again):
-        w.wake("b1", token)
+        w.wake_once("b1", token)
     assert sent.resent == []  # neither ready nor ended
     backend.ready.add(0)
-    assert w.wake("b1", token)["wake"] == "nothing parked"
+    assert w.wake_once("b1", token)["wake"] == "nothing parked"
     assert sent.resent == ["message 0"]  # ready: its collector streams it, then parks again
     with pytest.raises(core.Park) as parked:
         w.collect("b1", 0)
@@ -70,10 +75,10 @@ def test_the_waker_resends_each_ended_episode_once_and_looks_again_while_any_is_
     ((_, token),) = sent.wakers
     backend.ended[1] = ("Succeeded", good_log("ep-b1-1", backend.origin + 0.5))
     with pytest.raises(core.Again):  # 0 still runs: it looks again after its block
-        w.wake("b1", token)
+        w.wake_once("b1", token)
     assert sent.resent == ["message 1"] and store.parked("b1")[0] == [0]
     backend.ended[0] = ("Failed", "")
-    assert w.wake("b1", token)["wake"] == "nothing parked"
+    assert w.wake_once("b1", token)["wake"] == "nothing parked"
     assert sent.resent == ["message 1", "message 0"]
     assert store.wakers == {}  # the next collector to park sends a new waker
 
@@ -81,7 +86,7 @@ def test_the_waker_resends_each_ended_episode_once_and_looks_again_while_any_is_
 def test_a_second_waker_stands_aside_while_the_first_holds_the_lease(parts):
     w, store, _, sent = parts
     w.park(core.Park("b1", 0), "message 0")
-    assert w.wake("b1", "another token")["wake"] == "another waker holds the lease"
+    assert w.wake_once("b1", "another token")["wake"] == "another waker holds the lease"
     assert store.parked("b1")[0] == [0] and sent.resent == []
 
 
@@ -99,7 +104,7 @@ def test_the_waker_revives_what_runs_the_episodes_while_collectors_are_parked(pa
     ((_, token),) = sent.wakers
     resumed = backend.resumed
     with pytest.raises(core.Again):
-        w.wake("b1", token)
+        w.wake_once("b1", token)
     assert backend.resumed == resumed + 1
 
 
@@ -109,17 +114,22 @@ def test_a_cancel_or_the_deadline_wakes_every_parked_collector(parts):
     w.park(core.Park("b1", 1), "message 1")
     ((_, token),) = sent.wakers
     store.set_flag("b1", core.FLAG_CANCEL)
-    assert w.wake("b1", token)["wake"] == "nothing parked"
+    assert w.wake_once("b1", token)["wake"] == "nothing parked"
     assert sorted(sent.resent) == ["message 0", "message 1"]
 
 
-def test_the_watchdog_sends_a_new_waker_when_the_last_one_died(parts):
+def test_the_watchdog_sends_a_task_that_starts_a_new_waker_when_the_last_one_died(parts):
     w, store, _, sent = parts
     w.park(core.Park("b1", 0), "message 0")
     store.wakers.clear()  # its lease expired: the waker died
     with pytest.raises(core.Again):
         w.watchdog("b1")
-    assert len(sent.wakers) == 2 and store.wakers["b1"] == sent.wakers[-1][1]
+    sent_by_watchdog = sent.wakers[-1]
+    assert len(sent.wakers) == 2 and store.wakers["b1"] == sent_by_watchdog[1]
+    # The task starts the waker in the collector process that runs it, with that lease.
+    started: list[tuple[str, str]] = []
+    w._start_waker = lambda batch_id, token: started.append((batch_id, token))
+    assert w.wake(*sent_by_watchdog)["wake"] == "started" and started == [sent_by_watchdog]
 
 
 def test_parked_messages_of_a_reported_batch_are_dropped(parts):
@@ -127,5 +137,29 @@ def test_parked_messages_of_a_reported_batch_are_dropped(parts):
     w.park(core.Park("b1", 0), "message 0")
     ((_, token),) = sent.wakers
     store.reports["b1"] = {"status": "failed"}
-    assert w.wake("b1", token)["wake"] == "reported"
+    assert w.wake_once("b1", token)["wake"] == "reported"
     assert store.parked("b1")[0] == [] and sent.resent == []
+
+
+def test_the_waker_thread_looks_until_nothing_is_parked(parts):
+    w, _, backend, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    ((_, token),) = sent.wakers
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
+    w._waker("b1", token)  # what the thread runs: returns once done
+    assert sent.resent == ["message 0"]
+
+
+def test_a_collector_of_an_episode_not_started_parks_after_a_short_look(parts, monkeypatch):
+    w, _, backend, _ = parts
+    w.limits = replace(w.limits, collect_block_seconds=30)
+    waits: list[float] = []
+
+    def pending(handle, index, timeout, *, until_ready=False):  # type: ignore[no-untyped-def]
+        waits.append(timeout)
+        return EpisodeObservation(index, handle.episode_id(index), "Pending")
+
+    monkeypatch.setattr(backend, "wait_episode", pending)
+    with pytest.raises(core.Park) as parked:
+        w.collect("b1", 0)
+    assert parked.value.until_ready and waits == [FIRST_LOOK_SECONDS]
