@@ -113,8 +113,9 @@ class Backend(Protocol):
         self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
     ) -> list[int]:
         """Those of `indexes` whose episodes have ended (or, for those in `ready`, are ready),
-        waiting up to `timeout` seconds for one (the waker of parked collectors: cheap per
-        call, whatever their number). It may miss an end that its collector would find by
+        waiting up to `timeout` seconds for one. For the batch's waker (one per process),
+        called again and again: cheap per call, whatever their number and however long they
+        run. It may miss an end that its collector would find by
         asking more (a Pod never created): the watchdog's rescue and the deadline cover those."""
 
     def resume_run(self, handle: RunHandle) -> None:

@@ -50,8 +50,8 @@ def park(
     assert receipt.run is not None
     store.park(receipt.batch_id, index, message, until_ready)
     # It may have moved after its collector's last look and before the waker saw it parked.
-    ready = {index} if until_ready else set()
-    if backend.wait_ended(receipt.run, [index], 0, ready=ready):
+    obs = backend.wait_episode(receipt.run, index, 0, until_ready=until_ready)
+    if obs.terminal or (until_ready and obs.ready):
         return store.unpark(receipt.batch_id, index) is None
     return True
 

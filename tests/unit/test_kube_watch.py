@@ -98,3 +98,31 @@ def test_a_waiter_on_many_episodes_checks_each_event_for_its_own_episode_only(mo
         assert w.wait_any([0], 0.2, ended) == []
     finally:
         w.stop()
+
+
+def test_a_repeated_caller_has_only_new_episodes_and_new_events_checked(monkeypatch):
+    ScriptedWatch.script = [("MODIFIED", pod("a", 0, "Succeeded"))]
+    monkeypatch.setattr(watch, "RawWatch", ScriptedWatch)
+    running = [pod(f"r{i}", i, "Running") for i in range(1, 6)]
+    listing = {"items": running, "metadata": {"resourceVersion": "1"}}
+    w = watch.PodWatch(
+        "ns", lambda: listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX])
+    )
+    checked: list[int] = []
+
+    def ended(index: int, pods: dict) -> bool:
+        checked.append(index)
+        return any(p["status"]["phase"] == "Succeeded" for p in pods.values())
+
+    try:
+        assert w.wait_any([1, 2, 3], 0.05, ended, caller="waker") == []
+        assert sorted(checked) == [1, 2, 3]  # the first call checks every episode
+        checked.clear()
+        # Again, with 4 and 0 new: only they are checked (1-3 had no event since).
+        assert w.wait_any([0, 1, 2, 3, 4], 5, ended, caller="waker") == [0]
+        assert sorted(set(checked)) == [0, 4]
+        checked.clear()
+        # Another caller (or none) has its own look: everything it waits on.
+        assert w.wait_any([1, 2], 0.05, ended) == [] and sorted(checked) == [1, 2]
+    finally:
+        w.stop()

@@ -88,6 +88,9 @@ FEED_AHEAD_WAVES = 2
 # A waker whose parked episodes run both in a pool and in the Job waits on the Job's watch this
 # long at a time, looking at the pool's in between.
 MIXED_WAIT_SECONDS = 1.0
+# `wait_ended`'s caller, the batch's waker (one per batch and process): its watch remembers
+# what it checked, so each call checks only what changed.
+WAKER = "waker"
 
 
 def _translate(exc: Exception, what: str) -> BackendError:
@@ -447,12 +450,12 @@ class KubernetesBackend:
         cold = [i for i in indexes if not handle.in_pool(i)]
         if pooled and cold:
             # Two watches: look at the pool's at once, wait on the batch's a little at a time.
-            ended = self._warm_watch(handle).wait_any(pooled, 0, done)
+            ended = self._warm_watch(handle).wait_any(pooled, 0, done, caller=WAKER)
             if ended:
                 return ended
             timeout = min(timeout, MIXED_WAIT_SECONDS)
         watch = self._pod_watch(handle) if cold else self._warm_watch(handle)
-        return watch.wait_any(cold or pooled, timeout, done)
+        return watch.wait_any(cold or pooled, timeout, done, caller=WAKER)
 
     def _no_retry_coming(self, handle: RunHandle, index: int) -> bool:
         """The Job will not replace this index's failed Pod: it ended, or counted the index

@@ -85,6 +85,9 @@ class PodWatch:
         self._changes: list[int] = []
         self._changes_base = 0
         self._relists = 0
+        # Per repeated caller of `wait_any` (the batch's waker): what its last call checked
+        # and up to which event, so its next call checks only what is new.
+        self._cursors: dict[str, tuple[int, int, frozenset[int]]] = {}
         self._synced = False
         self._error: BackendError | None = None
         self._last_wait = time.monotonic()
@@ -140,11 +143,17 @@ class PodWatch:
                 self._last_wait = time.monotonic()
 
     def wait_any(
-        self, indexes: list[int], timeout: float, done: Callable[[int, Pods], bool]
+        self,
+        indexes: list[int],
+        timeout: float,
+        done: Callable[[int, Pods], bool],
+        *,
+        caller: str | None = None,
     ) -> list[int]:
         """Those of `indexes` for which `done(index, pods)` holds, waiting up to `timeout` for
-        one. Each event is checked once, for its own episode: the cost does not grow with the
-        number of episodes waited on.
+        one. Each event is checked once, for its own episode; a repeated `caller` has only
+        the episodes new to it and those with events since its last call checked: the cost
+        does not grow with the number of episodes waited on, or with how long they run.
 
         Raises TransientBackendError when the watch cannot sync with the API server in time.
         """
@@ -152,27 +161,31 @@ class PodWatch:
         wanted = set(indexes)
         with self._cond:
             self._last_wait = time.monotonic()
-            seen, relists = 0, -1  # the first look checks every episode
+            start: tuple[int, int, frozenset[int]] = (-1, 0, frozenset())  # check everything
+            relists, seen, checked = self._cursors.pop(caller, start) if caller else start
             while True:
                 if self._synced:
                     if relists != self._relists or seen < self._changes_base:
-                        candidates = wanted
+                        candidates = wanted  # first look, or after a relist: every episode
                     else:
-                        candidates = wanted.intersection(self._changes[seen - self._changes_base :])
+                        fresh = self._changes[seen - self._changes_base :]
+                        candidates = wanted.difference(checked).union(wanted.intersection(fresh))
+                    relists, checked = self._relists, frozenset(wanted)
+                    seen = self._changes_base + len(self._changes)
                     ended = [
                         i for i in sorted(candidates) if done(i, dict(self._by_index.get(i, {})))
                     ]
-                    if ended:
+                    if ended or time.monotonic() >= end:
+                        if caller is not None:
+                            self._cursors[caller] = (relists, seen, checked)
                         return ended
-                    relists = self._relists
-                seen = self._changes_base + len(self._changes)
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     if not self._synced:
                         raise TransientBackendError(
                             f"watch of {self.name} not synced: {self._error or 'starting'}"
                         )
-                    return []
+                    continue  # synced: the look above returns (and keeps the caller's cursor)
                 self._any.wait(remaining)
                 self._last_wait = time.monotonic()
 
