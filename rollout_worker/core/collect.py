@@ -33,8 +33,6 @@ RESCUE_ENDED_SECONDS = 10.0
 # The watchdog gives the chord this long after the collectors' own give-up time before it
 # finalises the batch itself.
 WATCHDOG_EXTRA_SECONDS = 30.0
-# A collector whose episode has not started after this long parks at once (core/park.py).
-FIRST_LOOK_SECONDS = 1.0
 # What Redis keeps of one episode's log (validation reads all of it, up to the backend's cap).
 STORED_LOG_BYTES = 2**20
 
@@ -265,17 +263,7 @@ def _wait(
     backends whose sandboxes cannot stream it themselves). Each state is published once."""
     assert receipt.run is not None
     batch_id, end = receipt.spec.batch_id, time.monotonic() + timeout
-    obs = backend.wait_episode(
-        receipt.run, index, min(timeout, FIRST_LOOK_SECONDS), until_ready=True
-    )
-    if obs.phase == "Pending" and not obs.terminal:
-        # Not started: its collector parks until it is, rather than hold a slot that the
-        # collectors of ending episodes behind it in the queue need.
-        return obs
-    if not obs.ready and not obs.terminal:
-        obs = backend.wait_episode(
-            receipt.run, index, max(0.0, end - time.monotonic()), until_ready=True
-        )
+    obs = backend.wait_episode(receipt.run, index, timeout, until_ready=True)
     if obs.ready and not obs.terminal:
         store.publish_state(batch_id, index, Progress.RUNNING)
         store.publish_state(batch_id, index, Progress.READY)

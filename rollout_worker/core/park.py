@@ -1,9 +1,8 @@
 """Parked collectors, so that collecting an episode costs the same whatever its length.
 
-A collect task waits one block for its episode (one second if it has not even started); one
-that has not ended by then does not requeue itself every block, which cost a long episode one
-Celery round trip per block and filled the collect queue with the collectors of episodes not
-started yet. It leaves its own message in Redis and ends (`park`). One waker per batch waits
+A collect task waits one block for its episode; one that has not ended by then does not
+requeue itself every block, which cost a long episode one Celery round trip per block. It
+leaves its own message in Redis and ends (`park`). One waker per batch waits
 on every parked episode at once (`Backend.wait_ended`) and sends each message again the moment
 its episode ends (`wake`): the same task, so the chord counts it. The waker is a thread of the
 collector process that parked first (a task would wait behind the whole collect queue), holding

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from rollout_worker import core
-from rollout_worker.core.collect import FIRST_LOOK_SECONDS
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.settings import Settings
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
@@ -150,7 +149,9 @@ def test_the_waker_thread_looks_until_nothing_is_parked(parts):
     assert sent.resent == ["message 0"]
 
 
-def test_a_collector_of_an_episode_not_started_parks_after_a_short_look(parts, monkeypatch):
+def test_a_collector_of_an_episode_not_started_waits_its_block_then_parks_until_ready(
+    parts, monkeypatch
+):
     w, _, backend, _ = parts
     w.limits = replace(w.limits, collect_block_seconds=30)
     waits: list[float] = []
@@ -162,4 +163,5 @@ def test_a_collector_of_an_episode_not_started_parks_after_a_short_look(parts, m
     monkeypatch.setattr(backend, "wait_episode", pending)
     with pytest.raises(core.Park) as parked:
         w.collect("b1", 0)
-    assert parked.value.until_ready and waits == [FIRST_LOOK_SECONDS]
+    # One look of a whole block (parking at once doubled the task runs of a 5000 batch).
+    assert parked.value.until_ready and waits == [30]
