@@ -20,12 +20,12 @@ Each figure is the median of --runs runs [min-max] unless the table says otherwi
 - Memory: peak summed RSS of the workers while the batch runs, and Redis used_memory's peak.
 - Episodes are served by the KWOK harness as all-success draws of its seeded mix; the
   harness annotates a Pod `--seconds` after taking it (0: at once), and the KWOK stage ends it
-  1-2.5 s later. The flatness rows run --length-episodes episodes of 5 s and 60 s.
+  1-2.5 s later. The flatness rows run --length-episodes episodes of 5 s and 300 s.
 
 Needs the local cluster (hack/localkube/cluster.sh up; eval "$(hack/localkube/cluster.sh env)").
 
     python -m benchmarks.bench_kubernetes [--sizes 10 1000] [--parallelism 200] [--runs 3]
-        [--lengths 5 60] [--length-episodes 200] [--long-runs 1] [--deadline 600]
+        [--lengths 5 300] [--length-episodes 200] [--long-runs 1] [--deadline 600]
         [--pod-create-rate R]
 
 Before the runs it prints, per size, the least time the batch needs by arithmetic
@@ -271,7 +271,7 @@ def main() -> None:
     parser.add_argument("--parallelism", type=int, default=200)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=0.0, help="episode length (harness)")
-    parser.add_argument("--lengths", type=float, nargs="*", default=[5, 60])
+    parser.add_argument("--lengths", type=float, nargs="*", default=[5, 300])
     parser.add_argument("--length-episodes", type=int, default=200)
     parser.add_argument("--long-runs", type=int, default=1, help="runs of episodes >= 30 s")
     parser.add_argument("--deadline", type=int, default=600)

@@ -76,6 +76,8 @@ MAX_RETRIES: dict[str, int | None] = {
 # them outlives the visibility timeout and is delivered twice.
 TRANSIENT_PAUSE_SECONDS = 1.0
 CANCEL_RETRY_SECONDS = 1.0
+# A waker thread that failed this many looks in a row (a second apart) ends.
+WAKER_MAX_ERRORS = 60
 # A collector whose fed episode ended looks for its slot's next episode this long (its own
 # Pod's end may reach the pool's watch a moment after the batch's).
 FEED_AFTER_ROW_SECONDS = 1.0
@@ -284,19 +286,24 @@ class Worker:
 
     def _waker(self, batch_id: str, token: str) -> None:
         """Look until done. An error pauses it; a pause longer than its lease lets another
-        take over (its next look then sees the lease held and ends)."""
-        while True:
+        take over (its next look then sees the lease held and ends); errors that go on end it
+        (its lease lapses, and the watchdog starts another)."""
+        errors = 0
+        while errors < WAKER_MAX_ERRORS:
             try:
                 done = self.wake_once(batch_id, token)
             except Again as again:
+                errors = 0
                 time.sleep(again.pause)
                 continue
-            except Exception:  # Redis away, a bug: its lease lapses if this goes on
+            except Exception:  # Redis away, or a bug
+                errors += 1
                 log.exception("waker of %s", batch_id)
                 time.sleep(TRANSIENT_PAUSE_SECONDS)
                 continue
             log.info("waker of %s: %s", batch_id, done["wake"])
             return
+        log.error("waker of %s: %d errors in a row, leaving it to another", batch_id, errors)
 
     def wake_once(self, batch_id: str, token: str) -> dict[str, Any]:
         """One look of the batch's waker (`Again`: look again)."""

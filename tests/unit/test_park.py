@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from rollout_worker import core
+from rollout_worker.core import worker as worker_module
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.settings import Settings
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
@@ -165,3 +166,19 @@ def test_a_collector_of_an_episode_not_started_waits_its_block_then_parks_until_
         w.collect("b1", 0)
     # One look of a whole block (parking at once doubled the task runs of a 5000 batch).
     assert parked.value.until_ready and waits == [30]
+
+
+def test_a_waker_thread_whose_looks_keep_failing_ends_and_leaves_the_lease_to_lapse(
+    parts, monkeypatch
+):
+    w, _, _, _ = parts
+    looks: list[str] = []
+
+    def broken(batch_id: str, token: str) -> dict:
+        looks.append(token)
+        raise ConnectionError("Redis away")
+
+    monkeypatch.setattr(w, "wake_once", broken)
+    monkeypatch.setattr(worker_module, "TRANSIENT_PAUSE_SECONDS", 0)
+    w._waker("b1", "token")  # returns: the thread ends instead of spinning forever
+    assert len(looks) == worker_module.WAKER_MAX_ERRORS
