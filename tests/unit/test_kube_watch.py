@@ -68,22 +68,35 @@ def test_raw_watch_events_stay_dicts_and_never_become_client_models(monkeypatch)
     assert raw.unmarshal_event("  ", None) is None
 
 
-def test_a_waiter_on_many_episodes_checks_each_event_for_its_own_episode_only(monkeypatch):
-    ScriptedWatch.script = [
-        ("MODIFIED", pod("a", 0, "Running")),
-        ("MODIFIED", pod("c", 2, "Succeeded")),
-        ("MODIFIED", pod("b", 1, "Succeeded")),
-    ]
+def scripted_watch(monkeypatch, events: list, listed: list) -> watch.PodWatch:
+    """A watch that lists `listed`, then streams `events`."""
+    ScriptedWatch.script = events
     monkeypatch.setattr(watch, "RawWatch", ScriptedWatch)
-    listing = {"items": [pod("z", 3, "Succeeded")], "metadata": {"resourceVersion": "1"}}
-    w = watch.PodWatch(
+    listing = {"items": listed, "metadata": {"resourceVersion": "1"}}
+    return watch.PodWatch(
         "ns", lambda: listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX])
     )
-    checked: list[int] = []
+
+
+def counting_ended(checked: list[int]):
+    """`done` for wait_any: the episode succeeded; each index it looks at goes to `checked`."""
 
     def ended(index: int, pods: dict) -> bool:
         checked.append(index)
         return any(p["status"]["phase"] == "Succeeded" for p in pods.values())
+
+    return ended
+
+
+def test_a_waiter_on_many_episodes_checks_each_event_for_its_own_episode_only(monkeypatch):
+    events = [
+        ("MODIFIED", pod("a", 0, "Running")),
+        ("MODIFIED", pod("c", 2, "Succeeded")),
+        ("MODIFIED", pod("b", 1, "Succeeded")),
+    ]
+    w = scripted_watch(monkeypatch, events, [pod("z", 3, "Succeeded")])
+    checked: list[int] = []
+    ended = counting_ended(checked)
 
     try:
         # The first look checks every episode waited on: 3 ended before the watch started.
@@ -101,18 +114,10 @@ def test_a_waiter_on_many_episodes_checks_each_event_for_its_own_episode_only(mo
 
 
 def test_a_repeated_caller_has_only_new_episodes_and_new_events_checked(monkeypatch):
-    ScriptedWatch.script = [("MODIFIED", pod("a", 0, "Succeeded"))]
-    monkeypatch.setattr(watch, "RawWatch", ScriptedWatch)
     running = [pod(f"r{i}", i, "Running") for i in range(1, 6)]
-    listing = {"items": running, "metadata": {"resourceVersion": "1"}}
-    w = watch.PodWatch(
-        "ns", lambda: listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX])
-    )
+    w = scripted_watch(monkeypatch, [("MODIFIED", pod("a", 0, "Succeeded"))], running)
     checked: list[int] = []
-
-    def ended(index: int, pods: dict) -> bool:
-        checked.append(index)
-        return any(p["status"]["phase"] == "Succeeded" for p in pods.values())
+    ended = counting_ended(checked)
 
     try:
         assert w.wait_any([1, 2, 3], 0.05, ended, caller="waker") == []
