@@ -483,6 +483,14 @@ class Supervisor:
             reason = f"Signal{-code}"
         elif reason is None and code != 0:
             reason = "Error"
+        # The sandbox's files go before its end is published: whoever sees the end sees them
+        # gone (a status first let a reader find the workspace still there).
+        shutil.rmtree(
+            item.warm.workspace.parent if item.warm else self.dir.workspace(index=item.index),
+            ignore_errors=True,
+        )
+        for phase in (AGENT_PHASE, GRADE_PHASE):
+            shutil.rmtree(self.state_dir(item.index, phase), ignore_errors=True)
         self.write_status(
             item.index,
             phase="Succeeded" if code == 0 and item.killed_for is None else "Failed",
@@ -498,12 +506,6 @@ class Supervisor:
             },
             **({"sandbox": item.warm.name} if item.warm else {}),
         )
-        shutil.rmtree(
-            item.warm.workspace.parent if item.warm else self.dir.workspace(index=item.index),
-            ignore_errors=True,
-        )
-        for phase in (AGENT_PHASE, GRADE_PHASE):
-            shutil.rmtree(self.state_dir(item.index, phase), ignore_errors=True)
 
     def retry(self, item: Running, code: int, finished_at: float) -> bool:
         """Run the episode again in a fresh sandbox when its runner failed for infrastructure
