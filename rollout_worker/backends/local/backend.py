@@ -279,10 +279,11 @@ class LocalBackend:
         run_dir = self._dir(handle)
         end = time.monotonic() + timeout
         while True:
+            if not run_dir.run_file.exists():
+                return list(indexes)  # deleted: its collectors record that it is gone
             ended = [i for i in indexes if run_dir.status(i).exists()]
-            if ended or not indexes or not run_dir.run_file.exists():
-                # A deleted run: its collectors record what they find (or that it is gone).
-                return ended if run_dir.run_file.exists() else list(indexes)
+            if ended or not indexes:
+                return ended
             remaining = end - time.monotonic()
             if remaining <= 0:
                 return []
