@@ -12,6 +12,11 @@ from rollout_wire.states import Progress
 QUEUE_CONTROL = "control"
 QUEUE_COLLECT = "collect"
 QUEUES = (QUEUE_CONTROL, QUEUE_COLLECT)
+# Message priorities on the collect queue (Redis: a list per priority step, read lowest number
+# first). A batch's first collect messages go last; a parked collector sent again once its
+# episode ended goes first, so it never waits behind collectors of episodes not started yet.
+PRIORITY_FIRST_COLLECT = 9
+PRIORITY_RESENT = 0
 
 # Task names are explicit so the trainer can send tasks by name without importing the worker.
 TASK_SUBMIT = "rollout.submit_batch"

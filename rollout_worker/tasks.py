@@ -44,6 +44,7 @@ class CeleryScheduler:
                     args=(batch_id, index),
                     queue=k.QUEUE_COLLECT,
                     task_id=k.collect_task_id(batch_id, index),
+                    priority=k.PRIORITY_FIRST_COLLECT,
                 )
                 for index in range(count)
             ],
@@ -103,7 +104,8 @@ def _run(task: Task, call: Callable[[], Any]) -> Any:
         return call()
     except core.Park as parked:
         # The message as it came (its chord and group too), for the waker to send again.
-        message = kombu.utils.json.dumps(task.signature_from_request(task.request))
+        resent = task.signature_from_request(task.request, priority=k.PRIORITY_RESENT)
+        message = kombu.utils.json.dumps(resent)
         if worker(task.app).park(parked, message):
             raise Ignore() from None  # acknowledged, no result: the resent copy gives it
         raise task.retry(countdown=0) from None

@@ -7,12 +7,23 @@ import time
 from pathlib import Path
 
 import pytest
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from rollout_wire import constants as k
+from rollout_worker.celery_app import create_app
 from rollout_worker.cli.stack import LocalStack
+from rollout_worker.settings import Settings
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
+
+
+# kombu's Redis transport keeps a queue's messages in one list per priority step (the first
+# collect messages of a batch are sent at a low priority, resent ones at the highest).
+COLLECT_LISTS = [
+    k.QUEUE_COLLECT if step == 0 else f"{k.QUEUE_COLLECT}{Channel.sep}{step}"
+    for step in PRIORITY_STEPS
+]
 
 
 # kombu's Redis transport keeps every delivered, not yet acknowledged message in this hash
@@ -37,7 +48,8 @@ def unacked_collects(redis_client, batch_id: str) -> dict[str, str]:
 
 def queued_collects(redis_client) -> dict[str, dict]:
     """task id -> message of the collect messages waiting in the queue."""
-    return {m["headers"]["id"]: m for m in _messages(redis_client.lrange(k.QUEUE_COLLECT, 0, -1))}
+    raw = [item for name in COLLECT_LISTS for item in redis_client.lrange(name, 0, -1)]
+    return {m["headers"]["id"]: m for m in _messages(raw)}
 
 
 def test_killed_collector_loses_nothing_and_counts_nothing_twice():
@@ -205,14 +217,35 @@ def test_the_watchdog_collects_a_batch_whose_collection_tasks_were_lost():
         client = RolloutClient(stack.redis_url)
         submission = client.submit(count=5, parallelism=5, deadline_seconds=3)
         deadline = time.monotonic() + 30
-        while client.redis.llen(k.QUEUE_COLLECT) < 5:
+        while sum(client.redis.llen(name) for name in COLLECT_LISTS) < 5:
             assert time.monotonic() < deadline, "the chord was never dispatched"
             time.sleep(0.1)
-        client.redis.delete(k.QUEUE_COLLECT)  # the messages are gone for good
+        client.redis.delete(*COLLECT_LISTS)  # the messages are gone for good
         report = client.wait(submission.batch_id, timeout=120)
         assert report["finalized_by"] == "watchdog"
         # The episodes themselves ran: the watchdog collects them instead of dropping them.
         assert report["ok"] is True, report["errors"]
         assert report["reward_sum"] == 5
         assert sorted(row["index"] for row in report["pods"]) == list(range(5))
+        client.close()
+
+
+def test_a_batchs_first_collect_messages_queue_behind_resent_ones():
+    """Where the messages land in Redis decides who runs first: kombu BRPOPs a queue's lists
+    in priority order. No collector runs, so the messages stay where they were put."""
+    with LocalStack(collectors=1) as stack:
+        stack.stop_worker(next(w for w in stack.workers if w.name == "collect1"))
+        client = RolloutClient(stack.redis_url)
+        client.submit(count=3, parallelism=3)
+        deadline = time.monotonic() + 30
+        while sum(client.redis.llen(name) for name in COLLECT_LISTS) < 3:
+            assert time.monotonic() < deadline, "the chord was never dispatched"
+            time.sleep(0.1)
+        assert [client.redis.llen(name) for name in COLLECT_LISTS] == [0, 0, 0, 3]
+        # A resent (woken) message goes to the list read first.
+        app = create_app(Settings(redis_url=stack.redis_url), with_tasks=False)
+        app.signature(
+            k.TASK_COLLECT, args=("none", 0), queue=k.QUEUE_COLLECT, priority=k.PRIORITY_RESENT
+        ).apply_async()
+        assert client.redis.llen(COLLECT_LISTS[0]) == 1
         client.close()
