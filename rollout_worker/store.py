@@ -203,6 +203,10 @@ class Store:
     def has_episode(self, batch_id: str, index: int) -> bool:
         return bool(self.redis.hexists(k.episodes_key(batch_id), str(index)))
 
+    def recorded(self, batch_id: str) -> set[int]:
+        """The indexes of the episodes that have their row (one read for the whole batch)."""
+        return {int(i) for i in self.redis.hkeys(k.episodes_key(batch_id))}
+
     def episode_rows(self, batch_id: str) -> list[EpisodeRow]:
         raw = self.redis.hgetall(k.episodes_key(batch_id))
         return [EpisodeRow.from_dict(codec.loads(value)) for value in raw.values()]

@@ -60,7 +60,10 @@ def rescue(
     if run is None or now - run.origin < limits.rescue_after_seconds:
         return False
     batch_id = receipt.spec.batch_id
-    missing = [i for i in range(receipt.spec.count) if not store.has_episode(batch_id, i)]
+    # One read of the rows per look, not one per episode: the watchdog looks every few
+    # seconds for as long as the batch runs, so this cost grows with the episodes' length.
+    recorded = store.recorded(batch_id)
+    missing = [i for i in range(receipt.spec.count) if i not in recorded]
     for position, index in enumerate(missing):
         # The first look may wait a little: this process may have no watch of the batch yet,
         # and one that has not listed the Pods yet sees nothing (it would cost a whole step).
@@ -89,7 +92,7 @@ def rescue(
             )
         except (NotYet, TransientBackendError):
             continue
-    return all(store.has_episode(batch_id, i) for i in missing)
+    return not missing or set(missing) <= store.recorded(batch_id)
 
 
 # -- collect ---------------------------------------------------------------------------------

@@ -144,6 +144,9 @@ class MemoryStore:
     def has_episode(self, batch_id: str, index: int) -> bool:
         return index in self.rows.get(batch_id, {})
 
+    def recorded(self, batch_id: str) -> set[int]:
+        return set(self.rows.get(batch_id, {}))
+
     def episode_rows(self, batch_id: str) -> list[EpisodeRow]:
         return list(self.rows.get(batch_id, {}).values())
 
