@@ -75,7 +75,9 @@ def cli() -> None:
 )
 @click.option("--hostname", "-n", default=None, help="Worker node name (Celery -n).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
-@click.option("--events/--no-events", default=False, help="Send task events (for Flower).")
+@click.option(
+    "--events/--no-events", default=False, help="Send task events and heartbeats (for Flower)."
+)
 @click.option(
     "--beat",
     is_flag=True,
@@ -120,8 +122,9 @@ def worker(
     ]
     if hostname:
         argv += ["-n", hostname]
-    if events:
-        argv.append("-E")
+    # Heartbeats go only where someone reads them (Flower): each is a Redis PUBLISH every 2 s
+    # per worker, an idle cost paid for as long as the workers run.
+    argv.append("-E" if events else "--without-heartbeat")
     if beat:
         import tempfile
 
