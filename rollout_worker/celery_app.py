@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from celery import Celery
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from rollout_wire import constants as k
 from rollout_wire.redis_url import celery_settings
@@ -10,6 +11,13 @@ from rollout_worker.settings import Settings
 
 # Tasks that wait on episodes run beside the collectors (scaled with them), the rest on control.
 COLLECT_TASKS = (k.TASK_COLLECT, k.TASK_FEED, k.TASK_WAKE)
+# The Redis lists behind the collect queue: kombu keeps one per priority step and reads them
+# in this order (a batch's first collect messages wait in the last, woken ones in the first).
+# What counts the queue's backlog (KEDA, tests) reads them all.
+COLLECT_LISTS = tuple(
+    k.QUEUE_COLLECT if step == 0 else f"{k.QUEUE_COLLECT}{Channel.sep}{step}"
+    for step in PRIORITY_STEPS
+)
 
 
 def celery_config(settings: Settings) -> dict[str, object]:

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from rollout_worker.backends.kube import permissions
+from rollout_worker.celery_app import COLLECT_LISTS
 from tests.helm.conftest import CHART, run_helm
 
 pytestmark = pytest.mark.helm
@@ -140,10 +141,12 @@ def test_collectors_scale_by_one_value(render):
 def test_keda_replaces_the_replica_count(render):
     objects = render("keda.enabled=true", "keda.maxReplicaCount=20")
     scaled = one(objects, "ScaledObject")
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis"
-    assert trigger["metadata"]["listName"] == "collect"
-    assert trigger["metadata"]["address"] == "rel-rollout-redis.rollout.svc:6379"
+    triggers = scaled["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis"}
+    # Every list kombu keeps for the collect queue's priorities (the first collect messages
+    # of a batch wait in the last one).
+    assert [t["metadata"]["listName"] for t in triggers] == list(COLLECT_LISTS)
+    assert {t["metadata"]["address"] for t in triggers} == {"rel-rollout-redis.rollout.svc:6379"}
     assert scaled["spec"]["maxReplicaCount"] == 20
     assert "replicas" not in one(objects, "Deployment", "rel-rollout-collect")["spec"]
 

@@ -7,23 +7,14 @@ import time
 from pathlib import Path
 
 import pytest
-from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from rollout_wire import constants as k
-from rollout_worker.celery_app import create_app
+from rollout_worker.celery_app import COLLECT_LISTS, create_app
 from rollout_worker.cli.stack import LocalStack
 from rollout_worker.settings import Settings
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
-
-
-# kombu's Redis transport keeps a queue's messages in one list per priority step (the first
-# collect messages of a batch are sent at a low priority, resent ones at the highest).
-COLLECT_LISTS = [
-    k.QUEUE_COLLECT if step == 0 else f"{k.QUEUE_COLLECT}{Channel.sep}{step}"
-    for step in PRIORITY_STEPS
-]
 
 
 # kombu's Redis transport keeps every delivered, not yet acknowledged message in this hash
