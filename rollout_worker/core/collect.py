@@ -92,7 +92,7 @@ def rescue(
             )
         except (NotYet, TransientBackendError):
             continue
-    return not missing or set(missing) <= store.recorded(batch_id)
+    return not missing or store.count_episodes(batch_id) == receipt.spec.count
 
 
 # -- collect ---------------------------------------------------------------------------------
