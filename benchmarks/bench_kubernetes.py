@@ -20,7 +20,9 @@ Each figure is the median of --runs runs [min-max] unless the table says otherwi
 - Memory: peak summed RSS of the workers while the batch runs, and Redis used_memory's peak.
 - Episodes are served by the KWOK harness as all-success draws of its seeded mix; the
   harness annotates a Pod `--seconds` after taking it (0: at once), and the KWOK stage ends it
-  1-2.5 s later. The flatness rows run --length-episodes episodes of 5 s and 300 s.
+  1-2.5 s later. The flatness rows run --length-episodes episodes of 5 s and 300 s, each
+  also shown less the workers' idle floor (their CPU per second with no batch, timed for
+  --idle-seconds after the warm-up) times the run's metered window.
 
 Needs the local cluster (hack/localkube/cluster.sh up; eval "$(hack/localkube/cluster.sh env)").
 
@@ -95,6 +97,7 @@ def one_batch(
     memory.start()
     meter = Meter(ctx["roles"], ctx["redis_pid"], str(stack.dir), reap_orphans=False).start()
     start = time.time()
+    metered_from = time.monotonic()
     rollout.submit(
         batch_id=batch_id,
         count=size,
@@ -128,6 +131,7 @@ def one_batch(
             break
         time.sleep(0.5)
     usage, _ = meter.stop()
+    window = time.monotonic() - metered_from
     memory.stop()
     terminal.stop()
     after = api_reads()
@@ -168,6 +172,10 @@ def one_batch(
         "cpu_control": usage.control,
         "cpu_collectors": usage.collectors,
         "cpu_redis": usage.redis,
+        "cpu_window": window,
+        # What the workers spend doing nothing (idle_floor), over this window: the rest is
+        # what the batch cost.
+        "cpu_net": usage.ours - ctx["idle_rate"] * window,
         "rss_peak": memory.rss_peak,
         "rss_start": memory.rss_start,
         "redis_peak": memory.redis_peak,
@@ -203,6 +211,16 @@ def wait_namespace_gone(
                 return time.time() - since
         time.sleep(1)
     return None
+
+
+def idle_floor(ctx: dict[str, Any], seconds: float) -> float:
+    """CPU seconds per second the workers use with no batch at all (their consumer loops, the
+    broker polls, the unacked sweep): paid over a long batch's whole wall, whatever it runs."""
+    meter = Meter(ctx["roles"], ctx["redis_pid"], str(ctx["stack"].dir), reap_orphans=False)
+    meter.start()
+    time.sleep(seconds)
+    usage, _ = meter.stop()
+    return usage.ours / seconds
 
 
 def noop_floor(ctx: dict[str, Any], n: int, runs: int) -> list[Any]:
@@ -275,6 +293,9 @@ def main() -> None:
     parser.add_argument("--length-episodes", type=int, default=200)
     parser.add_argument("--long-runs", type=int, default=1, help="runs of episodes >= 30 s")
     parser.add_argument("--deadline", type=int, default=600)
+    parser.add_argument(
+        "--idle-seconds", type=float, default=60.0, help="the workers' idle floor is timed so long"
+    )
     parser.add_argument("--collect-concurrency", type=int, default=64)
     parser.add_argument(
         "--pod-create-rate",
@@ -331,7 +352,11 @@ def main() -> None:
             "log": log,
         }
         print(f"runs logged to {out}; worker logs in {stack.dir}", flush=True)
+        ctx["idle_rate"] = 0.0
         one_batch(ctx, 10, 10, 0, args.deadline)  # warm-up (imports, connections), not counted
+        if args.lengths:
+            ctx["idle_rate"] = idle_floor(ctx, args.idle_seconds)
+            print(f"workers idle: {ctx['idle_rate'] * 1000:.2f} ms CPU per s", flush=True)
         plan = [(size, args.seconds, args.runs) for size in args.sizes]
         plan += [
             (args.length_episodes, s, args.long_runs if s >= 30 else args.runs)
@@ -433,20 +458,26 @@ def print_table(
             print(
                 f"  N={key[0]}, {key[1]:g}s episodes ({len(rs)} run{'s' * (len(rs) > 1)}): "
                 f"wall {cell([r['wall'] for r in rs], 1)} s, worker CPU "
-                f"{cell([r['cpu_ours'] / r['size'] * 1000 for r in rs], 1)} ms/ep, redis "
+                f"{cell([r['cpu_ours'] / r['size'] * 1000 for r in rs], 1)} ms/ep "
+                f"(less the idle floor {cell([r['cpu_net'] / r['size'] * 1000 for r in rs], 1)}"
+                "), redis "
                 f"{cell([r['cpu_redis'] / r['size'] * 1000 for r in rs], 1)} ms/ep, API reads "
                 f"{cell([r['reads'] / r['size'] for r in rs])} /ep, report latency "
                 f"{cell([r['report_latency'] for r in rs], 3)} s, ok "
                 f"{sum(bool(r['ok']) for r in rs)}/{len(rs)}"
             )
         if len(lengths) >= 2:
-            cpus = [
-                statistics.median([r["cpu_ours"] / r["size"] for r in results[key]])
-                for key in lengths
-            ]
+
+            def per_episode(name: str) -> list[float]:
+                return [
+                    statistics.median([r[name] / r["size"] for r in results[key]])
+                    for key in lengths
+                ]
+
+            cpus, nets = per_episode("cpu_ours"), per_episode("cpu_net")
             print(
                 f"  longest / shortest worker CPU per episode: {cpus[-1] / cpus[0]:.2f} "
-                "(goal within 20%)"
+                f"(goal within 20%); less the idle floor: {nets[-1] / nets[0]:.2f}"
             )
         print()
     print(

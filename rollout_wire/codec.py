@@ -46,6 +46,17 @@ class Entry:
     # A group entry: the group's figures, with `counted` (it made the batch's quota) added.
     group: dict[str, Any] | None = None
 
+    @property
+    def once(self) -> tuple[str, Any] | None:
+        """What a row or group entry is about (its episode, its group): each is meant once per
+        batch, but a Redis crash can lose the last second of writes (`appendfsync everysec`)
+        after a reader saw them, and the row lost is recorded, and streamed, again."""
+        if self.type == k.ENTRY_EPISODE:
+            return (self.type, self.index)
+        if self.type == k.ENTRY_GROUP and self.group is not None:
+            return (self.type, self.group.get("group_id"))
+        return None
+
 
 def state_entry(index: int, state: str) -> list[Any]:
     """Flat field list (the shape XADD takes, also inside Lua) of a progress entry."""

@@ -116,6 +116,12 @@ def parked_until_ready_key(batch_id: str) -> str:
     return batch_key(batch_id, "parked-ready")
 
 
+def dispatching_key(batch_id: str) -> str:
+    """Held (with a TTL) by the copy of a batch's submit that is sending its chord: a copy
+    redelivered meanwhile (a long dispatch outlived the visibility timeout) waits for it."""
+    return batch_key(batch_id, "dispatching")
+
+
 def waker_key(batch_id: str) -> str:
     """Set while the batch's waker runs (it renews it each look; expires if it died)."""
     return batch_key(batch_id, "waker")

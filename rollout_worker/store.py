@@ -84,7 +84,7 @@ return 0
 
 
 # Take or renew a lease held by token ARGV[1] for ARGV[2] ms; 0 while another token holds it.
-_CLAIM_WAKER = """
+_CLAIM_LEASE = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -110,7 +110,7 @@ class Store:
         self._publish_report = client.register_script(_PUBLISH_REPORT)
         self._publish_state = client.register_script(_PUBLISH_STATE)
         self._release = client.register_script(_RELEASE)
-        self._claim_waker = client.register_script(_CLAIM_WAKER)
+        self._claim_lease = client.register_script(_CLAIM_LEASE)
         self._publish_group = client.register_script(_PUBLISH_GROUP)
 
     @classmethod
@@ -245,12 +245,30 @@ class Store:
         raw = self.redis.get(k.policy_version_key(trainer))
         return None if raw is None else raw.decode()
 
+    def _take_lease(self, key: str, token: str, ttl: float) -> bool:
+        return bool(self._claim_lease(keys=[key], args=[token, int(ttl * 1000)]))
+
+    def claim_dispatch(self, batch_id: str, token: str, ttl: float) -> bool:
+        """Be (or stay) the one copy of the batch's submit that sends its chord, for `ttl`
+        seconds; False while another holds it."""
+        return self._take_lease(k.dispatching_key(batch_id), token, ttl)
+
+    def drop_dispatch(self, batch_id: str, token: str) -> None:
+        self._release(keys=[k.dispatching_key(batch_id)], args=[token])
+
     # -- one collecting copy per episode -----------------------------------------------------
     def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool:
         """Take episode `index`'s collecting claim for `ttl` seconds; False if another copy
         holds it."""
         key = k.collecting_key(batch_id, index)
         return bool(self.redis.set(key, token, nx=True, px=int(ttl * 1000)))
+
+    def collecting(self, batch_id: str, indexes: Sequence[int]) -> set[int]:
+        """Those of `indexes` a collector is on now (its claim is held)."""
+        if not indexes:
+            return set()
+        held = self.redis.mget([k.collecting_key(batch_id, i) for i in indexes])
+        return {i for i, token in zip(indexes, held, strict=True) if token is not None}
 
     def count_collect_copy(self, batch_id: str) -> None:
         pipe = self.redis.pipeline()
@@ -296,7 +314,7 @@ class Store:
 
     def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool:
         """Be (or stay) the batch's waker for `ttl` seconds; False while another holds it."""
-        return bool(self._claim_waker(keys=[k.waker_key(batch_id)], args=[token, int(ttl * 1000)]))
+        return self._take_lease(k.waker_key(batch_id), token, ttl)
 
     def drop_waker(self, batch_id: str, token: str) -> None:
         self._release(keys=[k.waker_key(batch_id)], args=[token])

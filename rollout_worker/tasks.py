@@ -5,7 +5,7 @@ is made here; what each task does is in `core/worker.py`:
 - collect_episode (queue `collect`): one episode's row, or requeue itself (bounded wait).
 - aggregate_batch (chord callback) and batch_watchdog: publish the report once.
 - feed_batch (queue `collect`): a run fed from its pool gets a waiting sandbox per freed slot.
-- wake_batch (queue `collect`): sends a parked collector again when its episode ends.
+- wake_batch (queue `collect`): starts the waker that records parked episodes as they end.
 - cleanup_run, cancel_batch, fill_pool, sweep.
 
 Every task is acknowledged late and given back when its worker dies (`register`).
@@ -22,6 +22,7 @@ import kombu.exceptions
 import kombu.utils.json
 import redis
 from celery import Celery, Task, chord, group
+from celery.app.task import Context
 from celery.exceptions import Ignore
 
 from rollout_wire import constants as k
@@ -83,6 +84,20 @@ class CeleryScheduler:
     def resend(self, message: str) -> None:
         self.app.signature(kombu.utils.json.loads(message)).apply_async()
 
+    def complete(self, message: str, result: dict[str, Any]) -> None:
+        # What the worker's trace does after a task returns: store the result, then count the
+        # chord part (the request's id, group, index in the group and chord callback).
+        options = kombu.utils.json.loads(message)["options"]
+        request = Context(
+            id=options["task_id"],
+            group=options.get("group_id"),
+            group_index=options.get("group_index"),
+            chord=options.get("chord"),
+            root_id=options.get("root_id"),
+            parent_id=options.get("parent_id"),
+        )
+        self.app.backend.mark_as_done(request.id, result, request=request)
+
 
 def worker(app: Celery) -> core.Worker:
     """This process's worker (Redis clients and backends are made after the fork)."""
@@ -112,7 +127,11 @@ def _run(task: Task, call: Callable[[], Any]) -> Any:
     except core.Again as again:
         if again.pause:
             time.sleep(again.pause)
-        raise task.retry(countdown=again.countdown, exc=again.cause) from again.cause
+        # Celery checks its budget against the retries so far: one more keeps it unspent.
+        budget = None if again.counted else task.request.retries + 1
+        raise task.retry(
+            countdown=again.countdown, exc=again.cause, max_retries=budget
+        ) from again.cause
     except REDIS_DOWN as exc:
         # Run it again once Redis answers (the retry is a message in Redis too).
         worker(task.app).store.wait_reachable(core.REDIS_WAIT_SECONDS)

@@ -302,7 +302,8 @@ class RolloutClient:
             def read(block: int = block) -> Any:
                 return self.redis.xread(dict(cursors), block=block)
 
-            # A restarting Redis (with its AOF) comes back with every entry: wait it out.
+            # A restarting Redis comes back with its entries (from its AOF, but for the last
+            # second's writes at most, which are streamed again): wait it out.
             waiting = f"waiting for batch(es) {following.waiting()}"
             found = self.call(waiting, read) or []
             for stream, items in found:
@@ -312,8 +313,14 @@ class RolloutClient:
                         break  # reported (or dropped by the caller) while this was read
                     cursors[stream] = entry_id
                     entry = codec.decode_entry(data)
+                    if entry.once is not None:
+                        given = following.given.setdefault(stream, set())
+                        if entry.once in given:
+                            continue
+                        given.add(entry.once)
                     if entry.type == k.ENTRY_REPORT:
                         del cursors[stream]
+                        following.given.pop(stream, None)
                     yield following.names[stream], entry
                     if entry.type == k.ENTRY_REPORT:
                         break

@@ -49,6 +49,8 @@ class Following:
     batch_ids: list[str] = field(default_factory=list)
     cursors: dict[str, str] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
+    # Per stream, the rows and groups already given (`Entry.once`): none is given twice.
+    given: dict[str, set[tuple[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for batch_id in self.batch_ids:

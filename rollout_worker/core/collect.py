@@ -64,7 +64,13 @@ def rescue(
     # seconds for as long as the batch runs, so this cost grows with the episodes' length.
     recorded = store.recorded(batch_id)
     missing = [i for i in range(receipt.spec.count) if i not in recorded]
-    for position, index in enumerate(missing):
+    # Only episodes nobody is on: a parked one is its waker's (the watchdog keeps one alive,
+    # and it looks fully at each now and then), a claimed one its collector's. Looking at
+    # those too kept a watch of every Pod of a long batch in each control process.
+    parked = set(store.parked(batch_id)[0]) if missing else set()
+    unparked = [i for i in missing if i not in parked]
+    taken = store.collecting(batch_id, unparked)
+    for position, index in enumerate(i for i in unparked if i not in taken):
         # The first look may wait a little: this process may have no watch of the batch yet,
         # and one that has not listed the Pods yet sees nothing (it would cost a whole step).
         block = RESCUE_FIRST_BLOCK_SECONDS if position == 0 else 0

@@ -2,12 +2,15 @@
 
 A collect task waits one block for its episode; one that has not ended by then does not
 requeue itself every block, which cost a long episode one Celery round trip per block. It
-leaves its own message in Redis and ends (`park`). One waker per batch waits
-on every parked episode at once (`Backend.wait_ended`) and sends each message again the moment
-its episode ends (`wake`): the same task, so the chord counts it. The waker is a thread of the
-collector process that parked first (a task would wait behind the whole collect queue), holding
-a lease in Redis. Where the collector streams `ready` (Kubernetes), an episode parked before it
-was ready is sent again once ready, to stream it and park again.
+leaves its own message in Redis and ends (`park`). One waker per batch waits on every parked
+episode at once (`Backend.wait_ended`). The waker is a thread of the collector process that
+parked first (a task would wait behind the whole collect queue), holding a lease in Redis.
+When an episode ends, the waker records it itself (`Worker.finish_parked`: the same collect,
+then the task's result stored as its worker would have, so the chord counts it): a message
+sent again would cost a second Celery round trip. It sends the message again (the same task)
+for a burst beyond what it records per look, and for what it cannot finish there. Where the
+collector streams `ready` (Kubernetes), an episode parked before it was ready is sent again
+once ready, to stream it and park again.
 
 Nothing is lost when a worker dies:
 - a collector killed before its message was parked is redelivered as before; one killed after
@@ -15,7 +18,10 @@ Nothing is lost when a worker dies:
   idempotent, the chord counts a task id once);
 - a waker renews its lease at every look; one that died lets it lapse, and the next collector to
   park starts another, or the watchdog sends a `wake_batch` task that starts one;
-- an end the waker cannot see (a Pod never created) is recorded by the watchdog's rescue.
+- an end the waker's watch cannot see (a Pod never created) it finds in a full look at each
+  parked episode every FULL_LOOK_SECONDS, as its collector would have;
+- one it took and died recording is neither parked nor claimed: the watchdog's rescue
+  records it (the rescue leaves the parked and the claimed alone).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from rollout_wire.errors import BackendError, TransientBackendError
 from rollout_worker.backends.base import Backend
 from rollout_worker.core.collect import give_up_at
 from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, Receipt
@@ -32,6 +39,12 @@ from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, R
 RESCAN_SECONDS = 1.0
 # A waker that has not renewed its lease for this long is presumed dead: another may start.
 WAKER_LEASE_SECONDS = 10.0
+# The waker records at most this many ended episodes itself per look; a burst beyond it is
+# sent again as messages, so every collector process shares it.
+FINISH_PER_LOOK = 16
+# The waker looks fully at every parked episode (what its collector's look would ask) this
+# often, for ends its watch cannot see: a Pod never created, an index its Job gave up on.
+FULL_LOOK_SECONDS = 60.0
 
 
 def park(
@@ -62,12 +75,16 @@ def wake(
     token: str,
     send: Callable[[str], None],
     *,
+    finish: Callable[[int, str], None],
     limits: Limits,
+    look_fully: bool = False,
     now: Callable[[], float] = time.time,
 ) -> str:
     """One bounded look (one collect block) of the batch's waker, holding its lease `token`:
-    `send` the message of every parked episode that ends. Returns why the waker is done;
-    raises NotYet to look again."""
+    `finish` (record here) up to FINISH_PER_LOOK parked episodes that ended, `send` the message
+    of every other one that ends or becomes ready (`look_fully`: first look at each parked
+    episode as its collector would). Returns why the waker is done; raises NotYet to look
+    again."""
     assert receipt.run is not None
     batch_id, lease = receipt.batch_id, WAKER_LEASE_SECONDS
     end = time.monotonic() + limits.collect_block_seconds
@@ -91,17 +108,48 @@ def wake(
                 return "nothing parked"
             continue
         remaining = end - time.monotonic()
+        budget = FINISH_PER_LOOK
         if store.has_flag(batch_id, FLAG_CANCEL) or now() >= give_up_at(
             receipt.spec, receipt.run, limits
         ):
             ended = parked  # their collectors record them aborted or lost
+            budget = 0
         else:
             ended = backend.wait_ended(
                 receipt.run, parked, max(0.0, min(RESCAN_SECONDS, remaining)), ready=until_ready
             )
+            if look_fully:
+                look_fully = False
+                seen = set(ended)
+                ended += [
+                    i
+                    for i in parked
+                    if i not in seen and _moved(backend, receipt, i, until_ready=i in until_ready)
+                ]
         for index in ended:
             message = store.unpark(batch_id, index)
-            if message is not None:
+            if message is None:
+                continue
+            # An ended episode is recorded without a second Celery round trip (a publish, a
+            # delivery, a task run: most of what a long episode cost more than a short one).
+            # One only ready yet goes back to a collector, which streams it and parks again.
+            if budget > 0 and index not in until_ready:
+                budget -= 1
+                finish(index, message)
+            else:
                 send(message)
         if time.monotonic() >= end:
             raise NotYet
+
+
+def _moved(backend: Backend, receipt: Receipt, index: int, *, until_ready: bool) -> bool:
+    """What a collector's own look at a parked episode finds: ended (or ready, if waited on
+    until ready). A backend error is for the collector to record, with its cause."""
+    assert receipt.run is not None
+    try:
+        obs = backend.wait_episode(receipt.run, index, 0, until_ready=until_ready)
+    except TransientBackendError:
+        raise
+    except BackendError:
+        return True
+    return obs.terminal or (until_ready and obs.ready)

@@ -6,6 +6,7 @@ backend to use lives here; the retry budgets too (`MAX_RETRIES`, one table for a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from rollout_wire import constants as k
 from rollout_wire.errors import TransientBackendError
-from rollout_wire.states import Cleanup, FailureKind, FinalizedBy
+from rollout_wire.states import Cleanup, FailureKind, FinalizedBy, Records
 from rollout_worker.backends import get_backend
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.admit import fail, submit
@@ -30,7 +31,8 @@ from rollout_worker.core.collect import (
 from rollout_worker.core.feed import feed
 from rollout_worker.core.finalize import finalize
 from rollout_worker.core.groups import publish_group_of, quota_unenforced
-from rollout_worker.core.park import WAKER_LEASE_SECONDS, park, wake
+from rollout_worker.core.lease import renewed
+from rollout_worker.core.park import FULL_LOOK_SECONDS, WAKER_LEASE_SECONDS, park, wake
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
@@ -76,6 +78,9 @@ MAX_RETRIES: dict[str, int | None] = {
 # them outlives the visibility timeout and is delivered twice.
 TRANSIENT_PAUSE_SECONDS = 1.0
 CANCEL_RETRY_SECONDS = 1.0
+# The claim of the submit copy that sends a batch's chord: renewed every third of it while the
+# copy sends; a copy finding it held looks again every half of it.
+DISPATCH_LEASE_SECONDS = 9.0
 # A waker thread that failed this many looks in a row (a second apart) ends.
 WAKER_MAX_ERRORS = 60
 # A collector whose fed episode ended looks for its slot's next episode this long (its own
@@ -94,13 +99,20 @@ _UNSAFE_ID = re.compile(r"[^a-z0-9-]")
 
 class Again(Exception):
     """Run this task again after `countdown` seconds (after sleeping `pause` in the worker).
-    `cause` is the error that made it so, if any (Celery re-raises it once retries run out)."""
+    `cause` is the error that made it so, if any (Celery re-raises it once retries run out).
+    `counted=False`: a wait bounded otherwise, not spent from the task's retry budget."""
 
     def __init__(
-        self, countdown: float = 0.0, *, pause: float = 0.0, cause: Exception | None = None
+        self,
+        countdown: float = 0.0,
+        *,
+        pause: float = 0.0,
+        cause: Exception | None = None,
+        counted: bool = True,
     ) -> None:
         super().__init__(f"again in {countdown}s")
         self.countdown, self.pause, self.cause = countdown, pause, cause
+        self.counted = counted
 
 
 class Park(Exception):
@@ -131,6 +143,9 @@ class Scheduler(Protocol):
 
     def resend(self, message: str) -> None:
         """Send a parked task's message again, as it was."""
+
+    def complete(self, message: str, result: dict[str, Any]) -> None:
+        """Store a parked task's `result` as its worker would have (the chord counts it)."""
 
 
 def default_batch_id(message_id: str) -> str | None:
@@ -193,13 +208,33 @@ class Worker:
                 raise
             done = fail(self.store, receipt.spec, [f"backend failed after retries: {exc}"])
         if done.dispatch and done.spec is not None and done.run is not None:
+            # A copy redelivered while the first still sends (5000 messages can outlast the
+            # visibility timeout on a loaded machine) looks again later instead of sending the
+            # chord a second time. The claim is short and renewed while its holder sends, so a
+            # holder killed mid-send delays its successor by one lease, not by its longest send.
+            batch_id = done.spec.batch_id
+            token = f"{message_id}:{uuid.uuid4().hex}"
+            if not self.store.claim_dispatch(batch_id, token, DISPATCH_LEASE_SECONDS):
+                # Not counted as a retry: the holder's renewals bound how long this lasts.
+                raise Again(countdown=DISPATCH_LEASE_SECONDS / 2, counted=False)
             # Send, then flag: a crash in between re-sends the same task ids, which the result
             # backend and the per-index row store both absorb.
-            countdown = watchdog_countdown(done.spec, done.run, self.limits, time.time())
-            self.scheduler.collect_batch(done.spec.batch_id, done.spec.count, countdown)
-            if done.run.fed:
-                self.scheduler.feed(done.spec.batch_id)
-            self.store.set_flag(done.spec.batch_id, FLAG_CHORD)
+            try:
+                with renewed(
+                    lambda: self.store.claim_dispatch(batch_id, token, DISPATCH_LEASE_SECONDS),
+                    every=DISPATCH_LEASE_SECONDS / 3,
+                    at_most=2.0 * self.settings.visibility_timeout,
+                ):
+                    countdown = watchdog_countdown(done.spec, done.run, self.limits, time.time())
+                    self.scheduler.collect_batch(batch_id, done.spec.count, countdown)
+                    if done.run.fed:
+                        self.scheduler.feed(batch_id)
+                    self.store.set_flag(batch_id, FLAG_CHORD)
+            except Exception:
+                # This copy's retry (Redis away mid-send) must not wait out its own claim.
+                with contextlib.suppress(Exception):
+                    self.store.drop_dispatch(batch_id, token)
+                raise
         return done.as_result()
 
     def collect(self, batch_id: str, index: int) -> dict[str, Any]:
@@ -289,9 +324,14 @@ class Worker:
         take over (its next look then sees the lease held and ends); errors that go on end it
         (its lease lapses, and the watchdog starts another)."""
         errors = 0
+        # Its first full look a while after it starts: each parked collector has just looked.
+        full_look_at = time.monotonic() + FULL_LOOK_SECONDS
         while errors < WAKER_MAX_ERRORS:
+            look_fully = time.monotonic() >= full_look_at
+            if look_fully:
+                full_look_at = time.monotonic() + FULL_LOOK_SECONDS
             try:
-                done = self.wake_once(batch_id, token)
+                done = self.wake_once(batch_id, token, look_fully=look_fully)
             except Again as again:
                 errors = 0
                 time.sleep(again.pause)
@@ -305,7 +345,7 @@ class Worker:
             return
         log.error("waker of %s: %d errors in a row, leaving it to another", batch_id, errors)
 
-    def wake_once(self, batch_id: str, token: str) -> dict[str, Any]:
+    def wake_once(self, batch_id: str, token: str, *, look_fully: bool = False) -> dict[str, Any]:
         """One look of the batch's waker (`Again`: look again)."""
         receipt = self.started(batch_id)
         if receipt is None or receipt.run is None:
@@ -317,13 +357,30 @@ class Worker:
                 receipt,
                 token,
                 self.scheduler.resend,
+                finish=lambda index, message: self.finish_parked(batch_id, index, message),
                 limits=self.limits,
+                look_fully=look_fully,
             )
         except TransientBackendError as exc:
             raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
         except NotYet:
             raise Again() from None
         return {"batch_id": batch_id, "wake": why}
+
+    def finish_parked(self, batch_id: str, index: int, message: str) -> None:
+        """The waker's collect of a parked episode that ended: what its resent task would do,
+        here. Anything but a row (another copy holds the claim, a transient error) sends the
+        message again for a collector to deal with, as before."""
+        try:
+            result = self.collect(batch_id, index)
+        except Exception as exc:  # Again, Park, Redis or the backend away
+            log.info("waker of %s: #%d sent again (%s)", batch_id, index, exc)
+            self.scheduler.resend(message)
+            return
+        # Not sent again if this fails: its chord part may already count (the rescue records
+        # the batch either way).
+        self.scheduler.complete(message, result)
+        log.info("waker of %s: #%d recorded here", batch_id, index)
 
     def _after_row(self, receipt: Receipt, index: int) -> None:
         """Stream the episode's group if this row completed it; once the quota is met, stop
@@ -355,6 +412,13 @@ class Worker:
         """Look at a batch whose chord may never complete: finalise it once every episode has
         a row (the rescue collects ended ones) or its deadline passed; else look again."""
         if self.store.has_report(batch_id):
+            receipt = load_receipt(self.store, batch_id)  # fresh: `started` caches it
+            saved = (Records.COMPLETE, Records.FAILED)
+            if receipt is not None and receipt.run is not None and receipt.records not in saved:
+                # The callback may be saving them (waiting for the Jobs to settle): a cleanup
+                # sent now would delete the Jobs under it (a CI run lost job.json so). Save
+                # them here too, then send the cleanup (finalize does both, in that order).
+                return self.finalize(batch_id, FinalizedBy.WATCHDOG)
             if cleanup_pending(self.store, batch_id):
                 self.scheduler.cleanup(batch_id)
             return {"batch_id": batch_id, "status": "reported"}

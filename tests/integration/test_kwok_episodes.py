@@ -143,8 +143,8 @@ def test_a_redis_sigkill_mid_batch_loses_no_episode_on_kubernetes(
                     parallelism=SIGKILL_PARALLELISM,
                 )
             )
-            report = sigkill_redis_mid_batch(stack, client, batch_id)
-            problems = every_episode_once_problems(client, report, SIGKILL_EPISODES)
+            report, given = sigkill_redis_mid_batch(stack, client, batch_id)
+            problems = every_episode_once_problems(client, report, SIGKILL_EPISODES, given)
             if problems:
                 stack.keep_dir = True  # the workers' and redis-server's logs, for the diagnosis
             assert not problems, f"logs in {stack.dir}:\n" + "\n".join(problems)

@@ -1,11 +1,12 @@
 """Parked collectors end to end on the local backend (real Redis, real Celery workers, real
 bubblewrap sandboxes): a collector whose episode outlasts its block leaves its message for the
-batch's waker instead of requeueing itself every block, and the waker sends it again the
-moment its episode ends. The chord still counts each episode once."""
+batch's waker instead of requeueing itself every block, and the waker records the episode
+the moment it ends. The chord still counts each episode once."""
 
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 
 import pytest
@@ -38,6 +39,10 @@ SCRIPT = {
 }
 
 
+def worker_logs(stack: LocalStack) -> str:
+    return "".join(w.log.read_text(errors="replace") for w in stack.workers)
+
+
 def task(task_id: str) -> dict:
     return {
         "id": task_id,
@@ -67,7 +72,11 @@ def test_long_episodes_are_collected_by_parked_collectors_and_each_is_counted_on
             report = client.wait(batch.batch_id, timeout=180)
         finally:
             client.close()
-        logs = "".join(w.log.read_text(errors="replace") for w in stack.workers)
+        # The waker's last look (its "nothing parked") may come a moment after the report.
+        done = f"waker of {batch.batch_id}: nothing parked"
+        deadline = time.monotonic() + 15
+        while done not in (logs := worker_logs(stack)) and time.monotonic() < deadline:
+            time.sleep(0.2)
     assert report["status"] == "succeeded", report["errors"]
     # Reported by the chord: every collector's result counted (a parked task gives none).
     assert report["finalized_by"] == "chord"
@@ -75,11 +84,19 @@ def test_long_episodes_are_collected_by_parked_collectors_and_each_is_counted_on
     assert sorted(r["index"] for r in rows) == list(range(EPISODES))
     assert all(r["status"] == "ok" and r["reward"] == 1 for r in rows), rows
     # Requeued every block, each collector would have run about 8 times; parked, it runs
-    # when it starts, maybe once more before its sandbox runs, and once its episode ended.
+    # when it starts, maybe once more before its sandbox runs; the waker records it once its
+    # episode ended, without running its task again.
     runs = Counter(re.findall(r"Task rollout\.collect_episode\[(\S+)\] received", logs))
-    assert len(runs) == EPISODES and max(runs.values()) <= 3, runs
+    assert len(runs) == EPISODES and max(runs.values()) <= 2, runs
+    recorded = {
+        int(i) for i in re.findall(rf"waker of {batch.batch_id}: #(\d+) recorded here", logs)
+    }
+    # On a loaded machine a first collect can start late enough to find its episode over;
+    # every other one is the waker's.
+    assert recorded, logs[-3000:]
+    assert len(recorded) >= EPISODES - 1, (recorded, logs[-3000:])
     # The batch's one waker, a thread of the collector that parked first, ended with the batch.
-    assert logs.count(f"waker of {batch.batch_id}: nothing parked") == 1, logs[-3000:]
+    assert logs.count(done) == 1, logs[-3000:]
     # The waker sends a collector again the moment its episode ends, not a block later.
     last_end = max(r["finished_at"] for r in rows)
     assert report["reported_at"] - last_end < 3, (report["reported_at"], last_end)

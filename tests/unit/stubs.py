@@ -33,6 +33,7 @@ class MemoryStore:
         self.trajectories: dict[str, dict[int, dict[str, Any]]] = {}
         self.stream: list[tuple[str, str, Any]] = []  # (batch, type, payload)
         self.claims: dict[tuple[str, int], str] = {}  # (batch, index) -> token (never expire)
+        self.dispatching: dict[str, str] = {}  # batch -> token of its chord's sender
         self.copies: dict[str, int] = {}
         self.streaks: dict[str, list[Any]] = {}
         self.groups: dict[str, dict[str, dict[str, Any]]] = {}
@@ -78,8 +79,18 @@ class MemoryStore:
             streak.append(dict(failure))
         return list(streak)
 
+    def claim_dispatch(self, batch_id: str, token: str, ttl: float) -> bool:
+        return self.dispatching.setdefault(batch_id, token) == token
+
+    def drop_dispatch(self, batch_id: str, token: str) -> None:
+        if self.dispatching.get(batch_id) == token:
+            del self.dispatching[batch_id]
+
     def claim_collect(self, batch_id: str, index: int, token: str, ttl: float) -> bool:
         return self.claims.setdefault((batch_id, index), token) == token
+
+    def collecting(self, batch_id: str, indexes: Sequence[int]) -> set[int]:
+        return {i for i in indexes if (batch_id, i) in self.claims}
 
     def count_collect_copy(self, batch_id: str) -> None:
         self.copies[batch_id] = self.copies.get(batch_id, 0) + 1
@@ -232,6 +243,8 @@ class StubBackend:
     verdict: str = "Complete"
     ready: set[int] = field(default_factory=set)  # running episodes whose sandbox said ready
     finished_at: dict[int, float] = field(default_factory=dict)  # default: origin + 2
+    unseen: set[int] = field(default_factory=set)  # ended, but a watch misses it (no Pod)
+    observed: list[int] = field(default_factory=list)  # each wait_episode's index
 
     def preflight(self, spec: BatchSpec) -> list[str]:
         return []
@@ -252,6 +265,7 @@ class StubBackend:
     def wait_episode(
         self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
     ) -> EpisodeObservation:
+        self.observed.append(index)
         episode_id = handle.episode_id(index)
         if index not in self.ended:
             return EpisodeObservation(index, episode_id, "Running", ready=index in self.ready)
@@ -268,7 +282,11 @@ class StubBackend:
     def wait_ended(
         self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
     ) -> list[int]:
-        return [i for i in indexes if i in self.ended or (i in ready and i in self.ready)]
+        return [
+            i
+            for i in indexes
+            if (i in self.ended and i not in self.unseen) or (i in ready and i in self.ready)
+        ]
 
     def resume_run(self, handle: RunHandle) -> None:
         self.resumed += 1

@@ -280,6 +280,23 @@ def test_the_sweeper_takes_over_stalled_cleanups_and_expired_kept_runs(store, ba
     assert sweep(kept, backend, now=999.0 + 3601) == {"b1": "deleted"}
 
 
+def test_the_rescue_leaves_parked_and_claimed_episodes_to_whoever_is_on_them(store, backend):
+    """Looking at them kept a watch of every Pod of a long batch in each control process; their
+    waker or collector records them, and the rescue takes only episodes nobody is on."""
+    receipt = started(store, backend)
+    for index in range(3):
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", 1000.5))
+    store.park("b1", 0, "message 0", False)
+    store.claims[("b1", 1)] = "a live collector"
+    assert not core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 61)
+    assert set(backend.observed) == {2} and store.has_episode("b1", 2)
+    assert not store.has_episode("b1", 0) and not store.has_episode("b1", 1)
+    # Its collector died: the claim lapsed, and the rescue takes the episode.
+    del store.claims[("b1", 1)]
+    assert not core.rescue(store, backend, receipt, LIMITS, now=1000.0 + 61)
+    assert store.has_episode("b1", 1)
+
+
 def test_a_redelivered_callback_finds_the_cleanup_it_must_schedule_again(store, backend):
     started(store, backend)
     finalize(store, backend, by="watchdog")

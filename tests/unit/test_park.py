@@ -3,12 +3,14 @@ message for the batch's waker, which sends it again once the episode ends."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 
 import pytest
 
 from rollout_worker import core
+from rollout_worker.core import park as park_module
 from rollout_worker.core import worker as worker_module
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.settings import Settings
@@ -68,7 +70,7 @@ def test_a_collector_whose_episode_ended_while_it_parked_runs_again_at_once(part
     assert store.parked("b1")[0] == [] and sent.wakers == []
 
 
-def test_the_waker_resends_each_ended_episode_once_and_looks_again_while_any_is_parked(parts):
+def test_the_waker_records_each_ended_episode_once_and_looks_again_while_any_is_parked(parts):
     w, store, backend, sent = parts
     w.park(core.Park("b1", 0), "message 0")
     w.park(core.Park("b1", 1), "message 1")
@@ -76,11 +78,75 @@ def test_the_waker_resends_each_ended_episode_once_and_looks_again_while_any_is_
     backend.ended[1] = ("Succeeded", good_log("ep-b1-1", backend.origin + 0.5))
     with pytest.raises(core.Again):  # 0 still runs: it looks again after its block
         w.wake_once("b1", token)
-    assert sent.resent == ["message 1"] and store.parked("b1")[0] == [0]
+    # Recorded here, its task's result stored for the chord: no message sent again.
+    assert store.has_episode("b1", 1) and store.parked("b1")[0] == [0]
+    assert sent.completed == [("message 1", {"index": 1, "status": "ok"})]
     backend.ended[0] = ("Failed", "")
     assert w.wake_once("b1", token)["wake"] == "nothing parked"
-    assert sent.resent == ["message 1", "message 0"]
+    assert [m for m, _ in sent.completed] == ["message 1", "message 0"]
+    assert sent.resent == [] and store.has_episode("b1", 0)
     assert store.wakers == {}  # the next collector to park sends a new waker
+
+
+def test_a_burst_of_ended_episodes_beyond_what_the_waker_records_goes_back_to_collectors(
+    parts, monkeypatch
+):
+    w, _, backend, sent = parts
+    monkeypatch.setattr(park_module, "FINISH_PER_LOOK", 1)
+    for index in (0, 1):
+        w.park(core.Park("b1", index), f"message {index}")
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", backend.origin + 0.5))
+    ((_, token),) = sent.wakers
+    assert w.wake_once("b1", token)["wake"] == "nothing parked"
+    assert len(sent.completed) == 1 and len(sent.resent) == 1
+    assert {sent.completed[0][0], sent.resent[0]} == {"message 0", "message 1"}
+
+
+def test_an_ended_episode_the_waker_cannot_record_goes_back_to_a_collector(parts):
+    w, store, backend, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    ((_, token),) = sent.wakers
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
+    store.claims[("b1", 0)] = "a copy redelivered meanwhile"  # holds the collecting claim
+    with contextlib.suppress(core.Again):  # the look may outlast its (tiny) block
+        w.wake_once("b1", token)
+    assert sent.resent == ["message 0"] and sent.completed == []
+    assert not store.has_episode("b1", 0)
+
+
+def test_an_end_the_waker_s_watch_misses_is_found_by_its_full_look(parts):
+    """A Pod never created: only a look as its collector's would ask (the Job) sees the end.
+    The watchdog's rescue leaves parked episodes alone, so the waker must find it."""
+    w, store, backend, sent = parts
+    w.park(core.Park("b1", 0), "message 0")
+    ((_, token),) = sent.wakers
+    backend.ended[0] = ("Failed", "")
+    backend.unseen.add(0)
+    with contextlib.suppress(core.Again):
+        w.wake_once("b1", token)
+    assert store.parked("b1")[0] == [0]  # its watch alone does not see it
+    assert w.wake_once("b1", token, look_fully=True)["wake"] == "nothing parked"
+    assert [m for m, _ in sent.completed] == ["message 0"] and store.has_episode("b1", 0)
+
+
+def test_the_waker_thread_looks_fully_once_a_while(parts, monkeypatch):
+    w = parts[0]
+    monkeypatch.setattr(worker_module, "FULL_LOOK_SECONDS", 0.0)
+    fully: list[bool] = []
+
+    def look(batch_id: str, token: str, *, look_fully: bool = False) -> dict[str, str]:
+        fully.append(look_fully)
+        if len(fully) < 3:
+            raise core.Again()
+        return {"wake": "nothing parked"}
+
+    monkeypatch.setattr(w, "wake_once", look)
+    w._waker("b1", "t1")
+    assert fully == [True, True, True]
+    monkeypatch.setattr(worker_module, "FULL_LOOK_SECONDS", 3600.0)
+    fully.clear()
+    w._waker("b1", "t1")
+    assert fully == [False, False, False]
 
 
 def test_a_second_waker_stands_aside_while_the_first_holds_the_lease(parts):
@@ -147,7 +213,7 @@ def test_the_waker_thread_looks_until_nothing_is_parked(parts):
     ((_, token),) = sent.wakers
     backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
     w._waker("b1", token)  # what the thread runs: returns once done
-    assert sent.resent == ["message 0"]
+    assert [m for m, _ in sent.completed] == ["message 0"]
 
 
 def test_a_collector_of_an_episode_not_started_waits_its_block_then_parks_until_ready(
@@ -174,7 +240,7 @@ def test_a_waker_thread_whose_looks_keep_failing_ends_and_leaves_the_lease_to_la
     w, _, _, _ = parts
     looks: list[str] = []
 
-    def broken(batch_id: str, token: str) -> dict:
+    def broken(batch_id: str, token: str, **_: bool) -> dict:
         looks.append(token)
         raise ConnectionError("Redis away")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,7 @@ class Sent:
     feeds: list[str] = field(default_factory=list)
     wakers: list[tuple[str, str]] = field(default_factory=list)
     resent: list[str] = field(default_factory=list)
+    completed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def feed(self, batch_id: str) -> None:
         self.feeds.append(batch_id)
@@ -37,6 +39,9 @@ class Sent:
 
     def resend(self, message: str) -> None:
         self.resent.append(message)
+
+    def complete(self, message: str, result: dict[str, Any]) -> None:
+        self.completed.append((message, result))
 
     def collect_batch(self, batch_id: str, count: int, watchdog_countdown: float) -> None:
         self.chords.append((batch_id, count, watchdog_countdown))
@@ -73,6 +78,65 @@ def test_a_submit_sends_the_chord_once_and_flags_it(parts):
     assert w.submit(request, message_id="m1", attempt=0)["status"] == "started"  # redelivered
     assert [(b, n) for b, n, _ in sent.chords] == [("b1", 2)]
     assert store.has_flag("b1", core.FLAG_CHORD)
+
+
+def test_a_copy_redelivered_while_the_first_sends_the_chord_looks_again_later(parts):
+    """Under load a 5000-episode dispatch outlived the visibility timeout, and the redelivered
+    copy of the submit sent the whole chord again (the benchmark's run 2: 112 collect copies)."""
+    w, store, _, sent = parts
+    request = {"batch_id": "b1", "count": 2}
+    assert store.claim_dispatch("b1", "the first copy, still sending", 40)
+    with pytest.raises(core.Again) as again:
+        w.submit(request, message_id="m1", attempt=0)
+    assert 0 < again.value.countdown < w.settings.visibility_timeout
+    assert not again.value.counted  # a long send must not use up the copy's retry budget
+    assert sent.chords == []
+    store.set_flag("b1", core.FLAG_CHORD)  # the first copy finished its send
+    assert w.submit(request, message_id="m1", attempt=1)["status"] == "started"
+    assert sent.chords == []
+
+
+def test_a_copy_whose_send_failed_lets_its_retry_send_at_once(parts, monkeypatch):
+    """Redis gone mid-send: the retry of the same copy must not wait out its own claim."""
+    w, _, _, sent = parts
+    request = {"batch_id": "b1", "count": 2}
+
+    def broken(*args: object) -> None:
+        raise ConnectionError("redis went away")
+
+    monkeypatch.setattr(sent, "collect_batch", broken)
+    with pytest.raises(ConnectionError):
+        w.submit(request, message_id="m1", attempt=0)
+    monkeypatch.undo()
+    assert w.submit(request, message_id="m1", attempt=1)["status"] == "started"
+    assert [(b, n) for b, n, _ in sent.chords] == [("b1", 2)]
+
+
+def test_a_submit_copy_keeps_its_claim_renewed_while_it_sends(parts, monkeypatch):
+    """The claim is short (a copy killed mid-send holds its batch that long at most), so a send
+    longer than it must renew it, or a redelivered copy would send the chord again."""
+    w, store, _, sent = parts
+    monkeypatch.setattr(worker_module, "DISPATCH_LEASE_SECONDS", 0.03)
+    renewals: list[str] = []
+    claim = store.claim_dispatch
+
+    def counting(batch_id: str, token: str, ttl: float) -> bool:
+        renewals.append(token)
+        return claim(batch_id, token, ttl)
+
+    monkeypatch.setattr(store, "claim_dispatch", counting)
+    send = sent.collect_batch
+
+    def slow_send(*args: Any) -> None:
+        deadline = time.monotonic() + 5
+        while len(renewals) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        send(*args)
+
+    monkeypatch.setattr(sent, "collect_batch", slow_send)
+    w.submit({"batch_id": "b1", "count": 2}, message_id="m1", attempt=0)
+    assert len(renewals) >= 4 and len(set(renewals)) == 1  # the first claim, then renewals
+    assert [(b, n) for b, n, _ in sent.chords] == [("b1", 2)]
 
 
 def test_a_request_without_an_id_is_named_after_its_message():
@@ -151,6 +215,27 @@ def test_the_watchdog_looks_again_before_the_deadline_and_finalises_after_it(par
     assert w.watchdog("b1")["status"] == "failed"
     report = store.reports["b1"]
     assert (report["finalized_by"], report["lost_episodes"]) == ("watchdog", 1)
+
+
+def test_a_watchdog_finding_the_report_out_saves_the_records_before_the_cleanup(parts):
+    """A watchdog that finds the report out while its records are not saved yet (the callback
+    waits for the Jobs to settle) must not send the cleanup then: it would delete the Jobs
+    under the callback. It saves the records itself, then sends it."""
+    w, store, backend, sent = parts
+    w.submit({"batch_id": "b1", "count": 1}, message_id="m1", attempt=0)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
+    w.collect("b1", 0)
+    w.finalize("b1", FinalizedBy.CHORD)
+    # Where the callback stands while it waits: report out, records pending, no cleanup sent.
+    store.records.pop("b1")
+    store.update_receipt("b1", {"records": "pending"})
+    sent.cleanups.clear()
+    w.watchdog("b1")
+    assert store.records["b1"] == {"run.json": "{}"}
+    assert store.receipts["b1"]["records"] == "complete"
+    assert sent.cleanups == ["b1"]
+    # Records saved: a later watchdog only sends the pending cleanup again.
+    assert w.watchdog("b1")["status"] == "reported" and sent.cleanups == ["b1", "b1"]
 
 
 def test_every_task_has_a_retry_budget_and_only_the_deadline_bounds_collectors():
