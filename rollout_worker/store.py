@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -91,6 +91,28 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# The waker's look, one round trip: renew its lease (as _CLAIM_LEASE), then read what it acts
+# on. KEYS: lease, parked, parked-ready, report, cancel flag.
+_WAKER_LOOK = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return {0} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {1, redis.call('HKEYS', KEYS[2]), redis.call('SMEMBERS', KEYS[3]),
+        redis.call('EXISTS', KEYS[4]), redis.call('EXISTS', KEYS[5])}
+"""
+
+
+@dataclass(frozen=True)
+class WakerLook:
+    """What the batch's waker sees at one look. `held` False: another waker holds the lease
+    (nothing else was read)."""
+
+    held: bool
+    parked: list[int] = field(default_factory=list)
+    until_ready: frozenset[int] = frozenset()
+    reported: bool = False
+    cancelled: bool = False
+
 
 @dataclass(frozen=True)
 class GroupPublished:
@@ -111,6 +133,7 @@ class Store:
         self._publish_state = client.register_script(_PUBLISH_STATE)
         self._release = client.register_script(_RELEASE)
         self._claim_lease = client.register_script(_CLAIM_LEASE)
+        self._waker_look = client.register_script(_WAKER_LOOK)
         self._publish_group = client.register_script(_PUBLISH_GROUP)
 
     @classmethod
@@ -315,6 +338,28 @@ class Store:
     def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool:
         """Be (or stay) the batch's waker for `ttl` seconds; False while another holds it."""
         return self._take_lease(k.waker_key(batch_id), token, ttl)
+
+    def waker_look(self, batch_id: str, token: str, ttl: float, flag: str) -> WakerLook:
+        """`claim_waker`, then the parked episodes, the report and the batch's `flag` (its
+        cancel flag), in one round trip: the waker looks every second for a batch's whole wall."""
+        keys = [
+            k.waker_key(batch_id),
+            k.parked_key(batch_id),
+            k.parked_until_ready_key(batch_id),
+            k.report_key(batch_id),
+            k.flag_key(batch_id, flag),
+        ]
+        found = self._waker_look(keys=keys, args=[token, int(ttl * 1000)])
+        if not found[0]:
+            return WakerLook(held=False)
+        _, indexes, ready, reported, flagged = found
+        return WakerLook(
+            held=True,
+            parked=sorted(int(i) for i in indexes),
+            until_ready=frozenset(int(i) for i in ready),
+            reported=bool(reported),
+            cancelled=bool(flagged),
+        )
 
     def drop_waker(self, batch_id: str, token: str) -> None:
         self._release(keys=[k.waker_key(batch_id)], args=[token])

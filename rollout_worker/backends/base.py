@@ -7,6 +7,7 @@ A run is one batch's sandboxes (a Kubernetes Job, or a locally supervised proces
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -110,7 +111,7 @@ class Backend(Protocol):
         it itself)."""
 
     def wait_ended(
-        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: AbstractSet[int]
     ) -> list[int]:
         """Those of `indexes` whose episodes have ended (or, for those in `ready`, are ready),
         waiting up to `timeout` seconds for one. For the batch's waker (one per process),

@@ -93,10 +93,11 @@ def wake(
         # (locally, the run's supervisor); parked collectors no longer do it.
         backend.resume_run(receipt.run)
     while True:
-        if not store.claim_waker(batch_id, token, lease):
+        look = store.waker_look(batch_id, token, lease, FLAG_CANCEL)
+        if not look.held:
             return "another waker holds the lease"
-        parked, until_ready = store.parked(batch_id)
-        if store.has_report(batch_id):
+        parked, until_ready = look.parked, look.until_ready
+        if look.reported:
             for index in parked:  # reported: their rows are in, their messages are moot
                 store.unpark(batch_id, index)
             store.drop_waker(batch_id, token)
@@ -109,9 +110,7 @@ def wake(
             continue
         remaining = end - time.monotonic()
         budget = FINISH_PER_LOOK
-        if store.has_flag(batch_id, FLAG_CANCEL) or now() >= give_up_at(
-            receipt.spec, receipt.run, limits
-        ):
+        if look.cancelled or now() >= give_up_at(receipt.spec, receipt.run, limits):
             ended = parked  # their collectors record them aborted or lost
             budget = 0
         else:

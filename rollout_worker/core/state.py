@@ -12,7 +12,7 @@ from rollout_wire.rows import EpisodeRow
 from rollout_wire.states import Cleanup, Records
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.settings import Settings
-from rollout_worker.store import GroupPublished
+from rollout_worker.store import GroupPublished, WakerLook
 
 # The watchdog looks at a batch at least this often, and gives the chord this long after the
 # collectors' own give-up time before it finalises the batch itself.
@@ -72,6 +72,7 @@ class BatchStore(Protocol):
     def parked(self, batch_id: str) -> tuple[list[int], set[int]]: ...
     def unpark(self, batch_id: str, index: int) -> str | None: ...
     def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool: ...
+    def waker_look(self, batch_id: str, token: str, ttl: float, flag: str) -> WakerLook: ...
     def drop_waker(self, batch_id: str, token: str) -> None: ...
 
 

@@ -100,3 +100,32 @@ def test_long_episodes_are_collected_by_parked_collectors_and_each_is_counted_on
     # The waker sends a collector again the moment its episode ends, not a block later.
     last_end = max(r["finished_at"] for r in rows)
     assert report["reported_at"] - last_end < 3, (report["reported_at"], last_end)
+
+
+def test_the_wakers_one_round_trip_look_renews_its_lease_and_reads_what_it_acts_on():
+    """The waker's look (one Lua call on a real redis-server) renews only its own lease, and
+    reads back what collectors, the callback and a cancel wrote through the store."""
+    from rollout_wire import constants as k
+    from rollout_worker.core.state import FLAG_CANCEL
+    from rollout_worker.store import Store
+
+    stack = LocalStack()
+    stack.start_redis()
+    try:
+        store, batch_id = Store.from_url(stack.redis_url, ttl=600), "look"
+        store.park(batch_id, 3, "m3", until_ready=True)
+        store.park(batch_id, 1, "m1", until_ready=False)
+        first = store.waker_look(batch_id, "a", 10.0, FLAG_CANCEL)
+        other = store.waker_look(batch_id, "b", 10.0, FLAG_CANCEL)
+        lease_ms = store.redis.pttl(k.waker_key(batch_id))
+        store.set_flag(batch_id, FLAG_CANCEL)
+        store.publish_report(batch_id, {"batch_id": batch_id, "status": "cancelled"})
+        store.unpark(batch_id, 3)
+        last = store.waker_look(batch_id, "a", 10.0, FLAG_CANCEL)
+    finally:
+        stack.stop()
+    assert (first.held, first.parked, set(first.until_ready)) == (True, [1, 3], {3})
+    assert (first.reported, first.cancelled) == (False, False)
+    assert not other.held and other.parked == []  # another's lease: nothing read
+    assert 9000 < lease_ms <= 10000
+    assert (last.held, last.parked, last.reported, last.cancelled) == (True, [1], True, True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from rollout_wire.request import BatchSpec
 from rollout_wire.rows import EpisodeRow
 from rollout_worker.backends.base import FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.observation import EpisodeObservation
-from rollout_worker.store import GroupPublished
+from rollout_worker.store import GroupPublished, WakerLook
 
 
 class MemoryStore:
@@ -113,6 +114,18 @@ class MemoryStore:
 
     def claim_waker(self, batch_id: str, token: str, ttl: float) -> bool:
         return self.wakers.setdefault(batch_id, token) == token
+
+    def waker_look(self, batch_id: str, token: str, ttl: float, flag: str) -> WakerLook:
+        if not self.claim_waker(batch_id, token, ttl):
+            return WakerLook(held=False)
+        parked, until_ready = self.parked(batch_id)
+        return WakerLook(
+            held=True,
+            parked=parked,
+            until_ready=frozenset(until_ready),
+            reported=self.has_report(batch_id),
+            cancelled=self.has_flag(batch_id, flag),
+        )
 
     def drop_waker(self, batch_id: str, token: str) -> None:
         if self.wakers.get(batch_id) == token:
@@ -280,7 +293,7 @@ class StubBackend:
         )
 
     def wait_ended(
-        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: AbstractSet[int]
     ) -> list[int]:
         return [
             i

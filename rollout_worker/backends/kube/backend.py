@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import orjson
@@ -439,7 +440,7 @@ class KubernetesBackend:
         return obs
 
     def wait_ended(
-        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: AbstractSet[int]
     ) -> list[int]:
         def done(index: int, pods: dict[str, dict[str, Any]]) -> bool:
             return _ended(handle, index, pods) or (

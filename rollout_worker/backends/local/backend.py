@@ -19,6 +19,7 @@ import stat
 import subprocess
 import time
 import uuid
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +274,7 @@ class LocalBackend:
         )
 
     def wait_ended(
-        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: set[int]
+        self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: AbstractSet[int]
     ) -> list[int]:
         # `ready` is moot: the supervisor streams it, so no collector parks until ready.
         run_dir = self._dir(handle)
