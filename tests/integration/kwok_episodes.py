@@ -483,8 +483,13 @@ class KwokEpisodes:
         cm = self.core.read_namespaced_config_map(volume["configMap"]["name"], namespace)
         path = self.sandboxes / namespace / PROGRAM_KEY
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(cm.data[PROGRAM_KEY])
-        path.chmod(0o644)
+        # Written aside, then renamed into place: two Pods of a batch served at once both miss
+        # the cache, and a second write in place truncated the program under the first Pod's
+        # run (a cold CI's episode died of a SyntaxError at the cut).
+        aside = path.with_name(f".{PROGRAM_KEY}.{threading.get_ident()}")
+        aside.write_text(cm.data[PROGRAM_KEY])
+        aside.chmod(0o644)
+        os.replace(aside, path)
         with self._lock:
             self._programs[namespace] = path
         return path
