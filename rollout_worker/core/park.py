@@ -8,7 +8,7 @@ parked first (a task would wait behind the whole collect queue), holding a lease
 When an episode ends, the waker records it itself (`Worker.finish_parked`: the same collect,
 then the task's result stored as its worker would have, so the chord counts it): a message
 sent again would cost a second Celery round trip. It sends the message again (the same task)
-for a burst beyond what it records per look, and for what it cannot finish there. Where the
+for a burst beyond what it records in a second, and for what it cannot finish there. Where the
 collector streams `ready` (Kubernetes), an episode parked before it was ready is sent again
 once ready, to stream it and park again.
 
@@ -39,9 +39,11 @@ from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, R
 RESCAN_SECONDS = 1.0
 # A waker that has not renewed its lease for this long is presumed dead: another may start.
 WAKER_LEASE_SECONDS = 10.0
-# The waker records at most this many ended episodes itself per look; a burst beyond it is
-# sent again as messages, so every collector process shares it.
-FINISH_PER_LOOK = 16
+# The waker records ended episodes itself for at most this long per look (each costs it a few
+# ms: a log read, a few Redis writes); the rest of a burst is sent again as messages, so that
+# collector processes share one too large for a second. A count (16 per look) sent most of a
+# 200-episode burst again, at about 6 ms of Celery round trip each, and delayed their rows.
+FINISH_SECONDS_PER_LOOK = 1.0
 # The waker looks fully at every parked episode (what its collector's look would ask) this
 # often, for ends its watch cannot see: a Pod never created, an index its Job gave up on.
 FULL_LOOK_SECONDS = 60.0
@@ -81,10 +83,10 @@ def wake(
     now: Callable[[], float] = time.time,
 ) -> str:
     """One bounded look (one collect block) of the batch's waker, holding its lease `token`:
-    `finish` (record here) up to FINISH_PER_LOOK parked episodes that ended, `send` the message
-    of every other one that ends or becomes ready (`look_fully`: first look at each parked
-    episode as its collector would). Returns why the waker is done; raises NotYet to look
-    again."""
+    `finish` (record here) parked episodes that ended, for up to FINISH_SECONDS_PER_LOOK each
+    time it looks; `send` the message of every other one that ends or becomes ready
+    (`look_fully`: first look at each parked episode as its collector would). Returns why
+    the waker is done; raises NotYet to look again."""
     assert receipt.run is not None
     batch_id, lease = receipt.batch_id, WAKER_LEASE_SECONDS
     end = time.monotonic() + limits.collect_block_seconds
@@ -109,10 +111,10 @@ def wake(
                 return "nothing parked"
             continue
         remaining = end - time.monotonic()
-        budget = FINISH_PER_LOOK
+        finishing = True
         if look.cancelled or now() >= give_up_at(receipt.spec, receipt.run, limits):
             ended = parked  # their collectors record them aborted or lost
-            budget = 0
+            finishing = False
         else:
             ended = backend.wait_ended(
                 receipt.run, parked, max(0.0, min(RESCAN_SECONDS, remaining)), ready=until_ready
@@ -125,6 +127,7 @@ def wake(
                     for i in parked
                     if i not in seen and _moved(backend, receipt, i, until_ready=i in until_ready)
                 ]
+        finish_until = time.monotonic() + FINISH_SECONDS_PER_LOOK if finishing else 0.0
         for index in ended:
             message = store.unpark(batch_id, index)
             if message is None:
@@ -132,8 +135,7 @@ def wake(
             # An ended episode is recorded without a second Celery round trip (a publish, a
             # delivery, a task run: most of what a long episode cost more than a short one).
             # One only ready yet goes back to a collector, which streams it and parks again.
-            if budget > 0 and index not in until_ready:
-                budget -= 1
+            if index not in until_ready and time.monotonic() < finish_until:
                 finish(index, message)
             else:
                 send(message)
