@@ -39,9 +39,9 @@ from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, R
 RESCAN_SECONDS = 1.0
 # A waker that has not renewed its lease for this long is presumed dead: another may start.
 WAKER_LEASE_SECONDS = 10.0
-# The waker records ended episodes itself for at most this long per look (each costs it a few
-# ms: a log read, a few Redis writes); the rest of a burst is sent again as messages, so that
-# collector processes share one too large for a second. A count (16 per look) sent most of a
+# The waker begins recording the ends of one look itself for this long (on a few threads:
+# `Worker.finish_parked`); the rest of a burst is sent again as messages, so that collector
+# processes share one too large for a second. A count (16 per look) sent most of a
 # 200-episode burst again, at about 6 ms of Celery round trip each, and delayed their rows.
 FINISH_SECONDS_PER_LOOK = 1.0
 # The waker looks fully at every parked episode (what its collector's look would ask) this
@@ -77,14 +77,15 @@ def wake(
     token: str,
     send: Callable[[str], None],
     *,
-    finish: Callable[[int, str], None],
+    finish: Callable[[list[tuple[int, str]], float], None],
     limits: Limits,
     look_fully: bool = False,
     now: Callable[[], float] = time.time,
 ) -> str:
     """One bounded look (one collect block) of the batch's waker, holding its lease `token`:
-    `finish` (record here) parked episodes that ended, for up to FINISH_SECONDS_PER_LOOK each
-    time it looks; `send` the message of every other one that ends or becomes ready
+    `finish` (record here) parked episodes that ended, those it cannot begin within
+    FINISH_SECONDS_PER_LOOK sent again; `send` the message of every other one that ends or
+    becomes ready
     (`look_fully`: first look at each parked episode as its collector would). Returns why
     the waker is done; raises NotYet to look again."""
     assert receipt.run is not None
@@ -127,7 +128,7 @@ def wake(
                     for i in parked
                     if i not in seen and _moved(backend, receipt, i, until_ready=i in until_ready)
                 ]
-        finish_until = time.monotonic() + FINISH_SECONDS_PER_LOOK if finishing else 0.0
+        here: list[tuple[int, str]] = []
         for index in ended:
             message = store.unpark(batch_id, index)
             if message is None:
@@ -135,10 +136,12 @@ def wake(
             # An ended episode is recorded without a second Celery round trip (a publish, a
             # delivery, a task run: most of what a long episode cost more than a short one).
             # One only ready yet goes back to a collector, which streams it and parks again.
-            if index not in until_ready and time.monotonic() < finish_until:
-                finish(index, message)
+            if finishing and index not in until_ready:
+                here.append((index, message))
             else:
                 send(message)
+        if here:
+            finish(here, time.monotonic() + FINISH_SECONDS_PER_LOOK)
         if time.monotonic() >= end:
             raise NotYet
 

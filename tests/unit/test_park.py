@@ -4,6 +4,7 @@ message for the batch's waker, which sends it again once the episode ends."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import replace
 
@@ -88,16 +89,19 @@ def test_the_waker_records_each_ended_episode_once_and_looks_again_while_any_is_
     assert store.wakers == {}  # the next collector to park sends a new waker
 
 
-def test_a_burst_the_waker_cannot_record_in_its_time_goes_back_to_collectors(parts, monkeypatch):
+def test_a_burst_the_waker_cannot_begin_recording_in_its_time_goes_back_to_collectors(
+    parts, monkeypatch
+):
     w, _, backend, sent = parts
     monkeypatch.setattr(park_module, "FINISH_SECONDS_PER_LOOK", 0.05)
-    finish_here = w.finish_parked
+    monkeypatch.setattr(worker_module, "FINISH_THREADS", 1)
+    finish_here = w._finish_here
 
     def slow_finish(batch_id: str, index: int, message: str) -> None:
         finish_here(batch_id, index, message)
-        time.sleep(0.06)  # the first outlasts the look's time to record
+        time.sleep(0.06)  # the first outlasts the look's time to begin recording
 
-    monkeypatch.setattr(w, "finish_parked", slow_finish)
+    monkeypatch.setattr(w, "_finish_here", slow_finish)
     for index in (0, 1):
         w.park(core.Park("b1", index), f"message {index}")
         backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", backend.origin + 0.5))
@@ -106,6 +110,32 @@ def test_a_burst_the_waker_cannot_record_in_its_time_goes_back_to_collectors(par
         w.wake_once("b1", token)
     assert len(sent.completed) == 1 and len(sent.resent) == 1
     assert {sent.completed[0][0], sent.resent[0]} == {"message 0", "message 1"}
+
+
+def test_the_waker_records_a_burst_on_several_threads_at_once(parts, monkeypatch):
+    w, store, backend, sent = parts
+    at_once, running, lock = [], [0], threading.Lock()
+    finish_here = w._finish_here
+
+    def counted(batch_id: str, index: int, message: str) -> None:
+        with lock:
+            running[0] += 1
+            at_once.append(running[0])
+        time.sleep(0.05)
+        finish_here(batch_id, index, message)
+        with lock:
+            running[0] -= 1
+
+    monkeypatch.setattr(w, "_finish_here", counted)
+    for index in (0, 1, 2):
+        w.park(core.Park("b1", index), f"message {index}")
+        backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", backend.origin + 0.5))
+    ((_, token),) = sent.wakers
+    with contextlib.suppress(core.Again):
+        w.wake_once("b1", token)
+    assert max(at_once) > 1  # not one after another
+    assert sorted(m for m, _ in sent.completed) == ["message 0", "message 1", "message 2"]
+    assert sent.resent == [] and all(store.has_episode("b1", i) for i in (0, 1, 2))
 
 
 def test_an_ended_episode_the_waker_cannot_record_goes_back_to_a_collector(parts):
