@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -185,9 +186,24 @@ def backend_for_run(handle: RunHandle, settings: Settings, cache: dict[str, Back
         key, wanted = handle.backend, settings
     else:
         key, wanted = f"{handle.backend}@{context}", replace(settings, kube_context=context)
-    if key not in cache:
-        cache[key] = get_backend(handle.backend, wanted)
-    return cache[key]
+    return cached_backend(cache, key, lambda: get_backend(handle.backend, wanted))
+
+
+# Backends are made under one lock: a collector's threads ask for one at the same moment (a
+# burst of first collects), and each backend made twice kept watches of its own (a profile
+# found the 64 threads of a collector making about a dozen).
+_MAKING = threading.Lock()
+
+
+def cached_backend(cache: dict[str, Backend], key: str, make: Callable[[], Backend]) -> Backend:
+    """`cache[key]`, made once by `make` if missing, however many threads ask at once."""
+    found = cache.get(key)
+    if found is None:
+        with _MAKING:
+            found = cache.get(key)
+            if found is None:
+                found = cache[key] = make()
+    return found
 
 
 def sweep_backends(settings: Settings) -> list[str]:

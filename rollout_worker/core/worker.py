@@ -39,6 +39,7 @@ from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
     backend_for_run,
+    cached_backend,
     cancel,
     cleanup,
     cleanup_pending,
@@ -173,9 +174,7 @@ class Worker:
 
     # -- which backend -----------------------------------------------------------------------
     def backend(self, name: str) -> Backend:
-        if name not in self._backends:
-            self._backends[name] = get_backend(name, self.settings)
-        return self._backends[name]
+        return cached_backend(self._backends, name, lambda: get_backend(name, self.settings))
 
     def backend_for_run(self, handle: RunHandle) -> Backend:
         return backend_for_run(handle, self.settings, self._backends)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -364,3 +365,26 @@ def test_the_collector_of_a_fed_episode_gives_its_slot_the_next_episode(parts):
     # Its row is in, and episode 1 was claimed by the same call (not by the feed task).
     assert store.has_episode("b1", 0)
     assert [i for i, _, _ in store.load_receipt("b1")["run"]["warm"]] == [0, 1]
+
+
+def test_a_backend_asked_for_by_many_threads_at_once_is_made_once(monkeypatch):
+    """A collector's 64 threads ask for the backend together at a batch's first collects; each
+    backend made twice kept watches of its own."""
+    made: list[object] = []
+
+    def slow_make(name: str, settings: Settings) -> object:
+        time.sleep(0.05)  # long enough for every thread to find none made yet
+        made.append(object())
+        return made[-1]
+
+    monkeypatch.setattr(worker_module, "get_backend", slow_make)
+    w = core.Worker(Settings(), MemoryStore(), Sent())
+    got: list[object] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(w.backend("kubernetes"))) for _ in range(16)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and got == made * 16
