@@ -85,9 +85,8 @@ def wake(
     """One bounded look (one collect block) of the batch's waker, holding its lease `token`:
     `finish` (record here) parked episodes that ended, those it cannot begin within
     FINISH_SECONDS_PER_LOOK sent again; `send` the message of every other one that ends or
-    becomes ready
-    (`look_fully`: first look at each parked episode as its collector would). Returns why
-    the waker is done; raises NotYet to look again."""
+    becomes ready (`look_fully`: first look at each parked episode as its collector would).
+    Returns why the waker is done; raises NotYet to look again."""
     assert receipt.run is not None
     batch_id, lease = receipt.batch_id, WAKER_LEASE_SECONDS
     end = time.monotonic() + limits.collect_block_seconds
