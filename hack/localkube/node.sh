@@ -116,11 +116,19 @@ stop_pids() { # what pids...: TERM, wait up to 10 s, KILL
   sleep 0.2
 }
 
+# DAEMON_PID is the started process. Startup loops test it with kill -0 rather than by matching
+# /proc/<pid>/exe: until the background child has exec'd, its exe is still bash, and a match
+# found nothing and called a starting kubelet dead after 0 s (a CI run failed so). With -w, $!
+# lives as long as the daemon even when setsid has to fork.
+DAEMON_PID=""
 start_daemon() { # log exe args...: start detached (own session, no inherited lock fds)
   local log="$1"
   shift
-  setsid "$@" </dev/null >>"${log}" 2>&1 7>&- 8>&- 9>&- &
+  setsid -w "$@" </dev/null >>"${log}" 2>&1 7>&- 8>&- 9>&- &
+  DAEMON_PID=$!
 }
+
+daemon_alive() { kill -0 "${DAEMON_PID}" 2>/dev/null; }
 
 # The API server's address in the cluster's kubeconfig.
 api_server() {
@@ -368,7 +376,7 @@ start_containerd() {
   start_daemon "${NODE_DIR}/logs/containerd.log" containerd --config "${CONTAINERD_CONFIG}"
   local deadline=$((SECONDS + 30))
   until containerd_ok; do
-    if ((SECONDS >= deadline)) || [[ -z "$(containerd_pids)" ]]; then
+    if ((SECONDS >= deadline)) || ! daemon_alive; then
       tail -n 30 "${NODE_DIR}/logs/containerd.log" >&2
       localkube_die "containerd did not start (log: ${NODE_DIR}/logs/containerd.log)"
     fi
@@ -518,7 +526,7 @@ node_up_locked() {
     "--node-labels=${NODE_LABEL_KEY}=${NODE_LABEL_VALUE}" --v=1
   local deadline=$((SECONDS + NODE_READY_TIMEOUT))
   until kubelet_healthy; do
-    if ((SECONDS >= deadline)) || [[ -z "$(kubelet_pids)" ]]; then
+    if ((SECONDS >= deadline)) || ! daemon_alive; then
       tail -n 40 "${NODE_DIR}/logs/kubelet.log" >&2
       localkube_die "node ${NODE_NAME} not Ready after $((SECONDS - t))s (log: ${NODE_DIR}/logs/kubelet.log)"
     fi
