@@ -43,10 +43,14 @@ def give_up_at(spec: BatchSpec, run: RunHandle, limits: Limits) -> float:
     return run.origin + spec.deadline_seconds + limits.collect_grace_seconds
 
 
-def watchdog_countdown(spec: BatchSpec, run: RunHandle, limits: Limits, now: float) -> float:
-    """Seconds until the watchdog should look again: at most a step, never past its due time."""
+def watchdog_countdown(
+    spec: BatchSpec, run: RunHandle, limits: Limits, now: float, *, quiet: bool = False
+) -> float:
+    """Seconds until the watchdog should look again: at most a step (a longer one while the
+    batch is `quiet`: every episode left is parked), never past its due time."""
     due = give_up_at(spec, run, limits) + WATCHDOG_EXTRA_SECONDS
-    return max(0.0, min(limits.watchdog_step_seconds, due - now))
+    step = limits.watchdog_quiet_step_seconds if quiet else limits.watchdog_step_seconds
+    return max(0.0, min(step, due - now))
 
 
 def rescue(

@@ -19,6 +19,10 @@ from rollout_worker.store import GroupPublished, WakerLook
 # Well under the visibility timeout: a delayed message held longer is restored by kombu even
 # though its worker lives, and the copies would double at every step.
 WATCHDOG_STEP_SECONDS = 10.0
+# ... and this often while every episode without a row is parked: the waker holds them all (the
+# watchdog has just renewed it if it died), so no collector has one to lose. A long batch's
+# watchdog then costs a third of its steps (each a task run and a message).
+WATCHDOG_QUIET_STEP_SECONDS = 30.0
 # The watchdog's rescue starts no sooner than this after a run started, whatever the
 # visibility timeout (a shorter one in tests would let it race live collectors).
 RESCUE_AFTER_MIN_SECONDS = 45.0
@@ -82,8 +86,9 @@ class Limits:
 
     max_batch_episodes: int
     collect_grace_seconds: float
-    # At most half the visibility timeout (see WATCHDOG_STEP_SECONDS).
+    # Both at most half the visibility timeout (see WATCHDOG_STEP_SECONDS).
     watchdog_step_seconds: float = WATCHDOG_STEP_SECONDS
+    watchdog_quiet_step_seconds: float = WATCHDOG_QUIET_STEP_SECONDS
     # After this long a collect task that has not recorded its episode may be lost for good
     # (a worker killed between taking a message and marking it unacknowledged): the watchdog
     # then collects ended episodes itself (workers use their visibility timeout).
@@ -103,6 +108,9 @@ class Limits:
             max_batch_episodes=settings.max_batch_episodes,
             collect_grace_seconds=settings.collect_grace_seconds,
             watchdog_step_seconds=min(WATCHDOG_STEP_SECONDS, settings.visibility_timeout / 2),
+            watchdog_quiet_step_seconds=min(
+                WATCHDOG_QUIET_STEP_SECONDS, settings.visibility_timeout / 2
+            ),
             rescue_after_seconds=max(RESCUE_AFTER_MIN_SECONDS, float(settings.visibility_timeout)),
             pod_create_rate=settings.pod_create_rate,
             collect_block_seconds=settings.collect_block_seconds,

@@ -218,6 +218,22 @@ def test_the_watchdog_looks_again_before_the_deadline_and_finalises_after_it(par
     assert (report["finalized_by"], report["lost_episodes"]) == ("watchdog", 1)
 
 
+def test_the_watchdog_looks_less_often_while_every_episode_left_is_parked(parts):
+    """Parked episodes are the waker's: the watchdog steps longer only once no episode without
+    a row is left with a collector (one a collector holds may be lost with it)."""
+    w, store, _, _ = parts
+    w.submit({"batch_id": "b1", "count": 2}, message_id="m1", attempt=0)
+    w.limits = replace(w.limits, watchdog_step_seconds=10.0, watchdog_quiet_step_seconds=30.0)
+    store.park("b1", 0, "message 0", False)
+    with pytest.raises(core.Again) as again:
+        w.watchdog("b1")
+    assert 0 < again.value.countdown <= 10.0
+    store.park("b1", 1, "message 1", False)
+    with pytest.raises(core.Again) as again:
+        w.watchdog("b1")
+    assert 10.0 < again.value.countdown <= 30.0
+
+
 def test_a_watchdog_finding_the_report_out_saves_the_records_before_the_cleanup(parts):
     """A watchdog that finds the report out while its records are not saved yet (the callback
     waits for the Jobs to settle) must not send the cleanup then: it would delete the Jobs
