@@ -341,7 +341,7 @@ class Store:
 
     def waker_look(self, batch_id: str, token: str, ttl: float, flag: str) -> WakerLook:
         """`claim_waker`, then the parked episodes, the report and the batch's `flag` (its
-        cancel flag), in one round trip: the waker looks every second for a batch's whole wall."""
+        cancel flag), in one round trip: the waker looks every 1-3 s for a batch's whole wall."""
         keys = [
             k.waker_key(batch_id),
             k.parked_key(batch_id),

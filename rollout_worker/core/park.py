@@ -34,9 +34,12 @@ from rollout_worker.backends.base import Backend
 from rollout_worker.core.collect import give_up_at
 from rollout_worker.core.state import FLAG_CANCEL, BatchStore, Limits, NotYet, Receipt
 
-# The waker reads the list of parked episodes again (and renews its lease) this often:
-# collectors park meanwhile.
+# The waker reads the list of parked episodes again (and renews its lease) this often while
+# that list changes (collectors park meanwhile), and QUIET_RESCAN_SECONDS once it stopped: a
+# long batch's waker then looks a third as often. An end it watches wakes it at once either
+# way; one parked meanwhile is watched from the next look.
 RESCAN_SECONDS = 1.0
+QUIET_RESCAN_SECONDS = 3.0
 # A waker that has not renewed its lease for this long is presumed dead: another may start.
 WAKER_LEASE_SECONDS = 10.0
 # The waker begins recording the ends of one look itself for this long (on a few threads:
@@ -94,11 +97,14 @@ def wake(
         # What a collector did after each block: revive what runs the episodes if it died
         # (locally, the run's supervisor); parked collectors no longer do it.
         backend.resume_run(receipt.run)
+    previous: list[int] | None = None
     while True:
         look = store.waker_look(batch_id, token, lease, FLAG_CANCEL)
         if not look.held:
             return "another waker holds the lease"
         parked, until_ready = look.parked, look.until_ready
+        rescan = QUIET_RESCAN_SECONDS if parked == previous else RESCAN_SECONDS
+        previous = parked
         if look.reported:
             for index in parked:  # reported: their rows are in, their messages are moot
                 store.unpark(batch_id, index)
@@ -117,7 +123,7 @@ def wake(
             finishing = False
         else:
             ended = backend.wait_ended(
-                receipt.run, parked, max(0.0, min(RESCAN_SECONDS, remaining)), ready=until_ready
+                receipt.run, parked, max(0.0, min(rescan, remaining)), ready=until_ready
             )
             if look_fully:
                 look_fully = False

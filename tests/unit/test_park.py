@@ -243,6 +243,29 @@ def test_parked_messages_of_a_reported_batch_are_dropped(parts):
     assert store.parked("b1")[0] == [] and sent.resent == []
 
 
+def test_the_waker_looks_less_often_once_nothing_new_is_parked(parts, monkeypatch):
+    """Every look renews the lease and reads what is parked: while collectors park it looks
+    again after a second; once the parked list holds still, after QUIET_RESCAN_SECONDS."""
+    w, store, backend, sent = parts
+    w.limits = replace(w.limits, collect_block_seconds=3600.0)
+    w.park(core.Park("b1", 0), "message 0")
+    ((_, token),) = sent.wakers
+    waits: list[float] = []
+
+    def wait_ended(handle, indexes, timeout, *, ready):
+        waits.append(timeout)
+        if len(waits) == 1:
+            w.park(core.Park("b1", 1), "message 1")  # a collector parks during the first wait
+        if len(waits) == 4:
+            store.reports["b1"] = {"status": "succeeded"}
+        return []
+
+    monkeypatch.setattr(backend, "wait_ended", wait_ended)
+    assert w.wake_once("b1", token)["wake"] == "reported"
+    quiet, rescan = park_module.QUIET_RESCAN_SECONDS, park_module.RESCAN_SECONDS
+    assert waits == [rescan, rescan, quiet, quiet]
+
+
 def test_the_waker_thread_looks_until_nothing_is_parked(parts):
     w, _, backend, sent = parts
     w.park(core.Park("b1", 0), "message 0")
