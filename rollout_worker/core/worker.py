@@ -461,8 +461,9 @@ class Worker:
             backend = self.backend(receipt.run.backend)
             if rescue(self.store, backend, receipt, self.limits, time.time()):
                 return self.finalize(batch_id, FinalizedBy.WATCHDOG)
-            # A parked episode that also has its row (a copy redelivered after its collector
-            # died) makes this true one step early at worst: a step of 30 s, not 10 s.
+            # Counted, not compared index by index: a parked episode that also has its row (a
+            # copy redelivered after its collector died) can make this true while a collector
+            # still holds another; that one then waits a 30 s step, not 10 s.
             quiet = bool(parked) and recorded + len(parked) >= receipt.spec.count
             countdown = watchdog_countdown(
                 receipt.spec, receipt.run, self.limits, time.time(), quiet=quiet
