@@ -5,9 +5,11 @@ Each round runs, with the same workers (a control worker and two collectors, sta
 - fill: a one-episode batch with warm_pool=`--count` (the refill behind it is what a trainer's
   previous round leaves), then the benchmark waits until that many pool Pods wait;
 - warm: a batch of `--count` episodes, which takes them all from the pool;
-- drained (Kubernetes): at once after it, a batch of `--count` episodes that finds the pool's
+- drained (Kubernetes): after it, a batch of `--count` episodes that finds the pool's
   namespace with nothing waiting in it (the warm batch took it all): it must run cold, no
-  slower than the cold batch.
+  slower than the cold batch. The cold and drained batches each start once the machine has
+  settled (`proc.settle`: under half a core busy), so neither pays for the node's teardown of
+  the batch before it.
 Figures per batch: submit -> report (the client's `submit` call to its `wait` returning), and
 per episode: cold, Pod created -> `ready` event (the guide's metric); warm, claim -> `ready`
 event (the row's `handover_seconds`: the claim patch's time to the runner's own event); per
@@ -41,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.proc import Stats
+from benchmarks.proc import Stats, settle
 from rollout_wire import constants as k
 from rollout_wire.request import parse_spec
 from rollout_worker.backends import warm as warm_pools
@@ -182,6 +184,7 @@ def main() -> None:
             while target.waiting():
                 time.sleep(0.2)
             if not args.warm_only:
+                settle()
                 cold, cold_wall, cold_ready = run_batch(
                     client, fields, count=args.count, parallelism=args.count
                 )
@@ -210,6 +213,7 @@ def main() -> None:
             if args.warm_only:
                 continue
             if isinstance(target, KubeTarget):
+                settle()  # as before the cold batch: the warm batch's teardown is not its cost
                 drained, drained_wall, drained_ready = run_batch(
                     client, fields, count=args.count, parallelism=args.count
                 )

@@ -346,3 +346,23 @@ class Stats:
     def fmt(self, scale: float = 1.0, digits: int = 2) -> str:
         lo, mid, hi = (v * scale for v in (min(self.values), self.median, max(self.values)))
         return f"{mid:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def machine_busy_seconds() -> float:
+    """CPU-seconds this machine has been busy since boot, all cores (/proc/stat: every state but
+    idle and iowait)."""
+    fields = [int(v) for v in _read("/proc/stat").split(b"\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / TICK
+
+
+def settle(below: float = 0.5, window: float = 1.0, timeout: float = 60.0) -> float:
+    """Wait until the machine used less than `below` cores over the last `window` seconds: the
+    node's teardown of the previous batch's Pods (runc, CNI DEL, the kubelet) runs on after its
+    API objects are gone, and a batch started meanwhile pays for it. Returns the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        before = machine_busy_seconds()
+        time.sleep(window)
+        if (machine_busy_seconds() - before) / window < below:
+            break
+    return time.monotonic() - start
