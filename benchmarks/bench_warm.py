@@ -194,6 +194,8 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pool did not fill")
                 time.sleep(0.2)
+            # The pool's runners have done their imports: the burst meets a pool at rest.
+            waited = settle()
             warm, warm_wall, warm_ready = run_batch(
                 client, fields, count=args.count, parallelism=args.count
             )
@@ -206,7 +208,8 @@ def main() -> None:
             add("warm submit -> last ready s", warm_ready)
             add("warm submit -> report s", warm_wall)
             print(
-                f"round {number + 1}: warm {warm_wall:.2f} s, claim -> ready ms "
+                f"round {number + 1}: settled in {waited:.0f} s; warm {warm_wall:.2f} s, "
+                f"claim -> ready ms "
                 f"{sorted(round(h * 1000) for h in handover)}",
                 flush=True,
             )
