@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks.bench_tail import ensure_real_node, node_address
 from benchmarks.bench_warm import waiting_pods
-from benchmarks.pod_floor import describe, measure, median_floor
+from benchmarks.pod_floor import describe, lowest, measure
 from benchmarks.proc import Stats
 from rollout_wire import constants as k
 from rollout_wire.tasksets import bundled_tasks
@@ -125,8 +125,8 @@ def main() -> None:
         parser.error("--rounds must be at least 3 (figures are medians of rounds)")
     cluster, node = ensure_real_node()
     old = worktree(args.before)
-    floor = median_floor([measure(cluster, node, pods=30) for _ in range(3)])
-    print(f"the node's own work (30 bare Pods, 3 rounds): {describe(floor)}", flush=True)
+    floor = lowest([measure(cluster, node, pods=30) for _ in range(3)])
+    print(f"the node's own work (30 bare Pods, lowest of 3 rounds): {describe(floor)}", flush=True)
     cores = (os.cpu_count() or 1) - floor.idle_cores
     tasks = bundled_tasks()
     p = args.parallelism
@@ -180,6 +180,10 @@ def main() -> None:
                     own = sum((r.get("cost") or {}).get("cpu_seconds") or 0 for r in report["pods"])
                     least = (count * floor.per_pod + own) / cores
                     add("after: least wall on this node s", least)
+                    # Were the batch to end at that bound with its episodes as long as they
+                    # were here, its slots would be this busy (slower episodes, busier slots).
+                    busy = used * p * (max(r["finished_at"] for r in report["pods"]) - clock)
+                    add("after: utilisation at that wall", busy / (p * least))
                     print(
                         f"  round {number + 1} after: the node's work {count} x "
                         f"{floor.per_pod:.3f} CPU-s + the episodes' own {own:.1f} CPU-s over "
