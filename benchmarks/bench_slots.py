@@ -17,7 +17,8 @@ For each "after" batch the benchmark then prints the least wall time any schedul
 it on this machine: (episodes x the node's work per Pod + the episodes' own CPU from their cost
 ledger) / (cores - the idle machine's busy cores). A goal whose wall time is under that bound
 cannot be met on this machine by anything the workers do.
-Figures per batch: submit -> report, and slot utilisation = the episodes' own seconds (each
+Figures per batch: the machine's busy CPU-seconds per episode (submit -> its Pods torn down,
+less the idle machine's), submit -> report, and slot utilisation = the episodes' own seconds (each
 row's ready -> finished: the runner's first event to the sandbox's end) / (parallelism x
 submit -> the last episode's end). Each round runs the three sides (the order rotates); a
 batch's cleanup ends before the next batch starts. Printed: median [min-max] over rounds, and
@@ -40,7 +41,7 @@ from typing import Any
 from benchmarks.bench_tail import ensure_real_node, node_address
 from benchmarks.bench_warm import waiting_pods
 from benchmarks.pod_floor import describe, lowest, measure
-from benchmarks.proc import Stats
+from benchmarks.proc import Stats, machine_busy_seconds, settle
 from rollout_wire import constants as k
 from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.kube import objects
@@ -78,6 +79,8 @@ class Side:
     def __init__(self, name: str, stack: LocalStack, fields: dict[str, Any], cluster: Any) -> None:
         self.name, self.stack, self.fields, self.cluster = name, stack, fields, cluster
         self.client = RolloutClient(stack.redis_url)
+        # The machine's busy CPU-seconds and the monotonic clock at the last batch's submit.
+        self.busy, self.busy_at = 0.0, 0.0
 
     def waiting(self) -> int:
         """Waiting sandboxes of the pools this side's workers registered."""
@@ -93,6 +96,7 @@ class Side:
         return total
 
     def batch(self, parallelism: int, **extra: Any) -> tuple[dict[str, Any], float, float]:
+        self.busy, self.busy_at = machine_busy_seconds(), time.monotonic()
         start, clock = time.perf_counter(), time.time()
         submission = self.client.submit(**self.fields, parallelism=parallelism, **extra)
         report = self.client.wait(submission.batch_id, timeout=1800)
@@ -105,6 +109,14 @@ class Side:
         if report["successful_episodes"] != report["episodes"]:
             raise RuntimeError(f"{self.name}: batch {submission.batch_id}: {report['status']}")
         return report, wall, clock
+
+    def machine_cpu(self, idle_cores: float) -> float:
+        """The machine's busy CPU-seconds since the last batch's submit, less the idle
+        machine's, once the node has torn its Pods down: everything the batch cost, ours, the
+        node's and the policy server's (the pool's refill for the next round included)."""
+        settle()
+        elapsed = time.monotonic() - self.busy_at
+        return machine_busy_seconds() - self.busy - idle_cores * elapsed
 
     def pool_ready(self, size: int) -> None:
         deadline = time.monotonic() + 300
@@ -176,6 +188,11 @@ def main() -> None:
                 warm = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
                 used = utilisation(report, p, clock)
                 walls[side.name] = wall
+                cpu = side.machine_cpu(floor.idle_cores)
+                add(f"{side.name} machine CPU-s per episode", cpu / count)
+                print(
+                    f"  round {number + 1} {side.name}: machine {cpu / count:.2f} CPU-s per episode"
+                )
                 if side.name == "after":
                     own = sum((r.get("cost") or {}).get("cpu_seconds") or 0 for r in report["pods"])
                     least = (count * floor.per_pod + own) / cores
@@ -200,6 +217,8 @@ def main() -> None:
                 )
             add("after / before", walls["after"] / walls["before"])
             add("after / local", walls["after"] / walls["local"])
+            cpu = {name: figures[f"{name} machine CPU-s per episode"][-1] for name in walls}
+            add("after / before machine CPU", cpu["after"] / cpu["before"])
         for side in sides:
             side.client.close()
     print(f"\n{count} episodes, parallelism {p}, {args.rounds} rounds: median [min-max]")
