@@ -24,9 +24,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
+from kubernetes import client, config
 
 from benchmarks.proc import descendants, snapshot
+from rollout_worker.backends.kube.watch import RawWatch
 from tests.integration.kwok_episodes import INDEX_LABEL, SUCCESS, KwokEpisodes, Mix
 from tests.k8s import cluster as kc
 
@@ -101,8 +102,8 @@ class TerminalWatch(threading.Thread):
     def run(self) -> None:
         version: str | None = None
         while not self._halt.is_set() and len(self.terminal) < self.count:
-            stream = watch.Watch()
-            kwargs: dict[str, Any] = {"timeout_seconds": 30, "deserialize": False}
+            stream = RawWatch()  # events stay dicts; an expired version raises ApiException
+            kwargs: dict[str, Any] = {"timeout_seconds": 30}
             if version:
                 kwargs["resource_version"] = version
             self.requests += 1
@@ -110,9 +111,6 @@ class TerminalWatch(threading.Thread):
                 for event in stream.stream(self.core.list_namespaced_pod, self.namespace, **kwargs):
                     now = time.time()
                     pod = event.get("object") or {}
-                    if event.get("type") == "ERROR":
-                        version = None
-                        break
                     meta = pod.get("metadata") or {}
                     version = meta.get("resourceVersion", version)
                     phase = (pod.get("status") or {}).get("phase")

@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client, config, watch
+from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rollout_wire import constants as k
+from rollout_worker.backends.kube.watch import RawWatch
 from rollout_worker.backends.local.sandbox import plan_sandbox
 from rollout_worker.cli.stack import LocalStack
 from tests.k8s import cluster as kc
@@ -332,21 +333,20 @@ class KwokEpisodes:
         selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE}"
         resource_version: str | None = None
         while not self._stop.is_set():
-            stream = watch.Watch()
+            # RawWatch, not the client's Watch with deserialize=False: that one fails with a
+            # KeyError on the 410 ERROR event of an expired resourceVersion instead of raising
+            # ApiException(410), and the harness counted it as an error.
+            stream = RawWatch()
             kwargs: dict[str, Any] = {
                 "label_selector": selector,
                 "field_selector": "status.phase=Running",
                 "timeout_seconds": 5,
-                "deserialize": False,
             }
             if resource_version:
                 kwargs["resource_version"] = resource_version
             try:
                 for event in stream.stream(self.core.list_pod_for_all_namespaces, **kwargs):
                     pod = event.get("object") or {}
-                    if event.get("type") == "ERROR":
-                        resource_version = None  # expired (410): start from a fresh list
-                        break
                     resource_version = (pod.get("metadata") or {}).get(
                         "resourceVersion", resource_version
                     )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+from kubernetes.client.rest import ApiException
+
 from rollout_worker.backends.kube import watch
 from rollout_worker.backends.kube.read import DELETED_MARK
 
@@ -66,6 +69,33 @@ def test_raw_watch_events_stay_dicts_and_never_become_client_models(monkeypatch)
     event = raw.unmarshal_event(line, raw.get_return_type(lambda: None))
     assert event == {"type": "MODIFIED", "object": pod, "raw_object": pod}
     assert raw.unmarshal_event("  ", None) is None
+
+
+class ExpiredResponse:
+    """What the API server streams to a watch from a resourceVersion it no longer has."""
+
+    status = 200
+
+    def stream(self, amt=None, decode_content=False):
+        gone = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+        yield json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n"
+
+    def close(self):
+        pass
+
+    def release_conn(self):
+        pass
+
+
+def test_an_expired_version_comes_out_of_a_raw_watch_as_a_410_api_exception():
+    # PodWatch and the KWOK harness both list again on ApiException(410). The client's own
+    # Watch with deserialize=False failed here with a KeyError ('raw_object') instead.
+    def list_pods(watch=False, **_kwargs):
+        return ExpiredResponse()
+
+    with pytest.raises(ApiException) as caught:
+        list(watch.RawWatch().stream(list_pods, resource_version="1", timeout_seconds=5))
+    assert caught.value.status == 410
 
 
 def scripted_watch(monkeypatch, events: list, listed: list) -> watch.PodWatch:
