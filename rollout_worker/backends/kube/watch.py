@@ -243,11 +243,9 @@ class PodWatch:
                 allow_watch_bookmarks=True,
                 **self._stream_kwargs,
             ):
+                # An ERROR event never comes here: with timeout_seconds set, the client raises
+                # it as an ApiException (410 included) before yielding it.
                 obj = event["raw_object"]
-                if event["type"] == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Gone
-                    raise TransientBackendError(f"watch of {self.name}: {obj.get('message')}")
                 version = obj.get("metadata", {}).get("resourceVersion") or version
                 if event["type"] == "BOOKMARK":
                     continue
