@@ -24,8 +24,11 @@ submit -> the last episode's end). Each round runs the three sides (the order ro
 batch's cleanup ends before the next batch starts. Printed: median [min-max] over rounds, and
 the after/before and after/local ratios of each round.
 
+`--reports DIR` keeps each timed batch's report (`<side>-round<N>.json`), for `rollout report
+--plot` of a round that stands out.
+
     python -m benchmarks.bench_slots [--rounds 3] [--samples 18] [--parallelism 10]
-        [--before REV]
+        [--before REV] [--reports DIR]
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=18)
     parser.add_argument("--parallelism", type=int, default=10)
     parser.add_argument("--before", default=BEFORE)
+    parser.add_argument("--reports", type=Path, default=None)
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (figures are medians of rounds)")
@@ -185,6 +189,10 @@ def main() -> None:
                 report, wall, clock = side.batch(
                     p, tasks=tasks, samples_per_task=args.samples, warm_pool=p
                 )
+                if args.reports is not None:
+                    args.reports.mkdir(parents=True, exist_ok=True)
+                    path = args.reports / f"{side.name}-round{number + 1}.json"
+                    path.write_text(json.dumps(report, indent=1))
                 warm = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
                 used = utilisation(report, p, clock)
                 walls[side.name] = wall
