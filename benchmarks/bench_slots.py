@@ -24,8 +24,9 @@ submit -> the last episode's end). Each round runs the three sides (the order ro
 batch's cleanup ends before the next batch starts. Printed: median [min-max] over rounds, and
 the after/before and after/local ratios of each round.
 
-`--reports DIR` keeps each timed batch's report (`<side>-round<N>.json`), for `rollout report
---plot` of a round that stands out.
+`--reports DIR` keeps each timed batch's report (`<side>-round<N>.json`, for `rollout report
+--plot` of a round that stands out) and its episodes' logs (`<side>-round<N>.logs.json`: the
+runner's events, each policy turn's seconds and attempts among them).
 
     python -m benchmarks.bench_slots [--rounds 3] [--samples 18] [--parallelism 10]
         [--before REV] [--reports DIR]
@@ -193,6 +194,8 @@ def main() -> None:
                     args.reports.mkdir(parents=True, exist_ok=True)
                     path = args.reports / f"{side.name}-round{number + 1}.json"
                     path.write_text(json.dumps(report, indent=1))
+                    logs = side.client.logs(report["batch_id"])
+                    path.with_suffix(".logs.json").write_text(json.dumps(logs, indent=1))
                 warm = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
                 used = utilisation(report, p, clock)
                 walls[side.name] = wall
