@@ -140,6 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (figures are medians of rounds)")
+    if args.reports is not None:
+        args.reports.mkdir(parents=True, exist_ok=True)
     cluster, node = ensure_real_node()
     old = worktree(args.before)
     floor = lowest([measure(cluster, node, pods=30) for _ in range(3)])
@@ -191,7 +193,6 @@ def main() -> None:
                     p, tasks=tasks, samples_per_task=args.samples, warm_pool=p
                 )
                 if args.reports is not None:
-                    args.reports.mkdir(parents=True, exist_ok=True)
                     path = args.reports / f"{side.name}-round{number + 1}.json"
                     path.write_text(json.dumps(report, indent=1))
                     logs = side.client.logs(report["batch_id"])
