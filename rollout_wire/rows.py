@@ -34,6 +34,7 @@ COST_SECONDS = (
     "cpu_user_seconds",
     "cpu_system_seconds",
     "policy_seconds",  # wall time spent waiting on the policy
+    "policy_retry_seconds",  # of those, failed attempts': not counted against the time limit
     "ledger_cpu_seconds",  # what reading the ledger itself cost the runner
 )
 COST_COUNTS = ("policy_turns", "prompt_tokens", "completion_tokens")

@@ -63,8 +63,10 @@ cpu_user_seconds, cpu_system_seconds, peak_memory_bytes and cpu_source (`cgroup`
 container's cgroup files, with ROLLOUT_COST_SOURCE=cgroup; `proc`: the processes in /proc,
 every one with ROLLOUT_COST_SOURCE=proc in a PID namespace of its own, else the runner's own
 tree; peak memory then is the largest single process), policy_turns, prompt_tokens and
-completion_tokens (the responses' `usage`; null when no answer had one), policy_seconds, and
-ledger_cpu_seconds (what the reading cost). Unknown figures are null.
+completion_tokens (the responses' `usage`; null when no answer had one), policy_seconds,
+policy_retry_seconds (what failed attempts on the policy took: not counted against the task's
+time limit, see `time_allowed`), and ledger_cpu_seconds (what the reading cost). Unknown
+figures are null.
 
 Environment: EPISODE_ID (the sandbox's name), ROLLOUT_WORKSPACE (default /workspace),
 ROLLOUT_ACTION; for the agent runner ROLLOUT_POLICY (JSON: model, sampling,
@@ -136,6 +138,10 @@ TRUNCATION_MARKER = "\n[... {omitted} bytes truncated ...]"
 MAX_RESPONSE_BYTES = 192 * 1024
 MAX_RESPONSE_READ = 8 * 2**20
 COMMAND_TIMEOUT_SECONDS = 30
+# A connection the policy endpoint has not accepted by then is retried on a new one rather than
+# waited on for the whole request timeout (a dropped SYN costs seconds, not a minute; OpenAI's
+# own client uses 5 s too).
+CONNECT_TIMEOUT_SECONDS = 5.0
 TESTS_TIMEOUT_SECONDS = 60
 GROUP_HEADER = "X-Rollout-Group-Id"
 VERSION_HEADER = "X-Policy-Version"
@@ -476,6 +482,12 @@ class Ledger:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.policy_seconds = 0.0
+        self.retry_seconds = 0.0
+
+    def retried(self, seconds: float) -> None:
+        """`seconds` spent on failed attempts on the policy (and the waits between them)."""
+        with self.lock:
+            self.retry_seconds += max(0.0, seconds)
 
     def turn(self, response: object, seconds: float) -> None:
         """One completion asked for: `response` the parsed answer (None when there is none),
@@ -503,6 +515,7 @@ class Ledger:
                 prompt_tokens=None if unknown else self.prompt_tokens,
                 completion_tokens=None if unknown else self.completion_tokens,
                 policy_seconds=self.policy_seconds,
+                policy_retry_seconds=self.retry_seconds,
             )
         cost["ledger_cpu_seconds"] = time.thread_time() - began
         return cost
@@ -510,6 +523,24 @@ class Ledger:
 
 # One episode per runner process: its one ledger.
 LEDGER = Ledger()
+
+
+def time_allowed(time_limit: float) -> float:
+    """The agent's time: its limit plus what failed attempts on the policy took, up to one
+    more limit. A policy endpoint that stalls is infrastructure; its stall must not eat the
+    agent's time and come back as a reward."""
+    return time_limit + min(LEDGER.retry_seconds, time_limit)
+
+
+def check_time_limit(time_limit: float) -> None:
+    """Called when the time limit stopped the agent: InfrastructureError when failed policy
+    attempts took more than the extension covers (the agent had less than its time)."""
+    lost = LEDGER.retry_seconds
+    if lost > time_limit:
+        raise InfrastructureError(
+            f"failed attempts on the policy took {lost:.1f}s of the agent's time, more than "
+            f"its time limit ({time_limit:g}s) allows for: the agent did not get its time"
+        )
 
 
 # -- the guide's demo --------------------------------------------------------------------------
@@ -564,6 +595,10 @@ def demo(action: str) -> int:
 # -- the agent runner --------------------------------------------------------------------------
 class InfrastructureError(Exception):
     """The policy could not be used: not the episode's fault, never a reward."""
+
+
+class ConnectTimeout(OSError):
+    """The policy endpoint accepted no connection within CONNECT_TIMEOUT_SECONDS."""
 
 
 class EpisodeError(Exception):
@@ -651,22 +686,45 @@ class Policy:
             "X-Rollout-Attempt": str(identity.get("attempt", 0)),
         }
 
-    def connection(self) -> http.client.HTTPConnection:
+    def connect(self) -> http.client.HTTPConnection:
+        """A connection to the endpoint, made within CONNECT_TIMEOUT_SECONDS; its reads then
+        wait up to the request timeout."""
+        timeout = min(CONNECT_TIMEOUT_SECONDS, self.timeout)
+        conn: http.client.HTTPConnection
         if self.socket_path:
-            return UnixHTTPConnection(self.socket_path, self.timeout)
-        if self.scheme == "https":
-            return http.client.HTTPSConnection(self.netloc, timeout=self.timeout)
-        return http.client.HTTPConnection(self.netloc, timeout=self.timeout)
+            conn = UnixHTTPConnection(self.socket_path, timeout)
+        elif self.scheme == "https":
+            conn = http.client.HTTPSConnection(self.netloc, timeout=timeout)
+        else:
+            conn = http.client.HTTPConnection(self.netloc, timeout=timeout)
+        try:
+            conn.connect()
+        except socket.timeout:  # noqa: UP041 (Python 3.9: not yet TimeoutError)
+            conn.close()
+            raise ConnectTimeout(f"no connection within {timeout:g}s") from None
+        except BaseException:
+            conn.close()
+            raise
+        assert conn.sock is not None
+        conn.sock.settimeout(self.timeout)
+        return conn
 
     def send(self, payload: bytes, keep_open: bool = False) -> Answer:
         """POST a chat completions body. Retries connection failures, timeouts, 429 and 5xx;
         returns the first other answer, or the last 429/5xx; raises InfrastructureError when
         the endpoint never answered. With `keep_open`, an event stream is returned unread."""
         problem = ""
+        began = time.time()
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
-            conn = self.connection()
+                LEDGER.retried(time.time() - began)
+                began = time.time()
+            try:
+                conn = self.connect()
+            except OSError as exc:
+                problem = f"policy endpoint unreachable: {type(exc).__name__}: {exc}"
+                continue
             try:
                 conn.request("POST", self.path, body=payload, headers=self.headers)
                 response = conn.getresponse()
@@ -686,6 +744,7 @@ class Policy:
                 problem = f"policy endpoint answered HTTP {status}: {raw[:200]!r}"
                 continue
             return Answer(status, raw, header, attempt + 1, kind)
+        LEDGER.retried(time.time() - began)
         raise InfrastructureError(f"{problem} (after {self.retries + 1} attempt(s))")
 
     def complete(self, messages: list) -> tuple[dict, bytes, int, str | None]:
@@ -999,8 +1058,8 @@ def output_tail(path: str) -> tuple[str, int]:
 def run_agent(
     argv: list, env: dict, cwd: str, time_limit: float, stop: threading.Event
 ) -> dict[str, typing.Any]:
-    """Run the agent command to its end, its time limit, or `stop`; then kill what it left.
-    The agent_exit event's fields."""
+    """Run the agent command to its end, its time (`time_allowed`), or `stop`; then kill
+    what it left. The agent_exit event's fields."""
     handle, output = tempfile.mkstemp(prefix="rollout-agent-", suffix=".log")
     started = time.time()
     try:
@@ -1018,10 +1077,9 @@ def run_agent(
         raise EpisodeError(f"the agent command {argv[0]!r} could not start: {exc}") from None
     finally:
         os.close(handle)
-    deadline = started + time_limit
     timed_out = False
     while process.poll() is None:
-        left = deadline - time.time()
+        left = started + time_allowed(time_limit) - time.time()
         if left <= 0:
             timed_out = True
             break
@@ -1830,6 +1888,8 @@ class Runner:
         emit("agent_exit", **run, **self.identity)
         if proxy is not None and proxy.failure is not None:
             raise InfrastructureError(proxy.failure)
+        if run["timed_out"]:
+            check_time_limit(self.time_limit)
         if proxy is not None and proxy.stale is not None:
             raise proxy.stale
         return {
@@ -1906,13 +1966,14 @@ class Runner:
         """Ask, act, observe until submit or a limit: (steps, stop reason)."""
         messages = self.prompt()
         started = time.time()
-        deadline = started + self.time_limit
         step = 0
         first_version: str | None = None
         while True:
             if step >= self.max_steps:
                 return step, "max_steps"
+            deadline = started + time_allowed(self.time_limit)
             if time.time() >= deadline:
+                check_time_limit(self.time_limit)
                 return step, "time_limit"
             step += 1
             asked = time.time()

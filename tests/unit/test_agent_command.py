@@ -560,6 +560,87 @@ def test_an_unreachable_policy_ends_the_episode_as_an_infrastructure_error(tmp_p
     assert row.status == "failed" and row.failure_kind == "infrastructure"
 
 
+def stalling(server, hang, answer=0.0):
+    """Make the scripted policy hang `hang` s on the first call of each turn in `hangs` and
+    take `answer` s on the call that answers: the runner's first attempt times out, its retry
+    is answered."""
+    original = server._server.policy.turn
+    seen: set = set()
+
+    def turn(task_id, sample, n, **options):
+        if n in hang and n not in seen:
+            seen.add(n)
+            time.sleep(3)  # past the request timeout: the runner has given up on this one
+        elif n in hang:
+            time.sleep(answer)
+        return original(task_id, sample, n, **options)
+
+    server._server.policy.turn = turn
+
+
+STALL = {"model": "m", "request_timeout_seconds": 2, "max_retries": 1}
+
+
+@pytest.mark.parametrize("agent", ["loop", "command"])
+def test_a_stalled_policy_request_does_not_eat_the_agents_time(tmp_path, agent):
+    # The first turn: an attempt that times out (2 s), the retry's wait (0.5 s), an answer in
+    # 0.7 s: 3.2 s, past the 3 s limit. Without the failed attempt's time given back, the
+    # agent would stop on its limit after that turn and be graded 0 for the endpoint's stall.
+    task = TASK | {"time_limit_seconds": 3}
+    if agent == "command":
+        task = agent_task(tmp_path, time_limit_seconds=3)
+    started = time.time()
+    with running(script=SCRIPT) as server:
+        stalling(server, hang={0}, answer=0.7)
+        done, events = run_runner(tmp_path, task, url=server.url, config=STALL)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[0]["policy_attempts"] == 2 and steps[0]["policy_seconds"] > 3
+    reward = events[-1]
+    assert reward["event"] == "reward" and reward["reward"] == 1
+    assert reward["stop_reason"] == ("submit" if agent == "loop" else "agent_exit")
+    assert 2.4 < reward["cost"]["policy_retry_seconds"] < 3
+    row = row_of(done.stdout, started)
+    assert row.status == "ok" and row.reward == 1
+    assert row.cost["policy_retry_seconds"] == reward["cost"]["policy_retry_seconds"]
+
+
+def test_failed_attempts_longer_than_the_time_limit_are_an_infrastructure_failure(tmp_path):
+    # Every turn's first attempt times out (2 s + 0.5 s): after two turns 5 s are lost, more
+    # than the 2 s limit can give back. Not a reward: retried in a fresh sandbox.
+    task = TASK | {"time_limit_seconds": 2}
+    started = time.time()
+    with running(script=SCRIPT) as server:
+        stalling(server, hang={0, 1, 2})
+        done, events = run_runner(tmp_path, task, url=server.url, config=STALL)
+    assert done.returncode == episode.EXIT_INFRASTRUCTURE and done.stderr == "", done.stderr
+    assert names(events) == ["ready", "step", "step", "error"]
+    error = events[-1]
+    assert error["kind"] == "infrastructure" and "did not get its time" in error["cause"]
+    assert error["cost"]["policy_retry_seconds"] > 4
+    row = row_of(done.stdout, started, exit_code=episode.EXIT_INFRASTRUCTURE)
+    assert row.status == "failed" and row.failure_kind == "infrastructure" and row.reward == 0
+
+
+def test_a_connection_the_endpoint_never_accepts_is_given_up_after_the_connect_timeout(tmp_path):
+    # A listener whose accept queue is full drops new SYNs, as a stalled path does: the runner
+    # gives up after CONNECT_TIMEOUT_SECONDS, not after the request timeout of 30 s.
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())  # the one connection the queue holds
+        config = {"model": "m", "request_timeout_seconds": 30, "max_retries": 0}
+        url = "http://{}:{}".format(*listener.getsockname())
+        started = time.time()
+        done, events = run_runner(tmp_path, TASK, url=url, config=config)
+        took = time.time() - started
+    assert done.returncode == episode.EXIT_INFRASTRUCTURE, done.stderr
+    error = events[-1]
+    assert error["kind"] == "infrastructure"
+    assert f"no connection within {episode.CONNECT_TIMEOUT_SECONDS:g}s" in error["cause"]
+    assert episode.CONNECT_TIMEOUT_SECONDS <= took < 20
+
+
 def test_an_agent_command_that_is_not_there_is_an_episode_error(tmp_path):
     task = TASK | {"agent": {"command": ["no-such-agent-anywhere"]}}
     with running(script=SCRIPT) as server:
