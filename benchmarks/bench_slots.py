@@ -51,6 +51,7 @@ from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.kube import objects
 from rollout_worker.cli.policy_server import bundled_script, running
 from rollout_worker.cli.stack import LocalStack
+from rollout_worker.metrics import busy_span, slot_utilisation
 from trainer_stub.client import RolloutClient
 
 BEFORE = "663e2c2"  # main before issue 26: warm Pods for the first wave, then a Job
@@ -73,10 +74,19 @@ def worktree(rev: str) -> Path:
 
 
 def utilisation(report: dict[str, Any], parallelism: int, submitted: float) -> float:
-    rows = report["pods"]
-    busy = sum(r["finished_at"] - r["ready_at"] for r in rows)
-    end = max(r["finished_at"] for r in rows)
-    return busy / (parallelism * (end - submitted))
+    """The report's slot utilisation (the same spans: metrics.busy_span), counted from the
+    trainer's submit rather than the run's origin."""
+    spans = [
+        span
+        for r in report["pods"]
+        if (
+            span := busy_span(
+                r["ready_at"], r["finished_at"], r.get("collected_at"), r.get("reward_at")
+            )
+        )
+        is not None
+    ]
+    return slot_utilisation(spans, parallelism, submitted) or 0.0
 
 
 class Side:

@@ -49,13 +49,20 @@ def phase_breakdown(rows: Sequence[EpisodeRow]) -> dict[str, Any]:
 
 
 def busy_span(
-    ready_at: float | None, finished_at: float | None, collected_at: float | None
+    ready_at: float | None,
+    finished_at: float | None,
+    collected_at: float | None,
+    reward_at: float | None = None,
 ) -> tuple[float, float] | None:
     """When an episode kept its slot busy with episode work: from its sandbox being ready to
     it finishing (collected, when it was stopped before it could say). Start-up is left out on
     purpose: a slot waiting on a sandbox to start does no episode work, so utilisation shows
-    start-up as idle along with the gaps between episodes."""
+    start-up as idle along with the gaps between episodes. The finish is never before the
+    runner's reward: Kubernetes gives a container's finish in whole seconds (cut down), which
+    can fall before the reward the runner timed, even before it was ready."""
     end = finished_at if finished_at is not None else collected_at
+    if end is not None and reward_at is not None:
+        end = max(end, reward_at)
     if ready_at is None or end is None or end < ready_at:
         return None
     return ready_at, end

@@ -90,7 +90,7 @@ def build_report(
     spans = [
         span
         for r in ordered
-        if (span := busy_span(r.ready_at, r.finished_at, r.collected_at)) is not None
+        if (span := busy_span(r.ready_at, r.finished_at, r.collected_at, r.reward_at)) is not None
     ]
     if quota is None:
         ok = not errors and len(ok_rows) + len(withdrawn) == spec.count

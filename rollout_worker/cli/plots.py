@@ -131,6 +131,7 @@ def busy_spans(report: Mapping[str, Any]) -> list[tuple[float, float]]:
             _number(row.get("ready_at")),
             _number(row.get("finished_at")),
             _number(row.get("collected_at")),
+            _number(row.get("reward_at")),
         )
         if span is not None:
             spans.append((span[0] - origin, span[1] - origin))

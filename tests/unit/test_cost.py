@@ -535,6 +535,11 @@ def test_the_report_says_its_slot_utilisation():
     # An episode that never got ready did no episode work.
     rows[3] = cost_row(spec, 3, 0, None, status="failed", finished=ORIGIN + 16)
     assert report_of(spec, rows)["slot_utilisation"] == pytest.approx(27 / 40)
+    # Kubernetes' finish in whole seconds, cut down below the runner's reward (even below its
+    # ready): the span ends at the reward, not dropped or shortened.
+    rows[3] = cost_row(spec, 3, 1, None, ready=ORIGIN + 10.4, finished=ORIGIN + 10)
+    rows[3].reward_at = ORIGIN + 15.9
+    assert report_of(spec, rows)["slot_utilisation"] == pytest.approx((27 + 5.5) / 40)
 
 
 # -- `rollout report` --------------------------------------------------------------------------
