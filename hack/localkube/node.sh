@@ -337,6 +337,16 @@ ensure_bridge() {
   if ! grep -qF "inet ${NODE_IP}/${prefix}" <<<"$(ip -4 addr show dev "${BRIDGE}")"; then
     ip addr add "${NODE_IP}/${prefix}" dev "${BRIDGE}"
   fi
+  # A MAC of its own, never a port's: a bridge without one takes the lowest MAC of its ports and
+  # changes it as Pods' veths come and go, while running Pods keep the old one for the node IP
+  # in their ARP caches; their packets to the node (the policy endpoint) then go nowhere until
+  # that entry expires (requests stalled 7-70 s in bench_slots). The bridge CNI plugin pins it
+  # only when it adds the gateway address itself, and ours is added above.
+  local mac
+  mac="$(printf '02:72:6c:6b:00:%02x' "${NODE_ID}")"
+  if [[ "$(cat "/sys/class/net/${BRIDGE}/address")" != "${mac}" ]]; then
+    ip link set "${BRIDGE}" address "${mac}"
+  fi
   ip link set "${BRIDGE}" up
   # Pod-to-Pod traffic is bridged; only br_netfilter shows it to the inet forward hook where
   # rollout-netpol filters it. Turned on for this bridge only (the machine-wide sysctl

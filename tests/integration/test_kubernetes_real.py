@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.m
 @pytest.mark.parametrize("parallelism", [10, 1])
 def test_guide_run_on_the_real_node(real_node, real_stack, k8s_cluster, tmp_path, parallelism):
     out = tmp_path / f"rl-{parallelism}-10"
+    bridge = node_bridge() if k8s_cluster.local else None
     args = [
         "run",
         "--count",
@@ -73,6 +75,16 @@ def test_guide_run_on_the_real_node(real_node, real_stack, k8s_cluster, tmp_path
             assert after["created_at"] >= before["finished_at"] - 1.0
     for name in ("job.json", "pods.json", "events.txt", "receipt.json", "job-submitted.json"):
         assert (out / name).exists()
+    if bridge is not None:
+        # The local node's bridge keeps a MAC of its own (addr_assign_type 3: set), not its
+        # lowest port's, which changes as Pods come and go under the Pods' ARP caches.
+        assert node_bridge() == bridge and bridge[1] == "3", bridge
+
+
+def node_bridge() -> tuple[str, str]:
+    """(MAC, addr_assign_type) of the local real node's bridge (hack/localkube/node.sh)."""
+    path = Path("/sys/class/net") / f"rollout{os.environ.get('ROLLOUT_LOCALKUBE_NODE_ID', '0')}"
+    return (path / "address").read_text().strip(), (path / "addr_assign_type").read_text().strip()
 
 
 def _states_by_time(client, batch_id: str) -> dict[tuple[int, str], float]:
