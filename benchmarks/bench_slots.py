@@ -49,9 +49,10 @@ from benchmarks.proc import Stats, machine_busy_seconds, settle
 from rollout_wire import constants as k
 from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.kube import objects
+from rollout_worker.cli.plots import busy_spans, run_origin
 from rollout_worker.cli.policy_server import bundled_script, running
 from rollout_worker.cli.stack import LocalStack
-from rollout_worker.metrics import busy_span, slot_utilisation
+from rollout_worker.metrics import slot_utilisation
 from trainer_stub.client import RolloutClient
 
 BEFORE = "663e2c2"  # main before issue 26: warm Pods for the first wave, then a Job
@@ -74,19 +75,10 @@ def worktree(rev: str) -> Path:
 
 
 def utilisation(report: dict[str, Any], parallelism: int, submitted: float) -> float:
-    """The report's slot utilisation (the same spans: metrics.busy_span), counted from the
-    trainer's submit rather than the run's origin."""
-    spans = [
-        span
-        for r in report["pods"]
-        if (
-            span := busy_span(
-                r["ready_at"], r["finished_at"], r.get("collected_at"), r.get("reward_at")
-            )
-        )
-        is not None
-    ]
-    return slot_utilisation(spans, parallelism, submitted) or 0.0
+    """The report's slot utilisation (the same spans, as `rollout report --plot` draws them),
+    counted from the trainer's submit rather than the run's origin."""
+    origin = run_origin(report) or 0.0  # busy_spans are in seconds since it
+    return slot_utilisation(busy_spans(report), parallelism, submitted - origin) or 0.0
 
 
 class Side:
