@@ -52,6 +52,7 @@ import redis
 from kubernetes.client.rest import ApiException
 
 from benchmarks.kwok_bench import (
+    ClusterMeter,
     MemorySampler,
     TerminalWatch,
     TimedEpisodes,
@@ -96,6 +97,8 @@ def one_batch(
     memory = MemorySampler(ctx["roots"], ctx["redis"])
     memory.start()
     meter = Meter(ctx["roles"], ctx["redis_pid"], str(stack.dir), reap_orphans=False).start()
+    cluster_meter = ClusterMeter().start()
+    harness_cpu = sum(os.times()[:2])
     start = time.time()
     metered_from = time.monotonic()
     rollout.submit(
@@ -131,6 +134,9 @@ def one_batch(
             break
         time.sleep(0.5)
     usage, _ = meter.stop()
+    cluster_used = cluster_meter.stop()
+    # This process: the KWOK harness's threads (claims, annotations) and the benchmark's watch.
+    cluster_used["harness"] = round(sum(os.times()[:2]) - harness_cpu, 3)
     window = time.monotonic() - metered_from
     memory.stop()
     terminal.stop()
@@ -183,6 +189,10 @@ def one_batch(
         "settled": settled,
         "harness_errors": episodes.errors[-3:],
         "namespace_gone_after_report": gone_after,
+        # Where the wall went outside the workers (ClusterMeter), and when the last Pod of
+        # the batch first appeared (the Job controller's creation pace).
+        "cluster": cluster_used,
+        "last_pod_seen": max(terminal.seen.values()) - start if terminal.seen else None,
     }
     ctx["log"].write(json.dumps(result) + "\n")
     ctx["log"].flush()
@@ -195,6 +205,7 @@ def one_batch(
         f"({settled}; namespace gone {gone}) reads {result['reads_by_kind']}",
         flush=True,
     )
+    print(f"    last Pod seen +{result['last_pod_seen'] or 0:.1f}s; {cluster_used}", flush=True)
     return result
 
 
@@ -404,6 +415,24 @@ def print_table(
     print(f"{'figure':<44}" + "".join(f"{h:>{width}}" for h in heads) + "   goal / reference")
     row("ok (reward_sum = N)", lambda r: float(r["ok"] and r["reward_sum"] == r["size"]), 0)
     row("wall: submit -> report received s", lambda r: r["wall"])
+    for key in cols:
+        walls = [r["wall"] for r in results[key]]
+        spread = (max(walls) - min(walls)) / statistics.median(walls)
+        print(f"  N={key[0]}: wall spread (max - min) / median {spread:.1%} (goal <= 20% at 5000)")
+    row("  submit -> last Pod first seen s", lambda r: r.get("last_pod_seen") or 0)
+    for name in ("apiserver", "etcd", "controllers", "kwok", "harness", "machine_busy"):
+        row(f"  CPU-s: {name}", lambda r, name=name: r.get("cluster", {}).get(name, 0), 0)
+    row("  CPU pressure stall s (some)", lambda r: r.get("cluster", {}).get("pressure_cpu", 0), 0)
+    row("  I/O pressure stall s (some)", lambda r: r.get("cluster", {}).get("pressure_io", 0), 0)
+    row(
+        "  etcd fsync ms mean",
+        lambda r: (
+            1000
+            * r.get("cluster", {}).get("wal_fsync_duration_seconds_sum", 0)
+            / max(1, r.get("cluster", {}).get("wal_fsync_duration_seconds_count", 0))
+        ),
+        2,
+    )
     row(
         "report latency: last Pod terminal -> report s",
         lambda r: r["report_latency"],

@@ -10,6 +10,9 @@ server's request counters and a memory sampler.
   each episode's Pod Succeeded or Failed is when that episode was terminal in the API.
 - `api_reads()` scrapes `apiserver_request_total` from the API server's /metrics.
 - `MemorySampler` follows the resident memory of the workers and Redis's used_memory.
+- `ClusterMeter` says where a run's wall went outside our workers: the CPU of each local
+  control-plane process (etcd, API server, controllers, KWOK), the machine's busy, steal and
+  iowait seconds, CPU and I/O pressure stall seconds, and etcd's fsyncs and their total time.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import re
 import subprocess
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config
 
-from benchmarks.proc import descendants, snapshot
+from benchmarks.proc import TICK, descendants, snapshot
 from rollout_worker.backends.kube.watch import RawWatch
 from tests.integration.kwok_episodes import INDEX_LABEL, SUCCESS, KwokEpisodes, Mix
 from tests.k8s import cluster as kc
@@ -96,6 +100,7 @@ class TerminalWatch(threading.Thread):
         self.namespace = namespace
         self.count = count
         self.terminal: dict[int, float] = {}
+        self.seen: dict[int, float] = {}  # when each index's Pod was first seen (created)
         self.requests = 0  # namespace-scoped LIST/WATCH requests of this watch
         self._halt = threading.Event()
 
@@ -115,6 +120,8 @@ class TerminalWatch(threading.Thread):
                     version = meta.get("resourceVersion", version)
                     phase = (pod.get("status") or {}).get("phase")
                     index = (meta.get("labels") or {}).get(INDEX_LABEL)
+                    if index is not None:
+                        self.seen.setdefault(int(index), now)
                     if phase in ("Succeeded", "Failed") and index is not None:
                         self.terminal.setdefault(int(index), now)
                     if self._halt.is_set() or len(self.terminal) >= self.count:
@@ -196,3 +203,57 @@ class MemorySampler(threading.Thread):
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# The local cluster's processes (hack/localkube), by the kernel's 15-character command name.
+CLUSTER_PROCESSES = {
+    "etcd": "etcd",
+    "kube-apiserver": "apiserver",
+    "kube-controller": "controllers",
+    "kube-scheduler": "scheduler",
+    "kwok-controller": "kwok",
+}
+_ETCD_METRICS = "http://127.0.0.1:32765/metrics"  # hack/localkube's etcd client URL
+_ETCD_SAMPLES = (
+    "etcd_disk_wal_fsync_duration_seconds_count",
+    "etcd_disk_wal_fsync_duration_seconds_sum",
+    "etcd_disk_backend_commit_duration_seconds_sum",
+)
+
+
+class ClusterMeter:
+    """Where a run's time went outside the workers, from `start()` to `stop()`: CPU-seconds of
+    each control-plane process, the machine's busy / steal / iowait seconds, pressure stall
+    seconds (some task waiting for CPU, for I/O) and etcd's fsyncs. Read from /proc and etcd's
+    /metrics, so it needs the local cluster on this machine."""
+
+    def start(self) -> ClusterMeter:
+        self._start = self._read()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        end = self._read()
+        return {key: round(end[key] - self._start.get(key, 0.0), 3) for key in end}
+
+    def _read(self) -> dict[str, float]:
+        values: dict[str, float] = dict.fromkeys(CLUSTER_PROCESSES.values(), 0.0)
+        procs = snapshot()
+        for proc in procs.values():
+            name = CLUSTER_PROCESSES.get(proc.comm)
+            if name is not None:
+                values[name] += proc.own
+        cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        values["machine_busy"] = (sum(cpu) - cpu[3] - cpu[4]) / TICK
+        values["machine_iowait"], values["machine_steal"] = cpu[4] / TICK, cpu[7] / TICK
+        for kind in ("cpu", "io"):
+            text = Path(f"/proc/pressure/{kind}").read_text()
+            values[f"pressure_{kind}"] = int(text.split("total=")[1].split()[0]) / 1e6
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(_ETCD_METRICS, timeout=5) as answer,
+        ):
+            for line in answer.read().decode().splitlines():
+                name, _, number = line.partition(" ")
+                if name in _ETCD_SAMPLES:
+                    values[name.removeprefix("etcd_disk_")] = float(number)
+        return values
