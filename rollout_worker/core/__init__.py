@@ -4,7 +4,7 @@
 - `admit`: validate a request, write the receipt, start (or adopt) the run.
 - `collect`: one episode's row, the watchdog's rescue, when an episode is given up on.
 - `groups`: each group streamed once as it completes; the quota (`groups_wanted`).
-- `finalize`: the report once, then the run's records.
+- `finalize`: the report once; `save_records`: then the run's records.
 - `runs`: cleanup, cancel, the sweeper, which backend reaches a run.
 - `pools`: warm pool refill and drain.
 - `feed`: a run fed from its pool, one waiting sandbox per freed slot.
@@ -27,7 +27,7 @@ from rollout_worker.core.collect import (
     watchdog_countdown,
 )
 from rollout_worker.core.feed import FEEDER_INDEX, feed
-from rollout_worker.core.finalize import Finalized, finalize
+from rollout_worker.core.finalize import Finalized, finalize, save_records
 from rollout_worker.core.pools import drain_pools, fill_pool
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
@@ -100,6 +100,7 @@ __all__ = [
     "give_up_at",
     "load_receipt",
     "rescue",
+    "save_records",
     "submit",
     "sweep",
     "sweep_backends",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_wire.errors import BackendError
+from rollout_wire.errors import BackendError, TransientBackendError
 from rollout_wire.rows import EpisodeRow
 from rollout_wire.states import BatchStatus, Cleanup, FinalizedBy, Records
 from rollout_worker.backends.base import Backend, FinishedRun
@@ -28,6 +28,12 @@ from rollout_worker.report import build_report
 
 log = logging.getLogger(__name__)
 
+# A transient error while the run's records are read (an API blip) is retried this often, for
+# up to RECORDS_RETRY_SECONDS after the first one; only then are they given up as failed. The
+# run is not cleaned up meanwhile: the cleanup deletes what the records are read from.
+RECORDS_RETRY_EVERY_SECONDS = 10.0
+RECORDS_RETRY_SECONDS = 300.0
+
 
 # -- report ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -45,9 +51,8 @@ def finalize(
     limits: Limits,
     now: Callable[[], float] = time.time,
 ) -> Finalized | None:
-    """Publish the report once, as soon as the episodes are in; then save the run's records
-    (which may wait for the backend to settle). Returns None when the report was published
-    before (a redelivered callback then only completes the records, if they are missing).
+    """Publish the report once, as soon as the episodes are in (`save_records` follows).
+    Returns None when the report was published before.
 
     An episode without a row is collected again from the backend first, whoever finalizes:
     the watchdog (its collectors may be lost) and the chord's callback too (a row can be lost
@@ -76,8 +81,6 @@ def finalize(
             rows = store.episode_rows(batch_id)
         publish_every_group(store, spec)
         done = _publish(store, backend, receipt, rows, finalized_by, now())
-    if receipt.records != Records.COMPLETE:
-        _save_records(store, backend, receipt)
     return done
 
 
@@ -122,23 +125,45 @@ def _publish(
     return Finalized(report, cleanup)
 
 
-def _save_records(store: BatchStore, backend: Backend, receipt: Receipt) -> None:
-    """The run's records (job.json, pods.json, events, logs of the supervisor...), after the
-    report: the receipt's `records` says when they are complete."""
-    assert receipt.run is not None
+def save_records(
+    store: BatchStore, backend_for: BackendFor, batch_id: str, *, now: float
+) -> Records:
+    """Save the run's records (job.json, pods.json, events, logs of the supervisor...) after
+    the report, once: the receipt's `records` says when they are complete (or failed, and
+    why). PENDING: a transient error, try again in RECORDS_RETRY_EVERY_SECONDS (and do not
+    clean the run up before)."""
+    receipt = load_receipt(store, batch_id)
+    if receipt is None or receipt.run is None:
+        return Records.FAILED  # nothing to read them from
+    if receipt.records in (Records.COMPLETE, Records.FAILED):
+        return receipt.records
     try:
-        finished = backend.finish_run(receipt.spec, receipt.run)
+        # May wait for the backend to settle (a Job's final status).
+        finished = backend_for(receipt.run.backend).finish_run(receipt.spec, receipt.run)
+    except TransientBackendError as exc:
+        since = float((store.load_receipt(batch_id) or {}).get("records_retry_since") or now)
+        if now - since < RECORDS_RETRY_SECONDS:
+            log.warning("batch %s: records not read yet (%s); trying again", batch_id, exc)
+            store.update_receipt(
+                batch_id, {"records_retry_since": since, "records_error": str(exc)}
+            )
+            return Records.PENDING
+        return _records_failed(store, batch_id, f"{exc} (still after {now - since:.0f} s)")
     except BackendError as exc:
-        store.update_receipt(
-            receipt.batch_id, {"records": Records.FAILED, "records_error": str(exc)}
-        )
-        return
-    store.save_records(receipt.batch_id, finished.records)
+        return _records_failed(store, batch_id, str(exc))
+    store.save_records(batch_id, finished.records)
     store.update_receipt(
-        receipt.batch_id,
+        batch_id,
         {
             "records": Records.COMPLETE,
             "run_verdict": finished.verdict,
             "completed_at": finished.completed_at,
         },
     )
+    return Records.COMPLETE
+
+
+def _records_failed(store: BatchStore, batch_id: str, why: str) -> Records:
+    log.error("batch %s: records not saved: %s", batch_id, why)
+    store.update_receipt(batch_id, {"records": Records.FAILED, "records_error": why})
+    return Records.FAILED

@@ -31,7 +31,7 @@ from rollout_worker.core.collect import (
     watchdog_countdown,
 )
 from rollout_worker.core.feed import feed
-from rollout_worker.core.finalize import finalize
+from rollout_worker.core.finalize import RECORDS_RETRY_EVERY_SECONDS, finalize, save_records
 from rollout_worker.core.groups import publish_group_of, quota_unenforced
 from rollout_worker.core.lease import renewed
 from rollout_worker.core.park import FULL_LOOK_SECONDS, WAKER_LEASE_SECONDS, park, wake
@@ -413,21 +413,26 @@ class Worker:
             self.scheduler.cancel(receipt.batch_id)
 
     def finalize(self, batch_id: str, finalized_by: FinalizedBy) -> dict[str, Any]:
-        """Publish the report once; then the cleanup and (behind the batch) the pool refill."""
+        """Publish the report once, then (behind the batch) the pool refill; save the run's
+        records, then the cleanup. Records a transient error kept from being read are tried
+        again (this task, later) before the cleanup deletes what they are read from."""
         done = finalize(
             self.store, self.backend, batch_id, finalized_by=finalized_by, limits=self.limits
         )
+        receipt = self.started(batch_id)
+        if done is not None and receipt is not None and receipt.spec.warm_pool:
+            # After the report: new sandboxes starting while the batch's episodes run would
+            # take their CPU; after it, they are ready for the next round.
+            self.scheduler.fill_pool(batch_id)
+        if save_records(self.store, self.backend, batch_id, now=time.time()) == Records.PENDING:
+            # Not counted: save_records bounds how long this lasts.
+            raise Again(RECORDS_RETRY_EVERY_SECONDS, counted=False)
         if done is None:
             if cleanup_pending(self.store, batch_id):
                 self.scheduler.cleanup(batch_id)
             return {"batch_id": batch_id, "status": "already-reported"}
         if done.cleanup == Cleanup.SCHEDULED:
             self.scheduler.cleanup(batch_id)
-        receipt = self.started(batch_id)
-        if receipt is not None and receipt.spec.warm_pool:
-            # After the report: new sandboxes starting while the batch's episodes run would
-            # take their CPU; after it, they are ready for the next round.
-            self.scheduler.fill_pool(batch_id)
         return {"batch_id": batch_id, "status": done.report["status"]}
 
     def watchdog(self, batch_id: str) -> dict[str, Any]:

@@ -258,6 +258,7 @@ class StubBackend:
     finished_at: dict[int, float] = field(default_factory=dict)  # default: origin + 2
     unseen: set[int] = field(default_factory=set)  # ended, but a watch misses it (no Pod)
     observed: list[int] = field(default_factory=list)  # each wait_episode's index
+    fail_finish: list[BackendError] = field(default_factory=list)  # finish_run raises these first
 
     def preflight(self, spec: BatchSpec) -> list[str]:
         return []
@@ -311,6 +312,8 @@ class StubBackend:
         return FinishedRun({}, self.origin + 3, self.verdict)
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        if self.fail_finish:
+            raise self.fail_finish.pop(0)
         return FinishedRun({"run.json": "{}"}, self.origin + 3, self.verdict)
 
     def cancel_run(self, handle: RunHandle) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_wire.errors import BackendError, OwnershipError
+from rollout_wire.errors import BackendError, OwnershipError, TransientBackendError
 from rollout_wire.states import Cleanup
 from rollout_worker import core
+from rollout_worker.core.finalize import RECORDS_RETRY_SECONDS
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
 
 LIMITS = core.Limits(max_batch_episodes=100, collect_grace_seconds=30)
@@ -152,10 +153,43 @@ def test_the_report_is_published_once_and_schedules_the_cleanup(store, backend):
     report = store.reports["b1"]
     assert report["ok"] and report["reward_sum"] == 3 and report["cleanup"] == "scheduled"
     assert report["job_complete_seconds"] == 3.0 and report["records"] == "pending"
-    # Published first; the records follow in the same call, and the receipt says so.
+    # Published first; the records follow, and the receipt says so.
+    assert "b1" not in store.records
+    assert core.save_records(store, lambda name: backend, "b1", now=1003.0) == "complete"
     assert store.records["b1"] == {"run.json": "{}"}
     assert store.receipts["b1"]["records"] == "complete"
     assert finalize(store, backend) is None  # a second callback publishes nothing
+
+
+def test_records_a_transient_error_kept_from_being_read_are_tried_again_then_given_up(
+    store, backend
+):
+    """An API blip while the records are read leaves them pending (the caller tries again and
+    holds the cleanup back); one that lasts RECORDS_RETRY_SECONDS, or an error that is not
+    transient, ends them failed with the error, never silently."""
+    started(store, backend)
+    finalize(store, backend)
+
+    def save(now):
+        return core.save_records(store, lambda name: backend, "b1", now=now)
+
+    backend.fail_finish = [BackendError("job gone")]
+    assert save(1003.0) == "failed" and store.receipts["b1"]["records_error"] == "job gone"
+    assert save(1004.0) == "failed" and "b1" not in store.records  # not read again
+
+    store.receipts["b1"].pop("records")  # as if it had not tried
+    backend.fail_finish = [TransientBackendError("API server said 503")] * 2
+    assert save(1010.0) == "pending"
+    assert store.receipts["b1"]["records_error"] == "API server said 503"
+    assert "records" not in store.receipts["b1"] and "b1" not in store.records
+    assert save(1010.0 + RECORDS_RETRY_SECONDS - 1) == "pending"
+    assert save(1010.0 + RECORDS_RETRY_SECONDS) == "complete"  # it answers again in time
+    assert store.records["b1"] == {"run.json": "{}"}
+
+    store.receipts["b1"].pop("records")
+    backend.fail_finish = [TransientBackendError("API server said 503")]
+    assert save(1010.0 + RECORDS_RETRY_SECONDS) == "failed"  # a blip that lasted too long
+    assert "still after 300 s" in store.receipts["b1"]["records_error"]
 
 
 def test_a_row_lost_after_its_collector_finished_is_collected_again_not_reported_lost(

@@ -15,6 +15,7 @@ from rollout_wire.states import FinalizedBy
 from rollout_worker import core
 from rollout_worker.backends.base import Fed as FedLook
 from rollout_worker.core import worker as worker_module
+from rollout_worker.core.finalize import RECORDS_RETRY_EVERY_SECONDS
 from rollout_worker.settings import Settings
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
 
@@ -253,6 +254,29 @@ def test_a_watchdog_finding_the_report_out_saves_the_records_before_the_cleanup(
     assert sent.cleanups == ["b1"]
     # Records saved: a later watchdog only sends the pending cleanup again.
     assert w.watchdog("b1")["status"] == "reported" and sent.cleanups == ["b1", "b1"]
+
+
+def test_records_kept_from_being_read_by_an_api_blip_are_tried_again_before_the_cleanup(
+    parts,
+):
+    """The report goes out at once, but the cleanup waits until the records are saved: it
+    would delete what they are read from (before, a blip marked them failed, and the cleanup
+    that followed lost job.json and the events for good)."""
+    w, store, backend, sent = parts
+    w.submit({"batch_id": "b1", "count": 1, "warm_pool": 2}, message_id="m1", attempt=0)
+    backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
+    w.collect("b1", 0)
+    backend.fail_finish = [TransientBackendError("API server said 503")] * 2
+    for _ in range(2):
+        with pytest.raises(core.Again) as again:
+            w.finalize("b1", FinalizedBy.CHORD)
+        assert again.value.countdown == RECORDS_RETRY_EVERY_SECONDS and not again.value.counted
+        assert store.reports["b1"]["status"] == "succeeded" and sent.cleanups == []
+        assert store.receipts["b1"].get("records") is None
+    assert sent.fills == ["b1"]  # behind the report, once
+    assert w.finalize("b1", FinalizedBy.CHORD)["status"] == "already-reported"
+    assert store.receipts["b1"]["records"] == "complete" and store.records["b1"]
+    assert sent.cleanups == ["b1"]
 
 
 def test_every_task_has_a_retry_budget_and_only_the_deadline_bounds_collectors():
