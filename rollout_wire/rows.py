@@ -40,6 +40,9 @@ COST_SECONDS = (
 COST_COUNTS = ("policy_turns", "prompt_tokens", "completion_tokens")
 # The largest: on Kubernetes the container's cgroup peak; locally the largest single process.
 COST_PEAK = "peak_memory_bytes"
+# A `file` reward beyond this magnitude is refused (the runner's MAX_REWARD_MAGNITUDE): a file
+# the code under test can write must not hand the trainer 1e308.
+MAX_FILE_REWARD = 1000.0
 COST_SOURCES = ("cgroup", "proc")  # `cpu_source`: where the CPU and memory figures come from
 # `wall`: sandbox seconds per phase, from the row's own timestamps and the runner's events:
 # start (created or claimed -> ready), agent (the agent's turns, or its command),
@@ -84,6 +87,12 @@ class EpisodeRow:
     stop_reason: str | None = None  # submit | max_steps | time_limit | stale
     tests_passed: int | None = None
     tests_total: int | None = None
+    # How the reward was graded (GradedBy: the harness's counts, the test command's exit
+    # status, or the tests' reward file), why it is below full (GradeCause; None when the
+    # tests earned it all), and how many tests the task promised (the baseline's count).
+    graded_by: str | None = None
+    grade_cause: str | None = None
+    tests_promised: int | None = None
     failure_kind: FailureKind | None = None  # when the row is not ok
     failure_cause: str | None = None  # the first reason, short
     # Earlier attempts run again under the batch's retry budget (infra_retries), oldest first:

@@ -113,3 +113,27 @@ class GroupFilter(StrEnum):
 
     ANY = "any"
     VARIED = "varied"
+
+
+class GradedBy(StrEnum):
+    """How a row's reward was graded. `test_results`: the counts the grader's test harness
+    reported on a channel the code under test cannot print to (unittest, pytest); `exit_status`:
+    a test command the harness cannot count (a task's own script), by its exit status alone;
+    `reward_file`: what the tests wrote to the verifier's reward file."""
+
+    TEST_RESULTS = "test_results"
+    EXIT_STATUS = "exit_status"
+    REWARD_FILE = "reward_file"
+
+
+class GradeCause(StrEnum):
+    """Why a row's reward is below full (None when the tests earned it all)."""
+
+    TESTS_FAILED = "tests_failed"
+    TESTS_MISSING = "tests_missing"  # fewer ran than the task promised (its baseline), or none
+    RUNNER_EXITED = "runner_exited"  # the test run ended before it reported its end
+    TESTS_TIMED_OUT = "tests_timed_out"
+    EXIT_STATUS = "exit_status"  # every test passed, yet the command exited non-zero
+    NO_REWARD_FILE = "no_reward_file"
+    REWARD_FILE_INVALID = "reward_file_invalid"  # too large, not a bounded number, a link
+    REWARD_FILE = "reward_file"  # the tests wrote a reward below 1

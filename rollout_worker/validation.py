@@ -28,9 +28,10 @@ from rollout_wire.rows import (
     COST_PEAK,
     COST_SECONDS,
     COST_SOURCES,
+    MAX_FILE_REWARD,
     EpisodeRow,
 )
-from rollout_wire.states import EpisodeStatus, FailureKind, Progress
+from rollout_wire.states import EpisodeStatus, FailureKind, GradeCause, GradedBy, Progress
 from rollout_wire.trajectory import MAX_EVENT_BYTES, STEP_EVENT
 from rollout_worker.observation import EpisodeObservation
 
@@ -191,7 +192,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
         if agent:
             row.steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
             row.stop_reason = summary.get("stop_reason")
-            _check_agent_reward(row, w, errors)
+            _check_agent_reward(row, w, summary, errors)
         else:
             if reported != 1:
                 errors.append(f"reward is {reported!r}, expected 1")
@@ -370,12 +371,17 @@ def failure_kind(
     return FailureKind.EPISODE
 
 
-def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -> None:
+def _check_agent_reward(
+    row: EpisodeRow, w: dict[str, Any], summary: dict[str, Any], errors: list[str]
+) -> None:
     """A real rollout's reward is any value of its rule: 0 is a sample, not a failure. A
-    `file` reward is whatever finite number the tests wrote (not only 0..1)."""
+    `file` reward is whatever bounded number the tests wrote (not only 0..1). A row says how
+    it was graded and why a reward is below full; a full reward under `all` needs tests that
+    exited 0 and no cause against it."""
     reported = w.get("reward")
     rule = w.get("reward_rule")
     row.tests_passed, row.tests_total = w.get("tests_passed"), w.get("tests_total")
+    _check_grading(row, w, summary, errors)
     if isinstance(reported, bool) or not isinstance(reported, (int, float)):
         errors.append(f"reward is {reported!r}, expected a number within 0..1")
         return
@@ -388,21 +394,59 @@ def _check_agent_reward(row: EpisodeRow, w: dict[str, Any], errors: list[str]) -
         else:
             errors.append(f"reward_details {details!r} is not an object of finite numbers")
     if rule == "file":
-        if not _finite(reported):
-            errors.append(f"reward {reported!r} is not a finite number")
+        if not _finite(reported) or abs(reported) > MAX_FILE_REWARD:
+            errors.append(
+                f"reward {reported!r} is not a finite number within +-{MAX_FILE_REWARD:g}"
+            )
             return
         row.reward = float(reported)
         return
     if not 0 <= reported <= 1:
         errors.append(f"reward {reported!r} is outside 0..1")
         return
-    if rule == "all" and reported != (1 if row.tests_exit == 0 else 0):
+    if rule == "all" and reported not in (0, 1):
+        errors.append(f"reward {reported!r} is neither 0 nor 1 (rule all)")
+    elif rule == "all" and reported == 1 and (row.tests_exit != 0 or row.grade_cause):
         errors.append(
-            f"reward {reported!r} disagrees with tests_exit {row.tests_exit!r} (rule all)"
+            f"reward 1 with tests_exit {row.tests_exit!r} and grade_cause "
+            f"{row.grade_cause!r} (rule all)"
         )
+    elif rule == "all" and reported == 0 and row.tests_exit == 0 and row.graded_by is None:
+        errors.append("reward 0 with tests_exit 0 and no grade_cause (rule all)")
     elif rule not in ("all", "fraction"):
         errors.append(f"reward_rule {rule!r} is not all, fraction or file")
     row.reward = float(reported) if rule == "fraction" else int(reported)
+
+
+def _check_grading(
+    row: EpisodeRow, w: dict[str, Any], summary: dict[str, Any], errors: list[str]
+) -> None:
+    """graded_by, grade_cause and tests_promised (absent from an older runner's rows). A
+    grading sandbox must have held the tests to the baseline the agent's sandbox counted."""
+    graded_by, cause = w.get("graded_by"), w.get("grade_cause")
+    if graded_by is None:
+        return
+    if graded_by not in set(GradedBy):
+        errors.append(f"graded_by {graded_by!r} is not one of {sorted(GradedBy)}")
+    else:
+        row.graded_by = GradedBy(graded_by)
+    if cause is not None and cause not in set(GradeCause):
+        errors.append(f"grade_cause {cause!r} is not one of {sorted(GradeCause)}")
+    elif cause is not None:
+        row.grade_cause = GradeCause(cause)
+    elif _finite(w.get("reward")) and w["reward"] < 1:
+        errors.append(f"reward {w['reward']!r} below full without a grade_cause")
+    promised = w.get("tests_promised")
+    if promised is not None and (not isinstance(promised, int) or promised < 0):
+        errors.append(f"tests_promised {promised!r} is not an integer >= 0")
+        promised = None
+    row.tests_promised = promised
+    baseline = summary.get("baseline_tests") if summary is not w else None
+    if isinstance(baseline, dict) and baseline.get("collected") != promised:
+        errors.append(
+            f"the grader held the tests to {promised!r}, the baseline counted "
+            f"{baseline.get('collected')!r}"
+        )
 
 
 def _policy_versions(steps: list[dict[str, Any]], errors: list[str]) -> dict[str, Any] | None:

@@ -879,7 +879,9 @@ def resolve_argv(argv: list, path: str) -> list:
     return [found, *argv[1:]]
 
 
-def run_process(argv: list, env: dict, cwd: str, timeout: float) -> tuple[int, str]:
+def run_process(
+    argv: list, env: dict, cwd: str, timeout: float, pass_fds: tuple = ()
+) -> tuple[int, str]:
     """(exit code, output) of a command in its own process group, output to a file: a
     grandchild that keeps running (a test's server) neither holds a pipe open nor survives."""
     handle, output_path = tempfile.mkstemp(prefix="rollout-run-", suffix=".log")
@@ -893,6 +895,7 @@ def run_process(argv: list, env: dict, cwd: str, timeout: float) -> tuple[int, s
                 env=env,
                 cwd=cwd,
                 start_new_session=True,
+                pass_fds=pass_fds,
             )
         except OSError as exc:
             raise EpisodeError(f"{argv[0]!r} could not start: {exc}") from None
@@ -933,20 +936,328 @@ def run_command(command: str, timeout: float, env: dict) -> tuple[int, str]:
     return done.returncode, done.stdout.decode("utf-8", "replace")
 
 
-def test_counts(output: str) -> tuple[int | None, int | None]:
-    """(passed, total) from unittest's (or pytest's) summary; (None, None) if not found."""
-    ran = re.search(r"^Ran (\d+) tests? in", output, re.MULTILINE)
-    if ran:
-        total = int(ran.group(1))
-        tail = output.split(ran.group(0))[-1]
-        broken = sum(int(n) for n in re.findall(r"(?:failures|errors)=(\d+)", tail))
-        return total - broken, total
-    passed = re.search(r"(\d+) passed", output)
-    failed = re.findall(r"(\d+) (?:failed|error)", output)
-    if passed or failed:
-        p = int(passed.group(1)) if passed else 0
-        return p, p + sum(int(n) for n in failed)
-    return None, None
+# -- the test harness: what ran, told where the code under test cannot print -------------------
+# Test commands the grader can count: `python [flags] -m unittest|pytest ...` and
+# `python [flags] script.py ...` (a script that calls unittest.main()). They run through this
+# program (`--harness`), which reports what ran on a pipe only the runner reads, each record
+# carrying a key the runner handed over on another pipe (read and closed before any test code
+# is imported). Anything else (a task's own shell script) is graded by its exit status or its
+# reward file, and the row says so (`graded_by`).
+HARNESS_FLAG = "--harness"
+# Interpreter options a test command may carry; the harness passes them on.
+PYTHON_FLAGS = {"-B", "-b", "-bb", "-u", "-O", "-OO", "-q", "-s", "-E"}
+PYTHON_OPTIONS = {"-W", "-X"}  # each followed by a value
+HARNESS_KEY_BYTES = 16
+MAX_HARNESS_RECORD = 64 * 1024
+# Why a reward is below full (the row's grade_cause); None when the tests earned it all.
+CAUSE_FAILED = "tests_failed"
+CAUSE_MISSING = "tests_missing"  # fewer tests ran than the task promises, or none
+CAUSE_EXITED = "runner_exited"  # the test run ended before it reported its end
+CAUSE_TIMED_OUT = "tests_timed_out"
+CAUSE_EXIT_STATUS = "exit_status"  # the tests said pass but the command exited non-zero
+CAUSE_NO_REWARD_FILE = "no_reward_file"
+CAUSE_BAD_REWARD_FILE = "reward_file_invalid"
+CAUSE_REWARD_FILE = "reward_file"  # the tests wrote a reward below 1
+GRADED_BY_RESULTS = "test_results"
+GRADED_BY_EXIT = "exit_status"
+GRADED_BY_FILE = "reward_file"
+
+
+def harness_plan(argv: list) -> tuple[list, str, list] | None:
+    """(interpreter flags, what runs: "unittest" | "pytest" | a script path, its arguments) of
+    a countable test command; None for any other."""
+    if not argv or argv[0] not in ("python", "python3"):
+        return None
+    flags: list = []
+    rest = list(argv[1:])
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        flag = rest.pop(0)
+        if flag in PYTHON_OPTIONS and rest:
+            flags += [flag, rest.pop(0)]
+        elif flag in PYTHON_FLAGS:
+            flags.append(flag)
+        else:
+            return None
+    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in ("unittest", "pytest"):
+        return flags, rest[1], rest[2:]
+    if rest and rest[0].endswith(".py"):
+        return flags, rest[0], rest[1:]
+    return None
+
+
+def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
+    """A TextTestRunner that reports each test's verdict (by test id) when its run ends."""
+    import unittest
+
+    class Result(unittest.TextTestResult):
+        def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.verdicts: dict = {}
+
+        def _mark(self, test: typing.Any, verdict: str) -> None:
+            key = test.id()
+            if self.verdicts.get(key) != "failed":  # a failed subtest fails its test for good
+                self.verdicts[key] = verdict
+
+        def addSuccess(self, test: typing.Any) -> None:
+            super().addSuccess(test)
+            self._mark(test, "passed")
+
+        def addExpectedFailure(self, test: typing.Any, err: typing.Any) -> None:
+            super().addExpectedFailure(test, err)
+            self._mark(test, "passed")
+
+        def addFailure(self, test: typing.Any, err: typing.Any) -> None:
+            super().addFailure(test, err)
+            self._mark(test, "failed")
+
+        def addError(self, test: typing.Any, err: typing.Any) -> None:
+            super().addError(test, err)
+            self._mark(test, "failed")
+
+        def addUnexpectedSuccess(self, test: typing.Any) -> None:
+            super().addUnexpectedSuccess(test)
+            self._mark(test, "failed")
+
+        def addSkip(self, test: typing.Any, reason: str) -> None:
+            super().addSkip(test, reason)
+            self._mark(test, "skipped")
+
+        def addSubTest(self, test: typing.Any, subtest: typing.Any, err: typing.Any) -> None:
+            super().addSubTest(test, subtest, err)
+            if err is not None:
+                self.verdicts[test.id()] = "failed"
+
+    class Runner(unittest.TextTestRunner):
+        resultclass = Result
+
+        def run(self, test: typing.Any) -> typing.Any:
+            collected = test.countTestCases()
+            result = super().run(test)
+            verdicts = list(typing.cast(typing.Any, result).verdicts.values())
+            report(
+                {
+                    "collected": collected,
+                    "passed": verdicts.count("passed"),
+                    "failed": verdicts.count("failed"),
+                    "skipped": verdicts.count("skipped"),
+                }
+            )
+            return result
+
+    return Runner
+
+
+def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
+    """A pytest plugin object: what was collected, and each test's verdict (by node id)."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.collected = 0
+            self.verdicts: dict = {}
+
+        def pytest_collection_finish(self, session: typing.Any) -> None:
+            self.collected = len(session.items)
+
+        def pytest_runtest_logreport(self, report: typing.Any) -> None:
+            key = report.nodeid
+            if report.failed:
+                self.verdicts[key] = "failed"
+            elif report.skipped and self.verdicts.get(key) != "failed":
+                self.verdicts[key] = "skipped"
+            elif report.when == "call" and key not in self.verdicts:
+                self.verdicts[key] = "passed"
+
+        def pytest_sessionfinish(self, session: typing.Any) -> None:
+            verdicts = list(self.verdicts.values())
+            report(
+                {
+                    "collected": self.collected,
+                    "passed": verdicts.count("passed"),
+                    "failed": verdicts.count("failed"),
+                    "skipped": verdicts.count("skipped"),
+                }
+            )
+
+    return Recorder()
+
+
+def harness(argv: list) -> int:
+    """`episode.py --harness RESULT_FD KEY_FD WHAT ARGS...`: run the tests, reporting every
+    run's counts and then the end on RESULT_FD, each line carrying the key read from KEY_FD."""
+    result_fd, key_fd, what, args = int(argv[0]), int(argv[1]), argv[2], argv[3:]
+    with os.fdopen(key_fd, "rb") as handle:
+        key = handle.read(HARNESS_KEY_BYTES * 2).decode()
+    channel = os.fdopen(result_fd, "w", buffering=1)
+    runs = []
+
+    def report(counts: dict) -> None:
+        runs.append(counts)
+        channel.write(json.dumps({"key": key, "run": counts}) + "\n")
+
+    import unittest  # the real one, before the workspace is on the path
+
+    runner = _unittest_recorder(report)
+    # As `python -m` or `python script.py` would: the working directory (or the script's
+    # directory) first on the path, never this program's own.
+    sys.path[0] = os.getcwd() if what in ("unittest", "pytest") else os.path.dirname(what)
+    code: object = 0
+    try:
+        if what == "unittest":
+            sys.argv = ["python -m unittest", *args]
+            program = unittest.main(module=None, argv=sys.argv, testRunner=runner, exit=False)
+            code = 0 if program.result.wasSuccessful() else 1
+        elif what == "pytest":
+            sys.argv = ["pytest", *args]
+            import pytest
+
+            code = int(pytest.main(args, plugins=[_pytest_recorder(report)]))
+        else:
+            import runpy
+
+            # What unittest.main() runs by default.
+            unittest.runner.TextTestRunner = runner  # type: ignore[misc,assignment]
+            sys.argv = [what, *args]
+            runpy.run_path(what, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    channel.write(json.dumps({"key": key, "end": True, "runs": len(runs)}) + "\n")
+    channel.close()
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+# Files the agent may not leave for the grader unless the task gave them (remove_shadows).
+UNASKED_NAMES = (
+    "sitecustomize.py",
+    "usercustomize.py",
+    "conftest.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "tox.ini",
+    "setup.cfg",
+)
+UNASKED_SUFFIXES = (".pth", ".pyc", ".pyo", ".so", ".pyd")
+
+
+def unasked(name: str) -> bool:
+    return name in UNASKED_NAMES or name.endswith(UNASKED_SUFFIXES)
+
+
+class TestRun:
+    """One run of the task's test command: its exit status and output, how it can be graded,
+    and (through the harness) every run's counts and whether the end was reported."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(
+        self, code: int, output: str, graded_by: str, runs: list | None = None, ended: bool = False
+    ) -> None:
+        self.code = code
+        self.output = output
+        self.graded_by = graded_by
+        self.runs = runs or []
+        self.ended = ended
+
+    def promise(self) -> dict | None:
+        """What a later run must reach (the baseline's): the tests it collected and skipped;
+        None when this run cannot say."""
+        if self.graded_by != GRADED_BY_RESULTS or not self.ended or not self.runs:
+            return None
+        counts = tally(self.runs)
+        return {"collected": counts["collected"], "skipped": counts["skipped"]}
+
+
+def judge(rule: str, run: TestRun, promise: dict | None) -> dict:
+    """The rule `all` or `fraction` over a test run: the reward event's reward, grade_cause,
+    tests_passed, tests_total. Counted runs (the harness) earn a reward only for tests that
+    really ran: at least one, every one the task promises (the baseline's count), none failed,
+    no more skipped than the baseline skipped, and the end of the run reported."""
+    cause: str | None
+    if run.graded_by != GRADED_BY_RESULTS:
+        cause = None if run.code == 0 else CAUSE_TIMED_OUT if run.code == 124 else CAUSE_FAILED
+        return {"reward": 1 if run.code == 0 else 0, "grade_cause": cause,
+                "tests_passed": None, "tests_total": None}  # fmt: skip
+    counts = tally(run.runs)
+    expected = (promise or {}).get("collected", 0)
+    allowed_skips = (promise or {}).get("skipped", 0)
+    total = max(counts["collected"], expected)
+    passed = counts["passed"]
+    missing = (
+        not run.runs
+        or counts["collected"] == 0
+        or counts["collected"] < expected
+        or counts["skipped"] > allowed_skips
+        or passed + counts["skipped"] + counts["failed"] < counts["collected"]
+    )
+    if run.code == 124:
+        cause = CAUSE_TIMED_OUT
+    elif not run.ended:
+        cause = CAUSE_EXITED
+    elif counts["failed"]:
+        cause = CAUSE_FAILED
+    elif missing:
+        cause = CAUSE_MISSING
+    elif run.code != 0:
+        cause = CAUSE_EXIT_STATUS
+    else:
+        cause = None
+    countable = total - min(counts["skipped"], allowed_skips)
+    if cause in (CAUSE_TIMED_OUT, CAUSE_EXITED) or countable <= 0:
+        reward: float = 0
+    elif rule == "fraction":
+        reward = min(passed, countable) / countable
+        if cause is not None and reward >= 1:
+            reward = (countable - 1) / countable  # never full reward from a flawed run
+    else:
+        reward = 1 if cause is None else 0
+    if cause is None and reward < 1:
+        cause = CAUSE_FAILED
+    return {"reward": reward, "grade_cause": cause, "tests_passed": passed, "tests_total": total}
+
+
+def read_harness(fd: int, key: str) -> tuple[list, bool]:
+    """(the runs' counts, whether the end was reported) from the result pipe: lines without
+    the key (or beyond MAX_HARNESS_RECORD) are ignored, since the code under test may write
+    to the pipe too."""
+    os.set_blocking(fd, False)
+    data = b""
+    with contextlib.suppress(BlockingIOError, OSError):
+        while len(data) <= MAX_HARNESS_RECORD:
+            chunk = os.read(fd, STREAM_READ)
+            if not chunk:
+                break
+            data += chunk
+    os.close(fd)
+    runs: list = []
+    ended = False
+    for line in data[:MAX_HARNESS_RECORD].splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or record.get("key") != key:
+            continue
+        if record.get("end") is True:
+            ended = True
+        elif isinstance(record.get("run"), dict):
+            runs.append(record["run"])
+    return runs, ended
+
+
+def _tally_count(run: dict, name: str) -> int:
+    value = run.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def tally(runs: list) -> dict:
+    """The counts of every run of one test command, summed."""
+    return {
+        n: sum(_tally_count(r, n) for r in runs)
+        for n in ("collected", "passed", "failed", "skipped")
+    }
 
 
 # -- agent commands ------------------------------------------------------------------------------
@@ -1003,11 +1314,12 @@ def reap() -> None:
             return
 
 
-def kill_leftovers(group: int) -> None:
-    """Kill what the agent left running: its process group, then every process below the
-    runner (the subreaper adopted those that left the group)."""
-    with contextlib.suppress(OSError):
-        os.killpg(group, signal.SIGKILL)
+def kill_leftovers(group: int | None = None) -> None:
+    """Kill what the agent left running: its process group (when given), then every process
+    below the runner (the subreaper adopted those that left the group)."""
+    if group is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
     if os.getpid() == 1:
         # As its PID namespace's init the runner may kill(-1): that spares the caller and
         # PID 1, both the runner here. Never otherwise: outside a namespace of its own, -1
@@ -1105,52 +1417,107 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# A reward file is read up to this size, and a reward beyond this magnitude is refused: a file
+# the code under test can write must not hand the trainer 1e308 or a gigabyte to parse.
+MAX_REWARD_FILE_BYTES = 64 * 1024
+MAX_REWARD_MAGNITUDE = 1000.0
+
+
+class RewardFileProblem(EpisodeError):
+    """The tests left no usable reward file: a reward of 0, with the row's grade_cause."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 def read_reward(directory: str) -> tuple[float, dict | None]:
     """(reward, other numbers or None) from the first of the verifier's reward files that
-    exists. EpisodeError naming the file when none does or the one found says no number."""
+    exists. RewardFileProblem naming the file when none does or the one found is not one
+    bounded number (or a JSON object with one)."""
     paths = [os.path.join(directory, name) for name in REWARD_FILE_NAMES]
     for path in paths:
-        if os.path.exists(path):
-            return _reward_json(path) if path.endswith(".json") else _reward_text(path)
-    raise EpisodeError(f"the tests wrote no reward: none of {', '.join(paths)}")
+        if os.path.lexists(path):
+            text = _reward_file_text(path)
+            return _reward_json(path, text) if path.endswith(".json") else _reward_text(path, text)
+    raise RewardFileProblem(
+        f"the tests wrote no reward: none of {', '.join(paths)}", CAUSE_NO_REWARD_FILE
+    )
 
 
-def _reward_text(path: str) -> tuple[float, dict | None]:
+def _bad_reward(message: str) -> RewardFileProblem:
+    return RewardFileProblem(message, CAUSE_BAD_REWARD_FILE)
+
+
+def _reward_file_text(path: str) -> str:
+    """A regular file's text, at most MAX_REWARD_FILE_BYTES (never through a link, never a
+    FIFO that would block)."""
     try:
-        with open(path) as handle:
-            reward = float(handle.read(4096).strip())
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise EpisodeError(f"{path} does not hold one number") from None
-    if not math.isfinite(reward):
-        raise EpisodeError(f"{path} holds {reward}, not a finite number")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise _bad_reward(f"{path} cannot be read: {exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _bad_reward(f"{path} is not a regular file")
+        data = handle.read(MAX_REWARD_FILE_BYTES + 1)
+    if len(data) > MAX_REWARD_FILE_BYTES:
+        raise _bad_reward(f"{path} is larger than {MAX_REWARD_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad_reward(f"{path} is not UTF-8 text") from None
+
+
+def _bounded(value: object) -> bool:
+    return _number(value) and math.isfinite(value) and abs(value) <= MAX_REWARD_MAGNITUDE  # type: ignore[arg-type]
+
+
+def _reward_text(path: str, text: str) -> tuple[float, dict | None]:
+    try:
+        reward = float(text.strip())
+    except ValueError:
+        raise _bad_reward(f"{path} does not hold one number") from None
+    if not _bounded(reward):
+        raise _bad_reward(
+            f"{path} holds {reward}, not a finite number within +-{MAX_REWARD_MAGNITUDE:g}"
+        )
     return reward, None
 
 
-def _reward_json(path: str) -> tuple[float, dict | None]:
+def _json_number(text: str) -> float:
+    # Integers as floats (a 400-digit integer becomes inf, refused below, instead of an
+    # overflow later); NaN and Infinity refused here.
+    return float(text)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number")
+
+
+def _reward_json(path: str, text: str) -> tuple[float, dict | None]:
     """A numeric `reward` (else the only number) of a JSON object; its other numbers are the
     details. A bare number is the reward alone."""
     try:
-        with open(path) as handle:
-            value = json.load(handle)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise EpisodeError(f"{path} is not JSON: {exc}") from None
+        value = json.loads(text, parse_int=_json_number, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise _bad_reward(f"{path} is not JSON: {exc}") from None
     if _number(value):
         value = {"reward": value}
-    numbers = (
-        {k: v for k, v in value.items() if _number(v) and math.isfinite(v)}
-        if isinstance(value, dict)
-        else {}
-    )
+    numbers = {k: v for k, v in value.items() if _bounded(v)} if isinstance(value, dict) else {}
     if isinstance(value, dict) and "reward" in value:
         key = "reward"
     elif len(numbers) == 1:
         key = next(iter(numbers))
     else:
-        raise EpisodeError(f"{path} holds no numeric reward (nor a single number)")
+        raise _bad_reward(f"{path} holds no numeric reward (nor a single number)")
     if key not in numbers:
-        raise EpisodeError(f"{path}: reward {value[key]!r} is not a finite number")
+        raise _bad_reward(
+            f"{path}: reward {value[key]!r} is not a finite number within "
+            f"+-{MAX_REWARD_MAGNITUDE:g}"
+        )
     details = {k: float(v) for k, v in numbers.items() if k != key}
-    return numbers[key], details or None
+    reward = numbers[key]
+    return (int(reward) if reward == int(reward) else reward), details or None
 
 
 # -- the recording proxy -------------------------------------------------------------------------
@@ -1680,6 +2047,7 @@ class Runner:
         self.agent: typing.Any = task.get("agent")
         self.mode = "agent" if self.agent is None else ORACLE if self.agent == ORACLE else "command"
         self.tests_dir = TESTS_DIR
+        self.promise: dict | None = None  # the baseline's counts, when it ran and counted
         # Where /tests, /solution and /logs/verifier are made: those paths, unless the runner's
         # environment names others (a sandbox without a root of its own; tests).
         self.places = {
@@ -1705,28 +2073,34 @@ class Runner:
             raise InfrastructureError("no policy for this episode (ROLLOUT_POLICY is not set)")
         return self.policy
 
-    def test_command(self) -> list:
+    def test_argv(self) -> list:
+        """The task's test command, naming the directory that stands in for /tests (when the
+        tests are elsewhere)."""
         argv = list(self.task["test_command"])
-        if self.tests_dir != TESTS_DIR:
-            # The tests are elsewhere: the command names the directory that stands in for /tests.
-            argv = [
-                self.tests_dir + a[len(TESTS_DIR) :]
-                if a == TESTS_DIR or a.startswith(TESTS_DIR + "/")
-                else a
-                for a in argv
-            ]
-        return resolve_argv(argv, self.env["PATH"]) if argv else argv
+        if self.tests_dir == TESTS_DIR:
+            return argv
+        return [
+            self.tests_dir + a[len(TESTS_DIR) :]
+            if a == TESTS_DIR or a.startswith(TESTS_DIR + "/")
+            else a
+            for a in argv
+        ]
 
     def remove_shadows(self) -> list:
-        """Files the agent added that would replace the standard library (a `unittest.py`
-        in the repository wins over the real one) are removed before the final tests."""
+        """What the agent added that would run in the grader unasked, removed before the final
+        tests (the task's own files of the same names stay): modules named like the standard
+        library's at the top of the repository (a `unittest.py` wins over the real one);
+        anywhere, interpreter start-up hooks (`sitecustomize`, `usercustomize`, `*.pth`),
+        pytest's configuration and hooks (`conftest.py`, `pytest.ini`, `tox.ini`, `setup.cfg`)
+        and compiled modules (`__pycache__`, `*.pyc`, `*.so`: they load before or instead of
+        the source)."""
         names = set(getattr(sys, "stdlib_module_names", ())) | {"sitecustomize", "usercustomize"}
         given = set(self.task.get("files") or {}) | set(self.task.get("test_files") or {})
         tops = {path.split("/")[0] for path in given}
         removed = []
         for entry in sorted(os.listdir(self.root)):
             path = os.path.join(self.root, entry)
-            package = os.path.isdir(path)
+            package = os.path.isdir(path) and not os.path.islink(path)
             stem = entry[:-3] if entry.endswith(".py") else entry
             if stem not in names or entry in tops or not (package or entry.endswith(".py")):
                 continue
@@ -1735,16 +2109,64 @@ class Runner:
             else:
                 os.unlink(path)
             removed.append(entry)
+        for folder, dirs, files in os.walk(self.root):
+            relative = os.path.relpath(folder, self.root)
+            for name in list(dirs):
+                if name == "__pycache__":
+                    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                    dirs.remove(name)
+                    removed.append(os.path.normpath(os.path.join(relative, name)))
+            for name in files:
+                path = os.path.normpath(os.path.join(relative, name))
+                if path in given or not unasked(name):
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
+                    removed.append(path)
         return removed
 
-    def run_tests(self, extra_env: dict | None = None) -> tuple[int, str]:
+    def run_tests(self, extra_env: dict | None = None) -> TestRun:
         try:
             write_files(self.root, self.task.get("test_files") or {})
         except (OSError, ValueError) as exc:
             raise EpisodeError(f"the task's test_files cannot be written: {exc}") from None
         shutil.rmtree(os.path.join(self.root, "__pycache__"), ignore_errors=True)
         env = dict(self.env, **(extra_env or {}))
-        return run_process(self.test_command(), env, self.root, TESTS_TIMEOUT_SECONDS)
+        argv = self.test_argv()
+        plan = harness_plan(argv)
+        if plan is None or (plan[1] not in ("unittest", "pytest") and not self.counts(plan[1])):
+            code, output = run_process(
+                resolve_argv(argv, env["PATH"]), env, self.root, TESTS_TIMEOUT_SECONDS
+            )
+            return TestRun(code, output, GRADED_BY_EXIT)
+        flags, what, args = plan
+        key = os.urandom(HARNESS_KEY_BYTES).hex()
+        results_read, results_write = os.pipe()
+        key_read, key_write = os.pipe()
+        os.write(key_write, key.encode())
+        os.close(key_write)
+        # -E and -s: no PYTHON* variable and no user site folder (under $HOME, the workspace)
+        # reaches the interpreter that runs the tests.
+        command = [sys.executable, "-E", "-s", *flags, os.path.abspath(__file__), HARNESS_FLAG]
+        command += [str(results_write), str(key_read), what, *args]
+        try:
+            code, output = run_process(
+                command, env, self.root, TESTS_TIMEOUT_SECONDS, (results_write, key_read)
+            )
+        finally:
+            os.close(results_write)
+            os.close(key_read)
+        runs, ended = read_harness(results_read, key)
+        return TestRun(code, output, GRADED_BY_RESULTS, runs, ended)
+
+    def counts(self, script: str) -> bool:
+        """Whether a test script is one the harness can count: it runs unittest (a script of
+        plain asserts keeps its exit status)."""
+        try:
+            with open(os.path.join(self.root, script), "rb") as handle:
+                return b"unittest" in handle.read(MAX_REWARD_FILE_BYTES)
+        except OSError:
+            return False
 
     def wants_baseline(self) -> bool:
         """The tests must fail before the agent acts, unless the task says otherwise or its
@@ -1770,17 +2192,20 @@ class Runner:
         emit("ready", **ready, **self.identity)
         baseline_exit = None
         if self.wants_baseline():
-            baseline_exit, _ = self.run_tests()
+            baseline = self.run_tests()
+            baseline_exit = baseline.code
             if baseline_exit == 0:
                 raise EpisodeError(
                     "the task's tests pass before any action; a task must start failing"
                 )
+            self.promise = baseline.promise()
         if self.mode == "agent":
             steps, stop_reason = self.loop()
             acted: dict = {"steps": steps, "stop_reason": stop_reason}
         else:
             acted = self.act()
         acted["baseline_exit"] = baseline_exit
+        acted["baseline_tests"] = self.promise
         if self.task.get("grade", "same") == "fresh" or os.environ.get(GRADER_ENV) == "sandbox":
             # The tests run in another sandbox: over a copy of the workspace alone (fresh), or
             # (same) over this one's workspace, /tmp and /logs, where a backend that keeps the
@@ -1794,6 +2219,11 @@ class Runner:
         """ROLLOUT_PHASE=grade: the tests of a `grade: fresh` episode, over the workspace its
         agent left (its baseline and agent fields are in the first sandbox's grade_pending)."""
         emit("ready", mode="grade", **self.identity)
+        # The agent's sandbox's baseline counts, passed on by the backend from its
+        # grade_pending (written before the agent acted).
+        with contextlib.suppress(ValueError, TypeError):
+            promise = json.loads(os.environ.get(BASELINE_TESTS_ENV) or "null")
+            self.promise = promise if isinstance(promise, dict) else None
         fields = self.grade()
         grade = self.task.get("grade", "same")
         record_outcome(emit("reward", **fields, baseline_exit=None, grade=grade, **self.identity))
@@ -1801,6 +2231,9 @@ class Runner:
 
     def grade(self) -> dict:
         """Place the tests, run them, apply the reward rule: the reward event's fields."""
+        # Nothing the agent started may still run (a daemon rewriting files): the built-in
+        # loop's commands and an agent command's leftovers are gone before the tests start.
+        kill_leftovers()
         env = {"ROLLOUT_WORKSPACE": self.root}
         tests = self.task.get("tests") or {}
         if tests:
@@ -1818,26 +2251,32 @@ class Runner:
             verifier = fresh_dir(self.places["ROLLOUT_VERIFIER_DIR"], "rollout-verifier-")
             env["ROLLOUT_VERIFIER_DIR"] = verifier
         removed = self.remove_shadows()
-        tests_exit, tests_output = self.run_tests(env)
-        passed, total = test_counts(tests_output)
+        run = self.run_tests(env)
         details = None
         if rule == "file" and verifier is not None:
-            reward, details = read_reward(verifier)
-        elif rule == "fraction" and total:
-            reward = (passed or 0) / total
+            verdict = judge("all", run, self.promise)
+            verdict["reward"], verdict["grade_cause"] = 0, None
+            try:
+                reward, details = read_reward(verifier)
+                verdict["reward"] = reward
+                if reward < 1:
+                    verdict["grade_cause"] = CAUSE_REWARD_FILE
+            except RewardFileProblem as problem:
+                verdict["grade_cause"] = problem.cause
+                run.output += f"\n[{problem}]"
+            graded_by = GRADED_BY_FILE
         else:
-            reward = 1 if tests_exit == 0 else 0
-        if rule != "file" and tests_exit != 0 and reward >= 1:
-            reward = (total - 1) / total if total else 0  # never full reward with a failing run
-        shown, _ = truncate(tests_output)
+            verdict = judge(rule, run, self.promise)
+            graded_by = run.graded_by
+        shown, _ = truncate(run.output)
         return {
-            "reward": reward,
+            **verdict,
             "reward_rule": rule,
             "reward_details": details,
-            "tests_exit": tests_exit,
+            "graded_by": graded_by,
+            "tests_exit": run.code,
             "tests_output": shown,
-            "tests_passed": passed,
-            "tests_total": total,
+            "tests_promised": (self.promise or {}).get("collected"),
             "removed_before_tests": removed,
         }
 
@@ -2087,6 +2526,9 @@ def episode_identity() -> dict:
     }
 
 
+# The baseline's counts ({collected, skipped}, JSON) for a grading sandbox, from its agent
+# sandbox's grade_pending.
+BASELINE_TESTS_ENV = "ROLLOUT_BASELINE_TESTS"
 # Set by a backend that grades in a second sandbox whatever the task's `grade` (the local one,
 # for tasks whose tests the agent must not see): the agent's sandbox then ends with
 # grade_pending.
@@ -2144,6 +2586,8 @@ def take_handover(stream: typing.TextIO) -> bool:
 
 
 def main() -> int:
+    if sys.argv[1:2] == [HARNESS_FLAG]:
+        return harness(sys.argv[2:])
     if os.environ.get("ROLLOUT_HANDOVER") == "stdin" and not take_handover(sys.stdin):
         return 0
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")

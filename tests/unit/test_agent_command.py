@@ -80,7 +80,9 @@ print("model", os.environ["OPENAI_MODEL"], "flag", os.environ.get("AGENT_FLAG"))
 """
 
 
-def run_runner(tmp_path, task, *, url=None, config=None, phase=None, workspace=None):
+def run_runner(
+    tmp_path, task, *, url=None, config=None, phase=None, workspace=None, extra_env=None
+):
     """(the finished runner process, its events)."""
     program = tmp_path / "episode.py"
     program.write_text(episode_program_text())
@@ -105,6 +107,7 @@ def run_runner(tmp_path, task, *, url=None, config=None, phase=None, workspace=N
         env["ROLLOUT_POLICY_URL"] = url
     if phase is not None:
         env["ROLLOUT_PHASE"] = phase
+    env |= extra_env or {}
     done = subprocess.run(
         [sys.executable, "-B", str(program)], env=env, capture_output=True, text=True, timeout=60
     )
@@ -129,6 +132,11 @@ def agent_task(tmp_path, source=URLLIB_AGENT, **changes):
     return (
         TASK | {"agent": {"command": ["python", str(agent)], "env": {"AGENT_FLAG": "on"}}} | changes
     )
+
+
+def baseline_of(pending):
+    """What the backend hands a grading sandbox: the baseline counts of its grade_pending."""
+    return {episode.BASELINE_TESTS_ENV: json.dumps(pending["baseline_tests"])}
 
 
 def names(events):
@@ -714,19 +722,24 @@ def test_a_file_reward_is_read_as_the_tests_wrote_it(tmp_path, name, text, rewar
     assert row.status == "ok" and row.reward == reward and row.reward_details == details
 
 
-def test_a_missing_reward_file_is_an_episode_error_even_when_the_agent_planted_one(tmp_path):
+def test_a_missing_reward_file_is_reward_0_even_when_the_agent_planted_one(tmp_path):
     planted = tmp_path / "root" / "logs" / "verifier" / "reward.txt"
     solve = SOLVE + f"mkdir -p {planted.parent}\necho 1 > {planted}\n"
     task = oracle_task("#!/bin/bash\ntrue\n", solution={"solve.sh": solve})
     started = time.time()
     done, events = run_runner(tmp_path, task)
-    assert done.returncode == episode.EXIT_EPISODE_ERROR and done.stderr == "", done.stderr
-    assert names(events) == ["ready", "agent_exit", "error"]
-    cause = events[-1]["cause"]
-    assert events[-1]["kind"] == "episode" and "reward.txt" in cause and "reward.json" in cause
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert names(events) == ["ready", "agent_exit", "reward"]
+    outcome = events[-1]
+    assert (outcome["reward"], outcome["grade_cause"], outcome["graded_by"]) == (
+        0,
+        "no_reward_file",
+        "reward_file",
+    )
+    assert "reward.txt" in outcome["tests_output"] and "reward.json" in outcome["tests_output"]
     assert not planted.exists()  # emptied before the tests ran
-    row = row_of(done.stdout, started, exit_code=episode.EXIT_EPISODE_ERROR)
-    assert row.status == "failed" and row.failure_kind == "episode" and row.reward == 0
+    row = row_of(done.stdout, started)
+    assert row.status == "ok" and row.reward == 0 and row.grade_cause == "no_reward_file"
 
 
 def test_the_runner_reads_the_reward_files_the_request_names_in_their_order(tmp_path):
@@ -757,9 +770,26 @@ def test_reward_files_are_parsed_strictly(tmp_path):
         ("reward.json", '{"reward": "1"}'),
         ("reward.json", '{"reward": true}'),
         ("reward.json", '{"reward": Infinity}'),
+        ("reward.json", '{"reward": NaN}'),
+        ("reward.json", '{"reward": ' + "9" * 400 + "}"),
+        ("reward.json", '{"reward": 1e309}'),
+        ("reward.json", '{"reward": 1e308}'),
+        ("reward.txt", "1e308"),
+        ("reward.txt", "inf"),
+        ("reward.txt", " " * (episode.MAX_REWARD_FILE_BYTES + 1) + "1"),
     ):
-        with pytest.raises(episode.EpisodeError, match=name):
+        with pytest.raises(episode.RewardFileProblem, match=name) as raised:
             read(name, text)
+        assert raised.value.cause == "reward_file_invalid"
+    for old in tmp_path.iterdir():
+        old.unlink()
+    os.mkfifo(tmp_path / "reward.txt")  # would block a plain open
+    with pytest.raises(episode.RewardFileProblem, match="not a regular file"):
+        episode.read_reward(str(tmp_path))
+    os.unlink(tmp_path / "reward.txt")
+    (tmp_path / "reward.txt").symlink_to("/etc/hostname")
+    with pytest.raises(episode.RewardFileProblem, match="cannot be read"):
+        episode.read_reward(str(tmp_path))
 
 
 def test_files_are_written_through_nothing_an_agent_left_in_the_way(tmp_path):
@@ -796,7 +826,9 @@ def test_grade_fresh_runs_the_tests_in_a_second_phase_and_the_two_logs_make_one_
     copy = tmp_path / "graded"
     shutil.copytree(tmp_path / "ws", copy)
     (tmp_path / "ws" / "calc.py").write_text(BUGGY)  # the grader sees only its copy
-    second, grade_events = run_runner(tmp_path, task, phase="grade", workspace=copy)
+    second, grade_events = run_runner(
+        tmp_path, task, phase="grade", workspace=copy, extra_env=baseline_of(pending)
+    )
     assert second.returncode == 0 and second.stderr == "", second.stderr
     assert names(grade_events) == ["ready", "reward"]
     assert grade_events[0]["mode"] == "grade" and grade_events[1]["grade"] == "fresh"
@@ -824,7 +856,9 @@ def test_the_built_in_loop_can_be_graded_fresh_too(tmp_path):
     assert agent_events[0]["mode"] == "agent" and agent_events[-1]["stop_reason"] == "submit"
     copy = tmp_path / "graded"
     shutil.copytree(tmp_path / "ws", copy)
-    second, grade_events = run_runner(tmp_path, task, phase="grade", workspace=copy)
+    second, grade_events = run_runner(
+        tmp_path, task, phase="grade", workspace=copy, extra_env=baseline_of(agent_events[-1])
+    )
     assert names(grade_events) == ["ready", "reward"] and grade_events[1]["reward"] == 1
     row = row_of(first.stdout + second.stdout, started)
     assert row.status == "ok" and row.errors == [] and (row.steps, row.reward) == (3, 1)

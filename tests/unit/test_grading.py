@@ -1,0 +1,193 @@
+"""Rewards only from tests that really ran: the runner's grader against agents that try to
+earn one without fixing the code (exit 0 at import, start-up hooks, a shadowed unittest,
+planted bytecode, forged result lines, a daemon that rewrites the tests). Each earns 0 with
+the reason on the row; the honest fix earns 1. The runner runs here without a sandbox; the
+suite runs the same agents through real sandboxes (tests/integration/test_red_team.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from rollout_wire.tasksets import load_task_set
+from rollout_worker.sandbox import episode
+from tests.red_team import HONEST, TRICKS
+from tests.unit.test_agent_command import baseline_of, names, row_of, run_runner
+
+
+def shipping_task(source: str, **changes):
+    task = load_task_set("bundled", ["shipping-boundary"])[0]
+    return task | {"agent": {"command": ["python", "-c", source]}} | changes
+
+
+NEVER_ASKED = "http://127.0.0.1:9"
+
+
+def graded(tmp_path, task):
+    """(the reward event, the validated row) of one episode graded where its agent ran."""
+    started = time.time()
+    tmp_path.mkdir(exist_ok=True)
+    done, events = run_runner(tmp_path, task, url=NEVER_ASKED)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert names(events)[-1] == "reward", events[-1]
+    return events[-1], row_of(done.stdout, started)
+
+
+@pytest.mark.parametrize("trick", sorted(TRICKS))
+def test_a_reward_hack_earns_nothing_and_the_row_says_why(tmp_path, trick):
+    source, cause = TRICKS[trick]
+    outcome, row = graded(tmp_path, shipping_task(source))
+    assert outcome["reward"] == 0 and outcome["grade_cause"] == cause, outcome
+    assert row.status == "ok" and row.errors == [] and row.reward == 0
+    assert (row.graded_by, row.grade_cause, row.tests_promised) == ("test_results", cause, 3)
+
+
+def test_the_honest_fix_earns_1_counted_by_the_harness(tmp_path):
+    outcome, row = graded(tmp_path, shipping_task(HONEST))
+    assert (outcome["reward"], outcome["grade_cause"], outcome["graded_by"]) == (
+        1,
+        None,
+        "test_results",
+    )
+    assert (row.reward, row.tests_passed, row.tests_total, row.tests_promised) == (1, 3, 3, 3)
+
+
+def test_a_fresh_grader_holds_the_tests_to_the_baseline_of_the_agent_sandbox(tmp_path):
+    # The agent's sandbox counted 3 tests before the agent acted; a grader told nothing of it
+    # would accept fewer, so the row refuses a grader that does not name the same promise.
+    task = shipping_task(HONEST, grade="fresh")
+    started = time.time()
+    first, agent_events = run_runner(tmp_path, task, url=NEVER_ASKED)
+    pending = agent_events[-1]
+    assert pending["event"] == "grade_pending" and pending["baseline_tests"] == {
+        "collected": 3,
+        "skipped": 0,
+    }
+    told, events = run_runner(tmp_path, task, phase="grade", extra_env=baseline_of(pending))
+    assert events[-1]["reward"] == 1 and events[-1]["tests_promised"] == 3
+    assert row_of(first.stdout + told.stdout, started).status == "ok"
+    untold, events = run_runner(tmp_path, task, phase="grade")
+    assert events[-1]["tests_promised"] is None
+    row = row_of(first.stdout + untold.stdout, started)
+    assert row.status == "failed" and "baseline counted 3" in row.errors[0]
+
+
+PYTEST_TESTS = """from shipping import shipping
+
+
+def test_below():
+    assert shipping(98) == 10
+
+
+def test_threshold():
+    assert shipping(99) == 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("planted", "cause"),
+    [
+        ({"conftest.py": "import os\nos._exit(0)\n"}, "tests_failed"),
+        ({"pytest.ini": "[pytest]\naddopts = --collect-only\n"}, "tests_failed"),
+        ({"sub/conftest.py": "import os\nos._exit(0)\n", "sub/__init__.py": ""}, "tests_failed"),
+        ({}, "tests_failed"),
+    ],
+)
+def test_pytest_runs_are_counted_and_planted_configuration_never_loads(tmp_path, planted, cause):
+    plant = "import os, json\n" + "".join(
+        f"os.makedirs(os.path.dirname({p!r}) or '.', exist_ok=True)\n"
+        f"open({p!r}, 'w').write({t!r})\n"
+        for p, t in planted.items()
+    )
+    task = shipping_task(
+        plant,
+        test_files={"test_shipping.py": PYTEST_TESTS},
+        test_command=["python", "-B", "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+    )
+    outcome, row = graded(tmp_path, task)
+    assert outcome["reward"] == 0 and outcome["grade_cause"] == cause, outcome
+    assert (row.tests_passed, row.tests_total, row.tests_promised) == (1, 2, 2)
+    hooks = {p for p in planted if episode.unasked(p.rsplit("/", 1)[-1])}
+    assert hooks <= set(outcome["removed_before_tests"])
+    honest, _ = graded(tmp_path / "honest", task | {"agent": {"command": ["python", "-c", HONEST]}})
+    assert (honest["reward"], honest["tests_passed"], honest["tests_total"]) == (1, 2, 2)
+
+
+def test_a_task_script_that_cannot_be_counted_is_graded_by_its_exit_status(tmp_path):
+    script = "import sys\nfrom shipping import shipping\nsys.exit(0 if shipping(99) == 0 else 1)\n"
+    task = shipping_task(
+        HONEST, test_files={"check.py": script}, test_command=["python", "-B", "check.py"]
+    )
+    outcome, row = graded(tmp_path, task)
+    assert (outcome["reward"], outcome["graded_by"], outcome["tests_passed"]) == (
+        1,
+        "exit_status",
+        None,
+    )
+    assert row.graded_by == "exit_status" and row.tests_total is None
+
+
+ALL3 = {"collected": 3, "skipped": 0}
+RULES = [
+    ({"collected": 3, "passed": 3}, ALL3, "all", (1, None)),
+    ({"collected": 2, "passed": 2}, ALL3, "all", (0, "tests_missing")),
+    ({"collected": 3, "passed": 2, "skipped": 1}, None, "all", (0, "tests_missing")),
+    ({"collected": 3, "passed": 2, "skipped": 1}, ALL3 | {"skipped": 1}, "all", (1, None)),
+    ({"collected": 3, "passed": 2}, ALL3, "all", (0, "tests_missing")),
+    ({"collected": 4, "passed": 3, "failed": 1}, None, "fraction", (0.75, "tests_failed")),
+    ({"collected": 2, "passed": 2}, ALL3 | {"collected": 4}, "fraction", (0.5, "tests_missing")),
+    ({"collected": 0, "passed": 0}, None, "fraction", (0, "tests_missing")),
+]
+
+
+@pytest.mark.parametrize(("counts", "promise", "rule", "expected"), RULES)
+def test_the_rules_over_counted_runs(counts, promise, rule, expected):
+    run = episode.TestRun(0, "", episode.GRADED_BY_RESULTS, [counts], True)
+    verdict = episode.judge(rule, run, promise)
+    assert (verdict["reward"], verdict["grade_cause"]) == expected
+
+
+def test_a_run_that_never_reported_its_end_or_timed_out_earns_nothing():
+    counts = [{"collected": 3, "passed": 3}]
+    exited = episode.TestRun(0, "", episode.GRADED_BY_RESULTS, counts, False)
+    timed_out = episode.TestRun(124, "", episode.GRADED_BY_RESULTS, counts, True)
+    assert episode.judge("fraction", exited, None)["grade_cause"] == "runner_exited"
+    assert episode.judge("all", timed_out, None)["reward"] == 0
+    assert episode.judge("all", timed_out, None)["grade_cause"] == "tests_timed_out"
+
+
+def test_harness_plans_only_commands_it_can_count():
+    plan = episode.harness_plan
+    assert plan(["python", "-B", "-m", "unittest", "-v"]) == (["-B"], "unittest", ["-v"])
+    assert plan(["python3", "-W", "error", "-m", "pytest", "-q"]) == (
+        ["-W", "error"],
+        "pytest",
+        ["-q"],
+    )
+    assert plan(["python", "-B", "test_x.py", "a"]) == (["-B"], "test_x.py", ["a"])
+    for argv in (
+        ["bash", "/tests/test.sh"],
+        ["python", "-c", "1"],
+        ["python", "-I", "-m", "unittest"],
+    ):
+        assert plan(argv) is None
+
+
+def test_result_lines_without_the_key_are_ignored():
+    import os
+
+    read, write = os.pipe()
+    forged = {"run": {"collected": 3, "passed": 3}, "key": "guess"}
+    os.write(write, (json.dumps(forged) + "\n" + json.dumps({"key": "k", "end": True})).encode())
+    os.close(write)
+    assert episode.read_harness(read, "k") == ([], True)
+
+
+def test_the_wire_and_the_runner_bound_file_rewards_alike():
+    from rollout_wire.rows import MAX_FILE_REWARD
+
+    assert episode.MAX_REWARD_MAGNITUDE == MAX_FILE_REWARD
+    assert sys.version_info >= (3, 9)
