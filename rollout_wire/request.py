@@ -569,6 +569,26 @@ def parse_agent(value: Any, where: str, problems: list[str]) -> None:
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The test commands the grader's harness counts (rollout_worker/sandbox/episode.py
+# `harness_plan`, which ships alone and cannot import this; a unit test holds the two alike).
+PYTHON_FLAGS = frozenset(("-B", "-b", "-bb", "-u", "-O", "-OO", "-q", "-s", "-E"))
+PYTHON_OPTIONS = frozenset(("-W", "-X"))
+
+
+def countable(argv: list[Any]) -> bool:
+    """Whether the grader can count what a test command ran (else: its exit status alone)."""
+    if not argv or argv[0] not in ("python", "python3"):
+        return False
+    rest = list(argv[1:])
+    while rest and str(rest[0]).startswith("-") and rest[0] != "-m":
+        flag = rest.pop(0)
+        if flag in PYTHON_OPTIONS and rest:
+            rest.pop(0)
+        elif flag not in PYTHON_FLAGS:
+            return False
+    if len(rest) >= 2 and rest[0] == "-m":
+        return rest[1] in ("unittest", "pytest")
+    return bool(rest) and str(rest[0]).endswith(".py")
 
 
 def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
@@ -633,6 +653,16 @@ def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
         if task.get("reward", "all") not in REWARD_RULES:
             problems.append(
                 f"task {tid!r}: reward {task.get('reward')!r} is not one of {list(REWARD_RULES)}"
+            )
+        elif (
+            task.get("reward") == "fraction"
+            and isinstance(command, list)
+            and not countable(command)
+        ):
+            problems.append(
+                f"task {tid!r}: reward fraction needs a test command the grader can count "
+                "(python -m unittest, python -m pytest or python <script>.py): a command's own "
+                "output is no count of what ran"
             )
         for name, default, top in (
             ("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS, MAX_DEADLINE_SECONDS),

@@ -1807,6 +1807,39 @@ STALE_ANSWER = error_body(
 )
 
 
+# What an agent's request may set itself: the conversation, its tools, streaming and where
+# to stop. Everything else that shapes what is sampled (temperature, top_p, n, logit_bias,
+# min_tokens, top_logprobs, seeds, guided decoding, a LoRA adapter, another model) is the
+# batch's: the trainer learns from samples drawn under the settings it chose.
+AGENT_REQUEST_KEYS = frozenset(
+    (
+        "messages",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "user",
+    )
+)
+
+
+def agent_request(request: dict, sampling: dict, model: str) -> tuple[dict, list]:
+    """(the body sent for an agent's request, the names of the agent's keys refused or
+    overridden): the agent's conversation keys, then the batch's sampling over them, on the
+    batch's model."""
+    sent = {k: v for k, v in request.items() if k in AGENT_REQUEST_KEYS}
+    sent.update(sampling)
+    sent["model"] = model
+    refused = sorted(
+        k for k, v in request.items() if k != "model" and (k not in sent or sent[k] != v)
+    )
+    return sent, refused
+
+
 class Proxy:
     """The agent's OpenAI-compatible endpoint: each chat completion goes to the episode's policy
     (Policy.send: same path, identity headers, retries) and is recorded as a step event."""
@@ -1873,11 +1906,7 @@ class Proxy:
                 error_body("the episode is over: no more completions", "rollout_stopped"),
             )
             return
-        # The agent's own body, on the batch's model; the batch's sampling fills only what the
-        # agent left unset.
-        sent = dict(self.policy.sampling)
-        sent.update(request)
-        sent["model"] = self.policy.model
+        sent, refused = agent_request(request, self.policy.sampling, self.policy.model)
         asked = time.time()
         try:
             answer = self.policy.send(
@@ -1885,19 +1914,21 @@ class Proxy:
             )
         except InfrastructureError as exc:
             lost = Answer(0, b"", None, self.policy.retries + 1, "")
-            self.record(sent, asked, lost, failure=str(exc), error=str(exc))
+            self.record(sent, asked, lost, failure=str(exc), error=str(exc), refused=refused)
             handler.send_json(502, error_body(str(exc), "policy_unreachable"))
             return
-        if answer.response is not None:
-            self.relay_stream(handler, sent, asked, answer)
-        else:
-            self.relay(handler, sent, asked, answer)
+        relay = self.relay_stream if answer.response is not None else self.relay
+        relay(handler, sent, asked, answer, refused)
 
-    def relay(self, handler: ProxyHandler, sent: dict, asked: float, answer: Answer) -> None:
+    def relay(
+        self, handler: ProxyHandler, sent: dict, asked: float, answer: Answer, refused: list
+    ) -> None:
         raw, status = answer.raw, answer.status
         if len(raw) > MAX_RESPONSE_READ:
+            # What the policy generated under the batch's settings: the agent's turn, told
+            # so, never an infrastructure failure (that would erase the sample).
             cause = f"policy response exceeds {MAX_RESPONSE_READ} bytes"
-            self.record(sent, asked, answer, failure=cause, error=cause)
+            self.record(sent, asked, answer, error=cause, refused=refused)
             handler.send_json(502, error_body(cause, "policy_response_too_large"))
             return
         try:
@@ -1928,11 +1959,14 @@ class Proxy:
             raw=raw,
             failure=failure,
             error=None if ok else raw[:MAX_ERROR_BODY].decode("utf-8", "replace"),
+            refused=refused,
         )
         # Recorded before the agent reads it: its next request finds this step in the log.
         handler.send_body(status, raw, answer.content_type, answer.header)
 
-    def relay_stream(self, handler: ProxyHandler, sent: dict, asked: float, answer: Answer) -> None:
+    def relay_stream(
+        self, handler: ProxyHandler, sent: dict, asked: float, answer: Answer, refused: list
+    ) -> None:
         conn, upstream = answer.conn, answer.response
         assert conn is not None and upstream is not None
         if self.too_stale(policy_version(answer.header, None)):
@@ -1944,6 +1978,7 @@ class Proxy:
         events = EventStream()
         held: list = []
         problem = None
+        too_large = False
         try:
             while True:
                 data = upstream.read1(STREAM_READ)
@@ -1957,6 +1992,7 @@ class Proxy:
                         handler.send_chunk(raw)
                 if events.size > MAX_RESPONSE_READ:
                     problem = f"policy response exceeds {MAX_RESPONSE_READ} bytes"
+                    too_large = True  # the agent's turn, as a whole answer's (relay)
                     break
         except (OSError, http.client.HTTPException) as exc:
             problem = f"policy stream cut: {type(exc).__name__}: {exc}"
@@ -1977,9 +2013,10 @@ class Proxy:
             version=version,
             response=assembled if events.chunks else None,
             raw=json.dumps(assembled).encode(),
-            failure=problem,
+            failure=None if too_large else problem,
             error=problem,
             chunks=len(events.chunks),
+            refused=refused,
         )
         if problem is not None:
             handler.close_connection = True  # cut, as the agent would have seen it
@@ -1998,6 +2035,7 @@ class Proxy:
         failure: str | None = None,
         error: str | None = None,
         chunks: int | None = None,
+        refused: list | None = None,
     ) -> None:
         answered = time.time()
         with self.lock:
@@ -2033,6 +2071,8 @@ class Proxy:
             }
             if chunks is not None:
                 fields["chunks"] = chunks
+            if refused:
+                fields["request_refused"] = refused
             emit("step", **fit_step(fields), **self.identity)
 
 

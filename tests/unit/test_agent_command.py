@@ -155,8 +155,10 @@ def test_an_agent_command_reaches_the_policy_through_the_recording_proxy(tmp_pat
     ready, first, second, exit_, reward = events
     assert ready["mode"] == "command" and ready["agent_command"] == task["agent"]["command"]
     assert ready["policy_base_url"].endswith(f"/rollout/{EP}/v1")
-    # The agent's body, on the batch's model; the batch's sampling only where the agent set none.
-    assert first["request"] == {"model": "policy-m", "temperature": 0.5, "top_p": 0.9}
+    # The agent's conversation, on the batch's model and sampling: its own temperature is
+    # refused, and the step says so.
+    assert first["request"] == {"model": "policy-m", "temperature": 1.0, "top_p": 0.9}
+    assert first["request_refused"] == ["temperature"]
     assert first["new_messages"] == [{"role": "user", "content": "Fix add in calc.py."}]
     assert first["messages_reset"] is False and first["stream"] is False
     assert first["status"] == 200 and first["error"] is None and first["policy_version"] == "3"
@@ -862,3 +864,32 @@ def test_the_built_in_loop_can_be_graded_fresh_too(tmp_path):
     assert names(grade_events) == ["ready", "reward"] and grade_events[1]["reward"] == 1
     row = row_of(first.stdout + second.stdout, started)
     assert row.status == "ok" and row.errors == [] and (row.steps, row.reward) == (3, 1)
+
+
+def test_the_batch_sampling_wins_over_whatever_the_agent_asks_for():
+    asked = {
+        "model": "other",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [],
+        "stream": True,
+        "max_tokens": 64,
+        "temperature": 2.0,
+        "n": 16,
+        "logit_bias": {"1": 100},
+        "min_tokens": 10**6,
+        "top_logprobs": 20,
+        "lora_path": "/adapters/cheat",
+        "response_format": {"type": "json_object"},
+        "seed": 7,
+    }
+    sent, refused = episode.agent_request(asked, {"temperature": 1.0, "logprobs": True}, "pol")
+    assert sent == {
+        "model": "pol",
+        "messages": asked["messages"],
+        "tools": [],
+        "stream": True,
+        "max_tokens": 64,
+        "temperature": 1.0,
+        "logprobs": True,
+    }
+    assert refused == sorted(set(asked) - {"model", "messages", "tools", "stream", "max_tokens"})

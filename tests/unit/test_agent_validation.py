@@ -78,6 +78,9 @@ def test_reward_zero_under_rule_all_is_a_sample_not_a_failure():
     assert row.status == "ok" and row.reward == 0
 
 
+GRADED = {"reward": 1, "reward_rule": "all", "tests_exit": 0, "graded_by": "test_results"}
+
+
 @pytest.mark.parametrize(
     ("log", "expected"),
     [
@@ -87,7 +90,11 @@ def test_reward_zero_under_rule_all_is_a_sample_not_a_failure():
         (agent_log(steps=[step(1, 1004.0), step(2, 1003.0)]), "out of time order"),
         (agent_log(steps=[step(1, 1001.0)]), "out of time order"),  # before ready
         (agent_log(reward={"steps": 5}), "reward counts 5 steps"),
-        (agent_log(reward={"reward": 1, "reward_rule": "all", "tests_exit": 1}), "disagrees"),
+        (agent_log(reward={"reward": 1, "reward_rule": "all", "tests_exit": 1}), "tests_exit 1"),
+        (agent_log(reward=GRADED | {"reward": 1, "grade_cause": "tests_missing"}), "grade_cause"),
+        (agent_log(reward=GRADED | {"reward": 0}), "without a grade_cause"),
+        (agent_log(reward=GRADED | {"graded_by": "vibes"}), "graded_by 'vibes'"),
+        (agent_log(reward=GRADED | {"reward": 0, "grade_cause": "bad luck"}), "grade_cause 'bad"),
         (agent_log(reward={"reward": 1.5}), "outside 0..1"),
         (
             agent_log(extra=['{"event": "step", "pad": "' + "x" * MAX_EVENT_BYTES + '"}']),

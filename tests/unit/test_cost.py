@@ -31,6 +31,7 @@ from tests.unit.test_agent_command import (
     TASK,
     SSEHandler,
     agent_task,
+    baseline_of,
     row_of,
     run_runner,
 )
@@ -285,7 +286,9 @@ def test_fresh_grading_adds_the_two_sandboxes_ledgers(tmp_path):
         first, agent_events = run_runner(tmp_path, task, url=server.url)
     copy = tmp_path / "graded"
     shutil.copytree(tmp_path / "ws", copy)
-    second, grade_events = run_runner(tmp_path, task, phase="grade", workspace=copy)
+    second, grade_events = run_runner(
+        tmp_path, task, phase="grade", workspace=copy, extra_env=baseline_of(agent_events[-1])
+    )
     mine, graders = agent_events[-1]["cost"], grade_events[-1]["cost"]
     assert graders["policy_turns"] == 0 and mine["policy_turns"] == 3
     row = row_of(first.stdout + second.stdout, started)

@@ -191,3 +191,38 @@ def test_the_wire_and_the_runner_bound_file_rewards_alike():
 
     assert episode.MAX_REWARD_MAGNITUDE == MAX_FILE_REWARD
     assert sys.version_info >= (3, 9)
+
+
+COMMANDS = [
+    ["python", "-B", "-m", "unittest", "-v"],
+    ["python3", "-W", "error", "-m", "pytest", "-q"],
+    ["python", "-B", "test_x.py", "a"],
+    ["python", "-X", "dev", "-u", "t.py"],
+    ["bash", "/tests/test.sh"],
+    ["python", "-c", "1"],
+    ["python", "-I", "-m", "unittest"],
+    ["python", "-m", "doctest", "x.py"],
+    ["python"],
+    ["python", "-W"],
+]
+
+
+@pytest.mark.parametrize("argv", COMMANDS)
+def test_the_request_and_the_runner_agree_on_what_can_be_counted(argv):
+    from rollout_wire.request import countable
+
+    assert countable(argv) == (episode.harness_plan(argv) is not None)
+
+
+def test_a_fraction_reward_over_a_command_nobody_can_count_is_refused():
+    from rollout_wire.errors import InvalidSpec
+    from rollout_wire.request import parse_spec
+
+    task = load_task_set("bundled", ["shipping-boundary"])[0] | {"reward": "fraction"}
+    policy = {"url": "http://127.0.0.1:9"}
+    parse_spec({"tasks": [task], "policy": policy}, max_episodes=None)
+    with pytest.raises(InvalidSpec, match="reward fraction needs a test command"):
+        parse_spec(
+            {"tasks": [task | {"test_command": ["bash", "t.sh"]}], "policy": policy},
+            max_episodes=None,
+        )
