@@ -84,7 +84,7 @@ class EpisodeRow:
     sample: int | None = None
     group_id: str | None = None
     steps: int | None = None
-    stop_reason: str | None = None  # submit | max_steps | time_limit | stale
+    stop_reason: str | None = None  # submit | max_steps | time_limit | response_too_large | stale
     tests_passed: int | None = None
     tests_total: int | None = None
     # How the reward was graded (GradedBy: the harness's counts, the test command's exit

@@ -605,6 +605,11 @@ class EpisodeError(Exception):
     """The task (or its agent) is broken: no sample of the policy, not worth a retry."""
 
 
+class ResponseTooLarge(Exception):
+    """The policy generated more than a turn may hold, under the batch's own settings: the
+    episode's doing (its loop ends and the tests grade it), never an infrastructure failure."""
+
+
 class StalePolicy(Exception):
     """The policy moved on past the episode's staleness bound: the episode stops, unscored."""
 
@@ -764,7 +769,7 @@ class Policy:
                 f"policy endpoint refused the request: HTTP {status}: {raw[:200]!r}"
             )
         if len(raw) > MAX_RESPONSE_READ:
-            raise InfrastructureError(f"policy response exceeds {MAX_RESPONSE_READ} bytes")
+            raise ResponseTooLarge(f"policy response exceeds {MAX_RESPONSE_READ} bytes")
         try:
             parsed = json.loads(raw)
             message = parsed["choices"][0]["message"]
@@ -2461,6 +2466,9 @@ class Runner:
             except InfrastructureError:
                 LEDGER.turn(None, time.time() - asked)  # waited on, never answered
                 raise
+            except ResponseTooLarge:
+                LEDGER.turn(None, time.time() - asked)
+                return step - 1, "response_too_large"
             answered = time.time()
             LEDGER.turn(response, answered - asked)
             version = policy_version(header, response)

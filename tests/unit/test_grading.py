@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.sandbox import episode
 from tests.red_team import HONEST, TRICKS
-from tests.unit.test_agent_command import baseline_of, names, row_of, run_runner
+from tests.unit.test_agent_command import TASK, baseline_of, names, row_of, run_runner
 
 
 def shipping_task(source: str, **changes):
@@ -226,3 +228,52 @@ def test_a_fraction_reward_over_a_command_nobody_can_count_is_refused():
             {"tasks": [task | {"test_command": ["bash", "t.sh"]}], "policy": policy},
             max_episodes=None,
         )
+
+
+class HugeAnswer(BaseHTTPRequestHandler):
+    """A policy that answers every completion with more than a turn may hold."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"choices": [{"message": {"content": "' + b"x" * (9 * 2**20) + b'"}}]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["loop", "command"])
+def test_an_oversized_policy_answer_is_the_episodes_turn_not_an_infrastructure_failure(
+    tmp_path, mode
+):
+    # An infrastructure failure is retried and its sample dropped: a policy that could bring
+    # one about at will would learn to erase its bad samples.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HugeAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    asks = "import os, urllib.request\n" + (
+        "request = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions',"
+        " b'{\"messages\": []}', {'Content-Type': 'application/json'})\n"
+        "try:\n    urllib.request.urlopen(request, timeout=30)\nexcept Exception as exc:\n"
+        "    print('refused', exc)\n"
+    )
+    task = TASK if mode == "loop" else TASK | {"agent": {"command": ["python", "-c", asks]}}
+    started = time.time()
+    try:
+        done, events = run_runner(tmp_path, task, url=url)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    outcome = events[-1]
+    assert outcome["event"] == "reward" and outcome["reward"] == 0, outcome
+    if mode == "loop":
+        assert outcome["stop_reason"] == "response_too_large"
+    else:
+        step = next(e for e in events if e["event"] == "step")
+        assert "exceeds" in step["error"] and "refused HTTP Error 502" in outcome["agent_output"]
+    row = row_of(done.stdout, started)
+    assert row.status == "ok" and row.reward == 0 and row.failure_kind is None
