@@ -943,16 +943,14 @@ def run_command(command: str, timeout: float, env: dict) -> tuple[int, str]:
 
 # -- the test harness: what ran, told where the code under test cannot print -------------------
 # Test commands the grader can count: `python [flags] -m unittest|pytest ...` and
-# `python [flags] script.py ...` (a script that calls unittest.main()). They run through this
-# program (`--harness`), which reports what ran on a pipe only the runner reads, each record
-# carrying a key the runner handed over on another pipe (read and closed before any test code
-# is imported). Anything else (a task's own shell script) is graded by its exit status or its
-# reward file, and the row says so (`graded_by`).
-HARNESS_FLAG = "--harness"
+# `python [flags] script.py ...` (a script that calls unittest.main()). They run through the
+# harness (its part of this file, run alone: `harness_source`), which reports what ran on a
+# pipe only the runner reads, each record carrying a key the runner handed over on another
+# pipe (read and closed before any test code is imported). Anything else (a task's own shell
+# script) is graded by its exit status or its reward file, and the row says so (`graded_by`).
 # Interpreter options a test command may carry; the harness passes them on.
 PYTHON_FLAGS = {"-B", "-b", "-bb", "-u", "-O", "-OO", "-q", "-s", "-E"}
 PYTHON_OPTIONS = {"-W", "-X"}  # each followed by a value
-HARNESS_KEY_BYTES = 16
 MAX_HARNESS_RECORD = 64 * 1024
 # Why a reward is below full (the row's grade_cause); None when the tests earned it all.
 CAUSE_FAILED = "tests_failed"
@@ -988,6 +986,12 @@ def harness_plan(argv: list) -> tuple[list, str, list] | None:
     if rest and rest[0].endswith(".py"):
         return flags, rest[0], rest[1:]
     return None
+
+
+# -- harness: begin. The harness's whole source (json, os, sys and typing its only imports):
+# the runner writes this part alone to a file and runs it, so a test run starts about as fast
+# as the bare command (this whole program would add its compile and imports: `harness_source`).
+HARNESS_KEY_BYTES = 16
 
 
 def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
@@ -1088,7 +1092,7 @@ def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
 
 
 def harness(argv: list) -> int:
-    """`episode.py --harness RESULT_FD KEY_FD WHAT ARGS...`: run the tests, reporting every
+    """`harness.py RESULT_FD KEY_FD WHAT ARGS...`: run the tests, reporting every
     run's counts and then the end on RESULT_FD, each line carrying the key read from KEY_FD."""
     result_fd, key_fd, what, args = int(argv[0]), int(argv[1]), argv[2], argv[3:]
     with os.fdopen(key_fd, "rb") as handle:
@@ -1132,6 +1136,9 @@ def harness(argv: list) -> int:
         return code or 0
     print(code, file=sys.stderr)
     return 1
+
+
+# -- harness: end
 
 
 # Files the agent may not leave for the grader unless the task gave them (remove_shadows).
@@ -1221,6 +1228,19 @@ def judge(rule: str, run: TestRun, promise: dict | None) -> dict:
     if cause is None and reward < 1:
         cause = CAUSE_FAILED
     return {"reward": reward, "grade_cause": cause, "tests_passed": passed, "tests_total": total}
+
+
+HARNESS_BEGIN = "# -- harness: begin"
+HARNESS_END = "# -- harness: end"
+
+
+def harness_source() -> str:
+    """The harness as a program of its own: its part of this file, its imports, its main."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as handle:
+        text = handle.read()
+    part = text[text.index(HARNESS_BEGIN) : text.index(HARNESS_END)]
+    head = "from __future__ import annotations\nimport json, os, sys, typing\n"
+    return head + part + "\nsys.exit(harness(sys.argv[1:]))\n"
 
 
 def read_harness(fd: int, key: str) -> tuple[list, bool]:
@@ -2190,9 +2210,14 @@ class Runner:
         key_read, key_write = os.pipe()
         os.write(key_write, key.encode())
         os.close(key_write)
-        # -E and -s: no PYTHON* variable and no user site folder (under $HOME, the workspace)
-        # reaches the interpreter that runs the tests.
-        command = [sys.executable, "-E", "-s", *flags, os.path.abspath(__file__), HARNESS_FLAG]
+        # Written anew for every run, after the agent is gone: nothing it left can be the
+        # harness. -E and -s: no PYTHON* variable and no user site folder (under $HOME, the
+        # workspace) reaches the interpreter that runs the tests.
+        folder = tempfile.mkdtemp(prefix="rollout-harness-")
+        program = os.path.join(folder, "harness.py")
+        with open(program, "w", encoding="utf-8") as handle:
+            handle.write(harness_source())
+        command = [sys.executable, "-E", "-s", *flags, program]
         command += [str(results_write), str(key_read), what, *args]
         try:
             code, output = run_process(
@@ -2201,6 +2226,7 @@ class Runner:
         finally:
             os.close(results_write)
             os.close(key_read)
+            shutil.rmtree(folder, ignore_errors=True)
         runs, ended = read_harness(results_read, key)
         return TestRun(code, output, GRADED_BY_RESULTS, runs, ended)
 
@@ -2634,8 +2660,6 @@ def take_handover(stream: typing.TextIO) -> bool:
 
 
 def main() -> int:
-    if sys.argv[1:2] == [HARNESS_FLAG]:
-        return harness(sys.argv[2:])
     if os.environ.get("ROLLOUT_HANDOVER") == "stdin" and not take_handover(sys.stdin):
         return 0
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")
