@@ -28,10 +28,16 @@ Not carried (no field of ours): resources (the batch's `resources` decide), time
 verifier and of the build, users, network settings. Refused with a reason, every task at once:
 docker-compose environments, multi-step tasks, separate verifier environments, GPUs, MCP
 servers, environment variables (the tests would silently run without them), Windows tests.
+
+A task folder is hostile input: it is read without following any symbolic link (a link could
+carry a host file, /etc/passwd or ~/.ssh, into the statement, Redis and a ConfigMap) and
+without opening FIFOs, devices or sockets (reading one blocks or reaches the host). Each is
+refused, naming the task and the path.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 import os
@@ -92,14 +98,16 @@ def is_harbor_folder(path: str | Path) -> bool:
 
 
 def _task_folders(path: Path) -> list[Path]:
+    # Any task.toml entry marks a task (a link or FIFO too: _map_task refuses it by name
+    # rather than the folder silently not being one); linked subfolders are kept to be refused.
     if not path.is_dir():
         return []
-    if (path / TASK_TOML).is_file():
+    if os.path.lexists(path / TASK_TOML):
         return [path.resolve()]  # its name is the task id, even when given as "."
     return sorted(
         child
         for child in path.iterdir()
-        if child.is_dir() and not child.name.startswith(".") and (child / TASK_TOML).is_file()
+        if child.is_dir() and not child.name.startswith(".") and os.path.lexists(child / TASK_TOML)
     )
 
 
@@ -163,9 +171,17 @@ def _table(config: dict[str, Any], name: str, where: str, problems: list[str]) -
 def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | None:
     where = f"task {folder.name!r}"
     before = len(problems)
+    if folder.is_symlink():
+        problems.append(f"{where}: the task folder is a symbolic link{_LINK_WHY}")
+        return None
+    if not _is(folder / TASK_TOML, TASK_TOML, "file", where, problems):
+        return None
+    toml_text = _read_text(folder / TASK_TOML, where, problems)
+    if toml_text is None:
+        return None
     try:
-        config = tomllib.loads((folder / TASK_TOML).read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        config = tomllib.loads(toml_text)
+    except tomllib.TOMLDecodeError as exc:
         problems.append(f"{where}: {TASK_TOML} is not valid TOML: {exc}")
         return None
     agent = _table(config, "agent", where, problems)
@@ -189,9 +205,9 @@ def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | N
     if description:
         task["description"] = description
     instruction = folder / INSTRUCTION
-    if not instruction.is_file():
+    if _kind(instruction) == "missing":
         problems.append(f"{where}: no {INSTRUCTION}")
-    else:
+    elif _is(instruction, INSTRUCTION, "file", where, problems):
         statement = _strip_canary(_read_text(instruction, where, problems) or "")
         if not statement.strip():
             problems.append(f"{where}: {INSTRUCTION} is empty")
@@ -199,29 +215,36 @@ def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | N
 
     build_dir = None
     env_dir = folder / "environment"
+    has_env = _folder(env_dir, "environment", where, problems)
     prebuilt = environment.get("docker_image")
     if prebuilt is not None:
         if not isinstance(prebuilt, str) or not prebuilt:
             problems.append(f"{where}: [environment] docker_image must be an image name")
         task["image"] = prebuilt
         task["files"] = {}
-    elif (env_dir / "Dockerfile").is_file():
-        build_dir = env_dir
-        task["image"] = local_image_name(task_id, env_dir)
+    elif has_env and _kind(env_dir / "Dockerfile") not in ("missing", "dir"):
+        # The build context goes to `docker build` and is hashed for the tag: checked first,
+        # so neither follows a link nor opens a FIFO.
+        seen = len(problems)
+        _read_tree(env_dir, where, problems, read=False)
+        if len(problems) == seen:
+            build_dir = env_dir
+            task["image"] = local_image_name(task_id, env_dir)
         task["files"] = {}
     else:
-        task["files"] = _read_tree(env_dir, where, problems) if env_dir.is_dir() else {}
+        task["files"] = _read_tree(env_dir, where, problems) if has_env else {}
 
     tests_dir = folder / "tests"
-    if not (tests_dir / TEST_SCRIPT).is_file():
+    if _folder(tests_dir, "tests", where, problems) and _kind(tests_dir / TEST_SCRIPT) != "missing":
+        task["tests"] = _read_tree(tests_dir, where, problems)  # refuses a linked test.sh too
+    elif _kind(tests_dir) in ("missing", "dir"):
         problems.append(f"{where}: no tests/{TEST_SCRIPT} (Harbor's verifier entry point)")
-    else:
-        task["tests"] = _read_tree(tests_dir, where, problems)
     task["test_command"] = list(TEST_COMMAND)
     task["reward"] = "file"
     task["baseline"] = False
-    if (folder / "solution").is_dir():
-        task["solution"] = _read_tree(folder / "solution", where, problems)
+    solution_dir = folder / "solution"
+    if _folder(solution_dir, "solution", where, problems):
+        task["solution"] = _read_tree(solution_dir, where, problems)
     task["time_limit_seconds"] = _time_limit(agent.get("timeout_sec"), where, problems)
     if len(problems) > before:
         return None
@@ -300,14 +323,70 @@ def _strip_canary(text: str) -> str:
     return "\n".join(lines[start:])
 
 
+_LINK_WHY = "; a task folder is read without following links (it could name a host file)"
+
+
+def _kind(path: Path) -> str:
+    """What is at `path`, the last component not followed: missing, link, dir, file, or
+    special (FIFO, device, socket)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "special"
+
+
+def _is(path: Path, name: str, want: str, where: str, problems: list[str]) -> bool:
+    """Whether `path` is a `want` ("file" or "dir"); otherwise a problem naming it."""
+    kind = _kind(path)
+    if kind == want:
+        return True
+    if kind == "link":
+        problems.append(f"{where}: {name} is a symbolic link{_LINK_WHY}")
+    elif kind == "missing":
+        problems.append(f"{where}: no {name}")
+    else:
+        problems.append(f"{where}: {name} is not a plain {'file' if want == 'file' else 'folder'}")
+    return False
+
+
+def _folder(path: Path, name: str, where: str, problems: list[str]) -> bool:
+    """Whether the task has this folder: False when it has none, and a problem too when it is a
+    link or not a folder."""
+    return _kind(path) != "missing" and _is(path, name, "dir", where, problems)
+
+
 def _read_text(path: Path, where: str, problems: list[str], name: str | None = None) -> str | None:
     """A file's text, or a problem naming it: only text below MAX_FILE_BYTES travels."""
     name = name or path.name
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        problems.append(f"{where}: {name} is {size} bytes, above the {MAX_FILE_BYTES} allowed")
+    # O_NOFOLLOW: a file swapped for a link after it was checked is still not followed;
+    # O_NONBLOCK: nor does a FIFO block the open (fstat refuses it).
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            problems.append(f"{where}: {name} is a symbolic link{_LINK_WHY}")
+        else:
+            problems.append(f"{where}: {name} cannot be read: {exc.strerror}")
         return None
-    data = path.read_bytes()
+    with open(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            problems.append(f"{where}: {name} is not a plain file")
+            return None
+        size = info.st_size
+        if size > MAX_FILE_BYTES:
+            problems.append(f"{where}: {name} is {size} bytes, above the {MAX_FILE_BYTES} allowed")
+            return None
+        data = file.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:  # grew since fstat
+        problems.append(f"{where}: {name} is above the {MAX_FILE_BYTES} bytes allowed")
+        return None
     try:
         if b"\0" in data:
             raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), len(data), "NUL byte")
@@ -328,19 +407,21 @@ def _walk(root: Path) -> Iterable[tuple[str, Path]]:
                 yield (base / name).relative_to(root).as_posix(), base / name
 
 
-def _read_tree(root: Path, where: str, problems: list[str]) -> dict[str, str]:
-    """path -> text of every file below `root` (a folder of the task)."""
+def _read_tree(root: Path, where: str, problems: list[str], read: bool = True) -> dict[str, str]:
+    """path -> text of every file below `root` (a folder of the task, itself no link), links
+    and special files refused; `read=False` only checks."""
     files: dict[str, str] = {}
     for rel, path in _walk(root):
         name = f"{root.name}/{rel}"
-        if path.is_symlink():
-            problems.append(f"{where}: {name} is a symbolic link; only plain files can be carried")
-        elif path.is_file():
+        kind = _kind(path)
+        if kind == "link":
+            problems.append(f"{where}: {name} is a symbolic link{_LINK_WHY}")
+        elif kind == "special":
+            problems.append(f"{where}: {name} is not a plain file")
+        elif kind == "file" and read:
             text = _read_text(path, where, problems, name)
             if text is not None:
                 files[rel] = text
-        elif not path.is_dir():
-            problems.append(f"{where}: {name} is not a plain file")
     return files
 
 
@@ -354,6 +435,8 @@ def environment_digest(env_dir: Path) -> str:
             digest.update(f"L\0{rel}\0{os.readlink(path)}\n".encode())
         elif stat.S_ISDIR(mode):
             digest.update(f"D\0{rel}\n".encode())
+        elif not stat.S_ISREG(mode):
+            digest.update(f"S\0{rel}\n".encode())  # a FIFO is never opened: it would block
         else:
             executable = int(bool(mode & stat.S_IXUSR))
             content = hashlib.sha256(path.read_bytes()).hexdigest()

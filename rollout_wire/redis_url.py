@@ -16,6 +16,11 @@ Forms (every client of the project accepts each of them):
 The parsing is pure (this module imports no Redis client at import time); `redis_client` builds
 a redis-py client bound to the current master, `celery_settings` the broker and result-backend
 settings that kombu's ``sentinel`` transport and Celery's ``SentinelBackend`` read.
+
+No error raised here shows any piece of the password, whatever the URL holds: a URL whose
+``user:password@`` part has a raw ``/``, ``?`` or ``#`` is refused before anything else is read
+(every parser cuts the password there and would quote the rest as a host, port or path), and
+messages quote only what follows the credentials.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollout_wire.errors import ConfigError
+from rollout_wire.urls import shown_scheme
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import redis
@@ -90,8 +96,24 @@ def check_url(url: str) -> None:
         parse_sentinel(url)
     elif scheme not in PLAIN_SCHEMES:
         raise ConfigError(
-            f"Redis URL scheme {scheme + '://' if scheme else '(none)'} is not one of "
+            f"Redis URL scheme {shown_scheme(url) or '(none)'} is not one of "
             "redis://, rediss://, unix://, sentinel://, sentinel+rediss://"
+        )
+    else:
+        _check_credentials(url)
+
+
+def _check_credentials(url: str) -> None:
+    """Refuse a URL with an '@' after its host part: the password holds a raw '/', '?' or '#'
+    (or a parameter a raw '@'), and wherever a parser cuts it, a piece of it would show as a
+    host, a port or a path in some message."""
+    rest = url.split("://", 1)[1]
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    if "@" in rest[end:]:
+        raise ConfigError(
+            f"the {shown_scheme(url)} URL has an '@' after its host part: percent-encode '/', "
+            "'?', '#' and '@' in the user name and password (%2F, %3F, %23, %40), and '@' in "
+            "parameters"
         )
 
 
@@ -115,7 +137,9 @@ def parse_sentinel(url: str) -> SentinelURL:
     (the password never appears in the message)."""
     scheme = scheme_of(url)
     if scheme not in SENTINEL_SCHEMES:
-        raise ConfigError(f"not a Sentinel URL (sentinel:// or sentinel+rediss://): {scheme}://")
+        shown = shown_scheme(url) or "(none)"
+        raise ConfigError(f"not a Sentinel URL (sentinel:// or sentinel+rediss://): {shown}")
+    _check_credentials(url)  # first: the messages below quote what follows the credentials
     rest = url.split("://", 1)[1]
     rest, _, fragment = rest.partition("#")
     if fragment:
@@ -188,6 +212,8 @@ def redis_client(url: str, **kwargs: Any) -> redis.Redis:
     import redis as redis_lib
 
     if not is_sentinel(url):
+        if "://" in url:
+            _check_credentials(url)  # redis-py's errors quote a cut password as the port
         return redis_lib.Redis.from_url(url, **kwargs)
     from redis.sentinel import Sentinel
 

@@ -37,7 +37,8 @@ COST_SECONDS = (
     "policy_retry_seconds",  # of those, failed attempts': not counted against the time limit
     "ledger_cpu_seconds",  # what reading the ledger itself cost the runner
 )
-COST_COUNTS = ("policy_turns", "prompt_tokens", "completion_tokens")
+# policy_requests: every request the runner sent to the policy (each attempt).
+COST_COUNTS = ("policy_turns", "prompt_tokens", "completion_tokens", "policy_requests")
 # The largest: on Kubernetes the container's cgroup peak; locally the largest single process.
 COST_PEAK = "peak_memory_bytes"
 # A `file` reward beyond this magnitude is refused (the runner's MAX_REWARD_MAGNITUDE): a file

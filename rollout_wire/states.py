@@ -137,3 +137,6 @@ class GradeCause(StrEnum):
     NO_REWARD_FILE = "no_reward_file"
     REWARD_FILE_INVALID = "reward_file_invalid"  # too large, not a bounded number, a link
     REWARD_FILE = "reward_file"  # the tests wrote a reward below 1
+    # The backend answered more policy completions than the runner sent and recorded: the
+    # agent reached the policy around the recording (its trajectory is not what was sampled).
+    UNRECORDED_COMPLETIONS = "unrecorded_completions"

@@ -36,6 +36,10 @@ class EpisodeObservation:
     # The runner said its episode is ready (Kubernetes: the startup probe on its ready marker
     # passed). Progress only: validation reads the events themselves.
     ready: bool = False
+    # Chat completions the host answered this episode's sandbox with a 200, counted outside it
+    # (the local backend's policy socket): the runner's record can be checked against it, since
+    # an agent may reach the policy without the runner. None: not counted by this backend.
+    policy_completions: int | None = None
 
     @property
     def terminal(self) -> bool:

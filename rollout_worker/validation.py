@@ -237,6 +237,7 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
     if row.reward_at is not None:
         row.batch_to_reward_seconds = row.reward_at - origin
     row.cost = episode_cost(events, row, mode, steps, exits, p, g)
+    _check_unrecorded(obs, row)
     if errors:
         row.status = EpisodeStatus.FAILED
         row.reward = 0  # a failed episode never hands the trainer a reward
@@ -253,6 +254,18 @@ def validate_episode(obs: EpisodeObservation, log: str, origin: float) -> Episod
             f"(max lag {s['max_policy_lag']})"
         )
     return row
+
+
+def _check_unrecorded(obs: EpisodeObservation, row: EpisodeRow) -> None:
+    """A backend that counts the policy completions it answered (the local policy socket):
+    more than the runner sent means the agent reached the policy around the recording proxy.
+    The sample's trajectory is then not what was sampled: reward 0, said on the row."""
+    answered = obs.policy_completions
+    sent = (row.cost or {}).get("policy_requests")
+    if answered is None or row.graded_by is None or (isinstance(sent, int) and answered <= sent):
+        return
+    row.reward = 0
+    row.grade_cause = GradeCause.UNRECORDED_COMPLETIONS
 
 
 CPU_FIELDS = ("cpu_seconds", "cpu_user_seconds", "cpu_system_seconds")

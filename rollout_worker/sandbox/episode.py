@@ -483,6 +483,13 @@ class Ledger:
         self.completion_tokens = 0
         self.policy_seconds = 0.0
         self.retry_seconds = 0.0
+        self.requests = 0
+
+    def sent(self) -> None:
+        """One request sent to the policy (every attempt): the host's policy socket counts
+        the completions it answered, and more answers than requests were never recorded."""
+        with self.lock:
+            self.requests += 1
 
     def retried(self, seconds: float) -> None:
         """`seconds` spent on failed attempts on the policy (and the waits between them)."""
@@ -516,6 +523,7 @@ class Ledger:
                 completion_tokens=None if unknown else self.completion_tokens,
                 policy_seconds=self.policy_seconds,
                 policy_retry_seconds=self.retry_seconds,
+                policy_requests=self.requests,
             )
         cost["ledger_cpu_seconds"] = time.thread_time() - began
         return cost
@@ -731,6 +739,7 @@ class Policy:
                 problem = f"policy endpoint unreachable: {type(exc).__name__}: {exc}"
                 continue
             try:
+                LEDGER.sent()
                 conn.request("POST", self.path, body=payload, headers=self.headers)
                 response = conn.getresponse()
                 status = response.status
@@ -2328,6 +2337,12 @@ class Runner:
             verdict = judge("all", run, self.promise)
             verdict["reward"], verdict["grade_cause"] = 0, None
             try:
+                if run.code < 0 or run.code == 124:
+                    # Killed by a signal (code under test that kills the script before it
+                    # writes its verdict, after planting one) or cut at the time limit: what
+                    # the reward file holds is no verdict of the tests.
+                    cause = CAUSE_TIMED_OUT if run.code == 124 else CAUSE_EXITED
+                    raise RewardFileProblem(f"the tests ended with status {run.code}", cause)
                 reward, details = read_reward(verifier)
                 verdict["reward"] = reward
                 if reward < 1:

@@ -277,3 +277,67 @@ def test_an_oversized_policy_answer_is_the_episodes_turn_not_an_infrastructure_f
         assert "exceeds" in step["error"] and "refused HTTP Error 502" in outcome["agent_output"]
     row = row_of(done.stdout, started)
     assert row.status == "ok" and row.reward == 0 and row.failure_kind is None
+
+
+def test_a_reward_file_planted_by_code_that_then_kills_the_test_script_earns_nothing(tmp_path):
+    from tests.unit.test_agent_command import oracle_task
+
+    # The script would write 0 after its check; the code under test writes 1 first and kills
+    # the script (its parent) so that it never does.
+    check = (
+        "#!/bin/bash\n"
+        'cd "$ROLLOUT_WORKSPACE"\n'
+        "python -B test_calc.py && r=1 || r=0\n"
+        'echo $r > "$ROLLOUT_VERIFIER_DIR/reward.txt"\n'
+    )
+    cheat = (
+        "import os, signal\n"
+        "open(os.environ['ROLLOUT_VERIFIER_DIR'] + '/reward.txt', 'w').write('1')\n"
+        "os.kill(os.getppid(), signal.SIGKILL)\n"
+    )
+    solve = f"#!/bin/bash\ncat > calc.py <<'END'\n{cheat}END\n"
+    task = oracle_task(check, solution={"solve.sh": solve})
+    started = time.time()
+    done, events = run_runner(tmp_path, task)
+    outcome = events[-1]
+    assert (outcome["reward"], outcome["grade_cause"]) == (0, "runner_exited"), outcome
+    assert row_of(done.stdout, started).status == "ok"
+
+
+def test_completions_answered_around_the_recording_make_the_reward_0(tmp_path):
+    # The local policy socket counts the completions it answered; an agent that reached it
+    # directly got answers the runner never sent, so its trajectory is not what was sampled.
+    from dataclasses import replace
+
+    from rollout_worker.cli.policy_server import running
+    from rollout_worker.validation import validate_episode
+    from tests.unit.test_agent_command import SCRIPT, agent_task
+
+    started = time.time()
+    with running(script=SCRIPT) as server:
+        done, events = run_runner(tmp_path, agent_task(tmp_path), url=server.url)
+    assert events[-1]["reward"] == 1 and events[-1]["cost"]["policy_requests"] == 2
+    honest = row_of(done.stdout, started)
+    assert honest.reward == 1 and honest.cost["policy_requests"] == 2
+    obs = replace(row_obs(started), policy_completions=2)
+    assert validate_episode(obs, done.stdout, started - 2).reward == 1
+    around = validate_episode(replace(obs, policy_completions=3), done.stdout, started - 2)
+    assert (around.status, around.reward, around.grade_cause) == (
+        "ok",
+        0,
+        "unrecorded_completions",
+    )
+
+
+def row_obs(started):
+    from rollout_worker.observation import EpisodeObservation
+    from tests.unit.test_agent_command import EP
+
+    return EpisodeObservation(
+        index=0,
+        episode_id=EP,
+        phase="Succeeded",
+        created_at=started - 1,
+        finished_at=time.time() + 1,
+        exit_code=0,
+    )

@@ -540,3 +540,87 @@ def test_build_runs_each_step_and_says_in_one_line_what_failed(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[-1].endswith("(already there)")
     assert "docker export" not in log.read_text()
+
+
+# -- hostile task folders (issue 43): links and special files are never read ------------------
+
+SECRET = "root:x:0:0:host secret\n"
+
+
+def host_files(tmp_path: Path) -> Path:
+    """Files outside every task folder, standing in for /etc/passwd or ~/.ssh."""
+    host = tmp_path / "host"
+    (host / "dir").mkdir(parents=True)
+    (host / "passwd").write_text(SECRET)
+    (host / "dir" / "test.sh").write_text(SECRET)
+    (host / "dir" / "id_rsa").write_text(SECRET)
+    return host
+
+
+@pytest.mark.parametrize(
+    ("entry", "target"),
+    [
+        ("instruction.md", "passwd"),
+        ("task.toml", "toml"),  # a valid TOML: only the link itself can be refused
+        ("tests", "dir"),
+        ("solution", "dir"),
+        ("environment", "dir"),
+        ("environment/Dockerfile", "passwd"),
+    ],
+)
+def test_a_link_at_the_top_of_a_task_folder_is_refused_naming_task_and_path(
+    tmp_path, entry, target
+):
+    host = host_files(tmp_path)
+    (host / "toml").write_text('version = "1.0"\n')
+    tasks = tmp_path / "tasks"
+    folder = make_task(tasks, "t", solution={"solve.sh": "true\n"})
+    link = folder / entry
+    if link.is_dir():
+        shutil.rmtree(link)
+    else:
+        link.unlink(missing_ok=True)
+    os.symlink(host / target, link)
+    text = refusal(tasks)
+    assert f"task 't': {entry} is a symbolic link" in text
+    assert "host secret" not in text
+    # `rollout tasks show` reads the folder the same way.
+    result = CliRunner().invoke(cli, ["tasks", "show", str(tasks)])
+    assert result.exit_code != 0 and f"{entry} is a symbolic link" in result.output
+    assert "host secret" not in result.output
+
+
+def test_a_task_folder_linked_into_a_folder_of_tasks_is_refused(tmp_path):
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "fine")
+    os.symlink(make_task(tmp_path / "elsewhere", "outside"), tasks / "outside")
+    assert "task 'outside': the task folder is a symbolic link" in refusal(tasks)
+    assert [t["id"] for t in load_harbor_tasks(tasks, ["fine"])] == ["fine"]
+
+
+def test_a_link_inside_a_build_context_is_refused_and_never_hashed_through(tmp_path):
+    host = host_files(tmp_path)
+    folder = make_task(tmp_path / "tasks", "t", environment={"Dockerfile": "FROM x\nCOPY . /\n"})
+    os.symlink(host / "dir", folder / "environment" / "keys")
+    assert "task 't': environment/keys is a symbolic link" in refusal(tmp_path / "tasks")
+
+
+@pytest.mark.timeout(20)  # before the fix, reading a FIFO blocked for good
+@pytest.mark.parametrize(
+    ("fifo", "dockerfile"),
+    [
+        ("instruction.md", False),
+        ("task.toml", False),
+        ("tests/test.sh", False),
+        ("tests/helper.py", False),
+        ("solution/solve.sh", False),
+        ("environment/data.txt", False),
+        ("environment/data.txt", True),  # a build context: hashed for the image tag
+    ],
+)
+def test_a_fifo_in_a_task_folder_is_refused_without_blocking(tmp_path, fifo, dockerfile):
+    environment = {"Dockerfile": "FROM x\n"} if dockerfile else None
+    folder = make_task(tmp_path, "t", environment=environment, solution={"solve.sh": "true\n"})
+    (folder / fifo).unlink(missing_ok=True)
+    os.mkfifo(folder / fifo)
+    assert f"task 't': {fifo} is not a plain file" in refusal(tmp_path)

@@ -305,3 +305,83 @@ def test_the_tls_form_reaches_kombu_and_the_result_backend_as_tls():
     assert backend.connparams["connection_class"] is CelerySSL
     assert backend.connparams["ssl_ca_certs"] == "/etc/rollout/redis-tls/ca.crt"
     app.close()
+
+
+# -- odd passwords (issue 43): no error, repr or shown URL carries any piece of one ------------
+# Each password is two marker words around characters a URL gives a meaning to (or that are
+# not ASCII, or broken percent-escapes): neither marker may show, so no piece of it either.
+MARKERS = ("Qx7", "Zk9")
+ODD = ["/", "?", "#", "@", ":", "://", "%", "%zz", "%4", "%ff", "%40", ";", ",", "[", "]", " "]
+ODD += ["é", "密", "\\", "/?#@:", "@h9:1/"]
+FORMS = [
+    "sentinel://{auth}@h1:26379/0?master=m",  # may be a valid URL
+    "sentinel://{auth}@h1:26379,h2:bad/0?master=m",
+    "sentinel://{auth}@h1:26379/0",
+    "sentinel://{auth}@h1:26379/x?master=m",
+    "sentinel://{auth}@h1:26379/0?master=m&bogus=1",
+    "sentinel+rediss://{auth}@h1:26379/0?master=m&sentinel_tls=perhaps",
+    "redis://{auth}@h1:6379/0",
+    "rediss://{auth}@h1:6380/0?ssl_cert_reqs=required",
+    "redis://{auth}@h1:bad/0",
+    "unix://{auth}@/run/redis.sock?db=1",
+    "http://{auth}@h1/0",
+    "redis:{auth}@h1:6379/0",  # '//' forgotten
+]
+
+
+def assert_no_secret(text: str, password: str) -> None:
+    assert password not in text
+    for marker in MARKERS:
+        assert marker not in text, text
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("odd", ODD)
+@pytest.mark.parametrize("user", ["", "app"])
+def test_an_odd_password_never_shows_in_an_error_a_repr_or_a_shown_url(form, odd, user):
+    password = odd.join(MARKERS)
+    url = form.format(auth=f"{user}:{password}")
+    calls = [check_url, redis_client, celery_settings]
+    if is_sentinel(url):
+        calls.append(parse_sentinel)
+    for call in calls:
+        try:
+            value = call(url)
+        except Exception as exc:  # whatever is raised, its message is shown somewhere
+            assert_no_secret(str(exc), password)
+            assert_no_secret(repr(exc), password)
+        else:
+            if call is parse_sentinel:
+                assert_no_secret(repr(value), password)
+    assert_no_secret(redacted(url), password)
+
+
+@pytest.mark.parametrize("odd", ["/", "?", "#", "://", ";", "é%zz"])
+def test_settings_refusing_a_url_with_an_odd_password_never_show_it(odd):
+    from rollout_worker.settings import Settings
+
+    password = odd.join(MARKERS)
+    for url in (f"sentinel://:{password}@h1:26379/0", f"redis:app:{password}@h1:6379/0"):
+        with pytest.raises(ConfigError) as caught:
+            Settings(redis_url=url)
+        assert_no_secret(str(caught.value), password)
+
+
+def test_an_odd_password_percent_encoded_is_read_back_whole():
+    import urllib.parse
+
+    for odd in ODD:
+        password = odd.join(MARKERS)
+        quoted = urllib.parse.quote(password, safe="")
+        parsed = parse_sentinel(f"sentinel://app:{quoted}@h1:26379/0?master=m")
+        assert (parsed.username, parsed.password) == ("app", password)
+        client = redis_client(f"redis://app:{quoted}@h1:6379/0")
+        assert client.connection_pool.connection_kwargs["password"] == password
+        assert_no_secret(redacted(f"redis://app:{quoted}@h1:6379/0"), password)
+
+
+def test_a_raw_slash_in_a_password_is_refused_saying_to_percent_encode_it():
+    with pytest.raises(ConfigError, match="percent-encode"):
+        parse_sentinel("sentinel://:a/b@h1:26379/0?master=m")
+    with pytest.raises(ConfigError, match="percent-encode"):
+        redis_client("redis://:a/b@h1:6379/0")

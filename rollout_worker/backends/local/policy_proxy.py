@@ -5,6 +5,13 @@ the runner speaks HTTP over it. The proxy forwards only POST `/rollout/<this epi
 completions` (and GET `.../v1/models`) to the batch's policy URL, nothing else: no other
 path, no other episode's identity, no other host. It sets the identity headers itself (group,
 task, sample, episode, attempt), whatever the sandbox sent, so a trainer can trust them.
+
+What a sandbox sends is hostile input: a body is read only by a single plain Content-Length of
+at most MAX_BODY (no chunked body, no length to read until the connection ends: the host's
+memory), is forwarded only when whole, and every refusal closes the connection (so an unread
+body is never taken for the next request). The proxy counts the chat completions it answered
+per episode (`answered`): an agent can call this socket directly, bypassing the runner's
+recording proxy, so the runner's own count is not to be trusted alone.
 """
 
 from __future__ import annotations
@@ -13,11 +20,13 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import socketserver
 import tempfile
 import threading
 import urllib.parse
+from collections import deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -26,6 +35,9 @@ from typing import Any
 from rollout_wire.policy import PolicyEndpoint
 
 MAX_BODY = 8 * 2**20
+# A Content-Length as RFC 9110 spells it: ASCII digits only (int() also takes "+5", "5_0",
+# " 5", non-ASCII digits).
+_DIGITS = re.compile(r"[0-9]+")
 MAX_RESPONSE = 16 * 2**20
 # Response headers a sandbox gets from the policy server (the rest stay here).
 PASSED_HEADERS = ("X-Policy-Version",)
@@ -76,8 +88,37 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _refuse(self, status: int, why: str) -> None:
-        self.server.proxy.refused.append(f"{self.command} {self.path}: {why}")
-        self._send(status, b'{"error": {"message": "' + why.encode() + b'"}}')
+        self.server.proxy.refused.append(f"{self.command} {self.path[:200]}: {why}")
+        # Closed after: what the sandbox sent past the headers is never read as a request.
+        self.close_connection = True
+        self._send(
+            status,
+            b'{"error": {"message": "' + why.encode() + b'"}}',
+            extra={"Connection": "close"},
+        )
+
+    def _length(self, required: bool) -> int | None:
+        """The body's length, or None once refused: one Content-Length of decimal digits up to
+        MAX_BODY (a missing one is 0 unless `required`); no Transfer-Encoding."""
+        if "Transfer-Encoding" in self.headers:
+            self._refuse(411, "chunked bodies are not accepted: send a Content-Length")
+            return None
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            if required:
+                self._refuse(411, "a Content-Length is required")
+                return None
+            return 0
+        text = values[0].strip(" \t")
+        if len(values) > 1 or not _DIGITS.fullmatch(text):
+            self._refuse(400, "Content-Length must be one decimal number")
+            return None
+        digits = text.lstrip("0") or "0"
+        # The digit count first: int() of thousands of digits is slow (or refused).
+        if len(digits) > len(str(MAX_BODY)) or int(digits) > MAX_BODY:
+            self._refuse(413, f"request body above {MAX_BODY} bytes")
+            return None
+        return int(digits)
 
     def _allowed(self) -> bool:
         prefix = f"/rollout/{urllib.parse.quote(self.server.identity.episode_id)}/v1/"
@@ -92,17 +133,27 @@ class _Handler(BaseHTTPRequestHandler):
         return True
 
     def do_GET(self) -> None:
-        if self._allowed():
-            self._forward(None)
+        if not self._allowed():
+            return
+        length = self._length(required=False)
+        if length is None:
+            return
+        if length:
+            self._refuse(400, "a GET takes no body")
+            return
+        self._forward(None)
 
     def do_POST(self) -> None:
         if not self._allowed():
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            self._refuse(413, f"request body above {MAX_BODY} bytes")
+        length = self._length(required=True)
+        if length is None:
             return
-        self._forward(self.rfile.read(length))
+        body = self.rfile.read(length)
+        if len(body) < length:  # the sandbox closed early: half a request is not forwarded
+            self._refuse(400, "the request body ended before its Content-Length")
+            return
+        self._forward(body)
 
     def do_PUT(self) -> None:
         self._refuse(405, "method not allowed")
@@ -131,6 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if (value := response.getheader(name)) is not None
             }
             if content_type.startswith("text/event-stream") and response.status == 200:
+                self._answered()
                 self._relay_stream(response, content_type, extra)
                 return
             data = response.read(MAX_RESPONSE + 1)
@@ -146,7 +198,13 @@ class _Handler(BaseHTTPRequestHandler):
         if len(data) > MAX_RESPONSE:
             self._send(502, b'{"error": {"message": "policy response too large"}}')
             return
+        if status == 200:
+            self._answered()
         self._send(status, data, content_type, extra)
+
+    def _answered(self) -> None:
+        if self.command == "POST":  # chat/completions: the only POST `_allowed` lets through
+            self.server.proxy.count(self.server)
 
     def _relay_stream(
         self, response: http.client.HTTPResponse, content_type: str, extra: dict[str, str]
@@ -179,6 +237,7 @@ class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
     def __init__(self, path: str, identity: EpisodeIdentity, proxy: PolicyProxy) -> None:
         self.identity = identity
         self.proxy = proxy
+        self.answered = 0  # chat completions answered 200 (under the proxy's lock)
         super().__init__(path, _Handler)
 
 
@@ -192,7 +251,13 @@ class PolicyProxy:
         self.dir = Path(tempfile.mkdtemp(prefix="rollout-policy-"))
         self.dir.chmod(0o755)
         self.servers: dict[int, tuple[_EpisodeServer, threading.Thread, Path]] = {}
-        self.refused: list[str] = []
+        # The last refusals (for debugging); bounded: a sandbox can send refused requests
+        # without end.
+        self.refused: deque[str] = deque(maxlen=100)
+        # Each episode's last server, kept after `close` until `answered` reads its count; a
+        # server of its own per opening, so a late answer of an earlier attempt counts there.
+        self._counted: dict[int, _EpisodeServer] = {}
+        self._lock = threading.Lock()
 
     def socket_path(self, index: int) -> Path:
         return self.dir / f"{index}.sock"
@@ -209,7 +274,21 @@ class PolicyProxy:
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         self.servers[index] = (server, thread, path)
+        with self._lock:
+            self._counted[index] = server
         return path
+
+    def count(self, server: _EpisodeServer) -> None:
+        with self._lock:
+            server.answered += 1
+
+    def answered(self, index: int) -> int:
+        """How many chat completions episode `index`'s socket answered with a 200 since it was
+        last opened, whoever asked (0: none, or never opened). Read once: the count is
+        forgotten after it is returned."""
+        with self._lock:
+            server = self._counted.pop(index, None)
+            return server.answered if server is not None else 0
 
     def close(self, index: int, wait: bool = False) -> None:
         """Stop serving episode `index` (in the background: the supervisor's loop never waits

@@ -504,6 +504,7 @@ class Supervisor:
                 "run_seconds": finished_at - item.created_at,
                 **({"pool_created_at": item.warm.created_at} if item.warm else {}),
             },
+            policy_completions=self.proxy.answered(item.index) if self.proxy is not None else None,
             **({"sandbox": item.warm.name} if item.warm else {}),
         )
 
