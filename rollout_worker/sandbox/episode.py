@@ -1181,6 +1181,7 @@ class TestRun:
         self.graded_by = graded_by
         self.runs = runs or []
         self.ended = ended
+        self.unended = 0  # watched Python processes that never reported their end
 
     def promise(self) -> dict | None:
         """What a later run must reach (the baseline's): the tests it collected and skipped;
@@ -1199,7 +1200,9 @@ def judge(rule: str, run: TestRun, promise: dict | None) -> dict:
     cause: str | None
     if run.graded_by != GRADED_BY_RESULTS:
         cause = None if run.code == 0 else CAUSE_TIMED_OUT if run.code == 124 else CAUSE_FAILED
-        return {"reward": 1 if run.code == 0 else 0, "grade_cause": cause,
+        if run.unended and run.code != 124:
+            cause = CAUSE_EXITED
+        return {"reward": 1 if cause is None else 0, "grade_cause": cause,
                 "tests_passed": None, "tests_total": None}  # fmt: skip
     counts = tally(run.runs)
     expected = (promise or {}).get("collected", 0)
@@ -1252,10 +1255,9 @@ def harness_source() -> str:
     return head + part + "\nsys.exit(harness(sys.argv[1:]))\n"
 
 
-def read_harness(fd: int, key: str) -> tuple[list, bool]:
-    """(the runs' counts, whether the end was reported) from the result pipe: lines without
-    the key (or beyond MAX_HARNESS_RECORD) are ignored, since the code under test may write
-    to the pipe too."""
+def read_records(fd: int, key: str) -> list:
+    """The records on a result pipe that carry `key` (closing it): lines without it, or beyond
+    MAX_HARNESS_RECORD, are ignored, since the code under test may write to the pipe too."""
     os.set_blocking(fd, False)
     data = b""
     with contextlib.suppress(BlockingIOError, OSError):
@@ -1265,20 +1267,60 @@ def read_harness(fd: int, key: str) -> tuple[list, bool]:
                 break
             data += chunk
     os.close(fd)
-    runs: list = []
-    ended = False
+    records = []
     for line in data[:MAX_HARNESS_RECORD].splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(record, dict) or record.get("key") != key:
-            continue
-        if record.get("end") is True:
-            ended = True
-        elif isinstance(record.get("run"), dict):
-            runs.append(record["run"])
-    return runs, ended
+        if isinstance(record, dict) and record.get("key") == key:
+            records.append(record)
+    return records
+
+
+def read_harness(fd: int, key: str) -> tuple[list, bool]:
+    """(the runs' counts, whether the end was reported) from the harness's pipe."""
+    records = read_records(fd, key)
+    runs = [r["run"] for r in records if isinstance(r.get("run"), dict)]
+    return runs, any(r.get("end") is True for r in records)
+
+
+# A test command the harness cannot count still runs its Python processes with this watch
+# (a sitecustomize module of the grader's, first on PYTHONPATH): each process started by the
+# command itself reports its start and, from atexit, its end. One that started and never
+# ended left by os._exit or a signal (code under test that exits 0 at import, so that the
+# task's script sees a passing check): no reward. The variable is dropped at once, so the
+# processes those start are not watched (a test's own server, killed on purpose).
+WATCH_ENV = "ROLLOUT_EXIT_WATCH"
+WATCH_SOURCE = """import atexit, json, os
+
+
+def _rollout_watch():
+    fd, _, key = os.environ.pop("ROLLOUT_EXIT_WATCH", "").partition(":")
+    try:
+        fd = int(fd)
+        os.write(fd, (json.dumps({"key": key, "start": os.getpid()}) + "\\n").encode())
+    except (ValueError, OSError):
+        return
+
+    def end():
+        try:
+            os.write(fd, (json.dumps({"key": key, "end": os.getpid()}) + "\\n").encode())
+        except OSError:
+            pass
+
+    atexit.register(end)
+
+
+_rollout_watch()
+del _rollout_watch
+"""
+
+
+def unended(records: list) -> int:
+    """How many watched processes started and never reported their end."""
+    started = {r["start"] for r in records if isinstance(r.get("start"), int)}
+    return len(started - {r["end"] for r in records if isinstance(r.get("end"), int)})
 
 
 def _tally_count(run: dict, name: str) -> int:
@@ -2208,14 +2250,29 @@ class Runner:
         env = dict(self.env, **(extra_env or {}))
         argv = self.test_argv()
         plan = harness_plan(argv)
-        if plan is None or (plan[1] not in ("unittest", "pytest") and not self.counts(plan[1])):
-            code, output = run_process(
-                resolve_argv(argv, env["PATH"]), env, self.root, TESTS_TIMEOUT_SECONDS
-            )
-            return TestRun(code, output, GRADED_BY_EXIT)
-        flags, what, args = plan
         key = os.urandom(HARNESS_KEY_BYTES).hex()
         results_read, results_write = os.pipe()
+        if plan is None or (plan[1] not in ("unittest", "pytest") and not self.counts(plan[1])):
+            folder = tempfile.mkdtemp(prefix="rollout-watch-")
+            with open(os.path.join(folder, "sitecustomize.py"), "w", encoding="utf-8") as out:
+                out.write(WATCH_SOURCE)
+            env["PYTHONPATH"] = ":".join(filter(None, (folder, env.get("PYTHONPATH"))))
+            env[WATCH_ENV] = f"{results_write}:{key}"
+            try:
+                code, output = run_process(
+                    resolve_argv(argv, env["PATH"]),
+                    env,
+                    self.root,
+                    TESTS_TIMEOUT_SECONDS,
+                    (results_write,),
+                )
+            finally:
+                os.close(results_write)
+                shutil.rmtree(folder, ignore_errors=True)
+            run = TestRun(code, output, GRADED_BY_EXIT)
+            run.unended = unended(read_records(results_read, key))
+            return run
+        flags, what, args = plan
         key_read, key_write = os.pipe()
         os.write(key_write, key.encode())
         os.close(key_write)
@@ -2337,10 +2394,11 @@ class Runner:
             verdict = judge("all", run, self.promise)
             verdict["reward"], verdict["grade_cause"] = 0, None
             try:
-                if run.code < 0 or run.code == 124:
+                if run.code < 0 or run.code == 124 or run.unended:
                     # Killed by a signal (code under test that kills the script before it
-                    # writes its verdict, after planting one) or cut at the time limit: what
-                    # the reward file holds is no verdict of the tests.
+                    # writes its verdict, after planting one), a Python process of the tests
+                    # that never ended (exit 0 at import) or cut at the time limit: what the
+                    # reward file holds is no verdict of the tests.
                     cause = CAUSE_TIMED_OUT if run.code == 124 else CAUSE_EXITED
                     raise RewardFileProblem(f"the tests ended with status {run.code}", cause)
                 reward, details = read_reward(verifier)

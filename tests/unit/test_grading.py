@@ -341,3 +341,40 @@ def row_obs(started):
         finished_at=time.time() + 1,
         exit_code=0,
     )
+
+
+HARBOR_CHECK = (
+    "#!/bin/bash\n"
+    'cd "$ROLLOUT_WORKSPACE"\n'
+    "if python3 -B -c 'from calc import add; raise SystemExit(add(2, 3) != 5)'; then\n"
+    '    echo 1 > "$ROLLOUT_VERIFIER_DIR/reward.txt"\n'
+    "else\n"
+    '    echo 0 > "$ROLLOUT_VERIFIER_DIR/reward.txt"\n'
+    "fi\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("calc", "expected"),
+    [
+        ("import os\nos._exit(0)\n", (0, "runner_exited")),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", (0, "runner_exited")),
+        ("def add(a, b):\n    return a - b\n", (0, "reward_file")),
+        ("def add(a, b):\n    return a + b\n", (1, None)),
+    ],
+)
+def test_a_task_script_that_runs_python_earns_nothing_when_that_python_never_ended(
+    tmp_path, calc, expected
+):
+    # The script cannot be counted, but each Python process it starts is watched: one that
+    # left by os._exit (its check then "passed") or a signal gives no reward.
+    from tests.unit.test_agent_command import oracle_task
+
+    solve = f"#!/bin/bash\ncat > calc.py <<'END'\n{calc}END\n"
+    task = oracle_task(HARBOR_CHECK, solution={"solve.sh": solve})
+    started = time.time()
+    done, events = run_runner(tmp_path, task)
+    outcome = events[-1]
+    assert (outcome["reward"], outcome["grade_cause"]) == expected, outcome
+    assert outcome["graded_by"] == "reward_file"
+    assert row_of(done.stdout, started).status == "ok"
