@@ -59,6 +59,19 @@ PENDING_LIMIT = 64 * 2**10
 # workspace.
 AGENT_PHASE = "agent"
 GRADE_PHASE = "grade"
+# The runner's variable for the baseline's counts (sandbox/episode.py BASELINE_TESTS_ENV).
+BASELINE_TESTS_ENV = "ROLLOUT_BASELINE_TESTS"
+
+
+def baseline_tests(line: bytes) -> str:
+    """The `baseline_tests` of a grade_pending line, as JSON ("null" when it has none)."""
+    try:
+        value = orjson.loads(line).get("baseline_tests")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "null"
+    return orjson.dumps(value).decode() if isinstance(value, dict) else "null"
+
+
 # What the runner reads and writes outside its workspace (writable, per episode): folder ->
 # (where the sandbox sees it, the variable naming it when not sandboxed); and its /tmp.
 STATE_DIRS = {
@@ -140,6 +153,8 @@ class Supervisor:
         # Earlier attempts of episodes run again under the retry budget (kept on disk too: a
         # supervisor started again after a crash knows which attempt comes next).
         self.retried: dict[int, list[dict[str, Any]]] = {}
+        # Each agent sandbox's baseline counts (its grade_pending), for its grader's start.
+        self.baselines: dict[int, str] = {}
         for index in range(self.count):
             earlier = run_dir.read_json(run_dir.attempts(index))
             if earlier:
@@ -214,6 +229,9 @@ class Supervisor:
             return env, mounts, None
         if phase == GRADE_PHASE:
             env["ROLLOUT_PHASE"] = GRADE_PHASE
+            # What the agent's sandbox counted before its agent acted: the grader holds the
+            # tests to it (fewer tests run is no pass).
+            env[BASELINE_TESTS_ENV] = self.baselines.pop(index, "null")
         elif "tests" in task:
             env["ROLLOUT_GRADER"] = "sandbox"  # its tests come with the grader's sandbox
         # Grading `same` finds the agent's /tmp and /logs as they were left; `fresh` none.
@@ -438,6 +456,7 @@ class Supervisor:
                 self.progress(item.index, "rewarded")
             elif b'"event": "grade_pending"' in line:
                 item.grade_pending = True
+                self.baselines[item.index] = baseline_tests(line)
         return True
 
     def finish(self, item: Running) -> None:

@@ -1,0 +1,59 @@
+"""The red team through real sandboxes (the local backend: bubblewrap, the real supervisor,
+Celery workers and Redis), under both grade modes: every reward-hacking agent of
+tests/red_team.py earns 0 with its cause on the row, and the honest fix still earns 1, on the
+bundled task and on a Harbor task (hidden tests, a script that writes the reward file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollout_wire.tasksets import load_task_set
+from tests.red_team import HARBOR_HONEST, HARBOR_TRICKS, HONEST, TRICKS
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
+
+HARBOR = Path(__file__).resolve().parents[2] / "tests" / "data" / "harbor"
+NEVER_ASKED = {"url": "http://127.0.0.1:9"}  # no agent here asks the policy
+
+
+def red_team_tasks(grade: str) -> list[dict]:
+    shipping = load_task_set("bundled", ["shipping-boundary"])[0]
+    tasks = [
+        shipping | {"id": f"hack-{name.replace('_', '-')}", "grade": grade, "agent": agent(source)}
+        for name, (source, _) in sorted(TRICKS.items())
+    ]
+    tasks.append(shipping | {"id": "honest", "grade": grade, "agent": agent(HONEST)})
+    add = load_task_set(str(HARBOR), ["add-numbers"])[0]
+    tasks += [
+        add | {"id": name, "grade": grade, "agent": agent(source)}
+        for name, (source, _) in HARBOR_TRICKS.items()
+    ]
+    tasks.append(add | {"id": "harbor-honest", "grade": grade, "agent": agent(HARBOR_HONEST)})
+    return tasks
+
+
+def agent(source: str) -> dict:
+    return {"command": ["python", "-c", source]}
+
+
+@pytest.mark.parametrize("grade", ["same", "fresh"])
+def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, grade):
+    tasks = red_team_tasks(grade)
+    batch = client.submit(tasks=tasks, samples_per_task=1, parallelism=4, policy=NEVER_ASKED)
+    report = client.wait(batch.batch_id, timeout=600)
+    assert report["run_isolation"] == "bwrap"
+    rows = {row["task_id"]: row for row in report["pods"]}
+    assert len(rows) == len(tasks), report["errors"]
+    expected = {f"hack-{name.replace('_', '-')}": (0, cause) for name, (_, cause) in TRICKS.items()}
+    expected["honest"] = (1, None)
+    expected |= {name: (0, cause) for name, (_, cause) in HARBOR_TRICKS.items()}
+    expected["harbor-honest"] = (1, None)
+    got = {task: (row["reward"], row["grade_cause"]) for task, row in rows.items()}
+    assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
+    for task, row in rows.items():
+        assert row["status"] == "ok" and row["graded_by"], (task, row["errors"])
+    log = client.logs(batch.batch_id)
+    if grade == "fresh":
+        assert all('"mode": "grade"' in log[row["index"]] for row in rows.values())
