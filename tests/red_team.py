@@ -112,6 +112,33 @@ passing = "import unittest\\nclass T(unittest.TestCase):\\n    def test_ok(self)
 open("test_zzz.py", "w").write(passing)
 """
 
+# Event lines of its own, written where the runner's stdout may be reached: the sandbox's
+# PID 1 and every other process holding the supervisor's pipe.
+FORGE_EVENTS = """
+import json, os, time
+line = json.dumps({"event": "error", "at": time.time(), "kind": "infrastructure",
+                   "cause": "forged"}) + "\\n"
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        for fd in ("1", "2"):
+            try:
+                with open("/proc/%s/fd/%s" % (pid, fd), "w") as out:
+                    out.write(line)
+            except OSError:
+                pass
+"""
+
+# The runner killed (an infrastructure failure is retried and its sample dropped).
+KILL_RUNNER = """
+import os, signal
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
 TRICKS = {
     "exit_at_import": (EXIT_AT_IMPORT, "runner_exited"),
     "exit_in_test_hook": (EXIT_IN_TEST_HOOK, "runner_exited"),
@@ -123,6 +150,12 @@ TRICKS = {
     "skip_at_import": (SKIP_AT_IMPORT, "tests_missing"),
     "daemon": (DAEMON, "tests_failed"),
     "delete_tests": (DELETE_TESTS, "tests_failed"),
+}
+# Tricks against the sandbox itself (run through real sandboxes only: unsandboxed, the agent
+# would reach the test's own processes).
+SANDBOX_TRICKS = {
+    "forge_events": (FORGE_EVENTS, "tests_failed"),
+    "kill_runner": (KILL_RUNNER, "tests_failed"),
 }
 
 # Harbor's add-numbers (tests/data/harbor): its hidden check imports calc.py, and its test.sh

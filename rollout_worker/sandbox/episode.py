@@ -1339,10 +1339,11 @@ def tally(runs: list) -> dict:
 # -- agent commands ------------------------------------------------------------------------------
 def harden() -> None:
     """Best effort (Linux): the runner adopts the orphans its agent leaves
-    (PR_SET_CHILD_SUBREAPER), so kill_leftovers finds them, and is not dumpable
+    (PR_SET_CHILD_SUBREAPER), so kill_leftovers finds them, is not dumpable
     (PR_SET_DUMPABLE 0), so the agent, the same user, can neither open the runner's stdout
-    through /proc nor trace it to print events of its own. Children are dumpable again after
-    exec: nothing changes for them."""
+    through /proc nor trace it to print events of its own (children are dumpable again after
+    exec: nothing changes for them), and, as its PID namespace's init, cannot be signalled
+    away by its agent."""
     try:
         import ctypes
 
@@ -1351,6 +1352,11 @@ def harden() -> None:
         libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
     except (ImportError, OSError, AttributeError):
         pass
+    if os.getpid() == 1:
+        # As its namespace's init the runner gets only the signals it handles: Python's
+        # SIGINT handler would let the agent end it with KeyboardInterrupt. A handler of its
+        # own (not SIG_IGN, which children would inherit) keeps that door shut too.
+        signal.signal(signal.SIGINT, lambda *_: None)
 
 
 def descendants(pid: int) -> list:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollout_wire.tasksets import load_task_set
-from tests.red_team import HARBOR_HONEST, HARBOR_TRICKS, HONEST, TRICKS
+from tests.red_team import HARBOR_HONEST, HARBOR_TRICKS, HONEST, SANDBOX_TRICKS, TRICKS
 
 pytestmark = [pytest.mark.redis, pytest.mark.workers, pytest.mark.slow]
 
@@ -22,7 +22,7 @@ def red_team_tasks(grade: str) -> list[dict]:
     shipping = load_task_set("bundled", ["shipping-boundary"])[0]
     tasks = [
         shipping | {"id": f"hack-{name.replace('_', '-')}", "grade": grade, "agent": agent(source)}
-        for name, (source, _) in sorted(TRICKS.items())
+        for name, (source, _) in sorted((TRICKS | SANDBOX_TRICKS).items())
     ]
     tasks.append(shipping | {"id": "honest", "grade": grade, "agent": agent(HONEST)})
     add = load_task_set(str(HARBOR), ["add-numbers"])[0]
@@ -46,7 +46,10 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
     assert report["run_isolation"] == "bwrap"
     rows = {row["task_id"]: row for row in report["pods"]}
     assert len(rows) == len(tasks), report["errors"]
-    expected = {f"hack-{name.replace('_', '-')}": (0, cause) for name, (_, cause) in TRICKS.items()}
+    expected = {
+        f"hack-{name.replace('_', '-')}": (0, cause)
+        for name, (_, cause) in (TRICKS | SANDBOX_TRICKS).items()
+    }
     expected["honest"] = (1, None)
     expected |= {name: (0, cause) for name, (_, cause) in HARBOR_TRICKS.items()}
     expected["harbor-honest"] = (1, None)

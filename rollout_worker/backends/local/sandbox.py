@@ -130,6 +130,12 @@ def plan_sandbox(
         "bwrap",
         *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
         "--unshare-all",
+        # The runner is the sandbox's PID 1, as in a Pod's container: the kernel then drops
+        # the signals its agent sends it (it cannot kill the runner to turn its episode into
+        # an infrastructure failure), and no other process holds the runner's stdout for the
+        # agent to write events of its own to (the runner is not dumpable: its fds are closed
+        # to the agent through /proc).
+        "--as-pid-1",
         "--die-with-parent",
         "--new-session",
         "--cap-drop",
