@@ -60,3 +60,38 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
     log = client.logs(batch.batch_id)
     if grade == "fresh":
         assert all('"mode": "grade"' in log[row["index"]] for row in rows.values())
+
+
+@pytest.mark.k8s
+@pytest.mark.k8s_real
+def test_every_red_team_agent_earns_nothing_in_real_pods(real_node, real_stack, k8s_cluster):
+    # The same agents on the real node (grade `same`: Kubernetes grades in the agent's Pod,
+    # after the runner, the container's PID 1, has killed everything the agent left). The
+    # Harbor tasks' hidden tests are not in this batch: on Kubernetes they are still in the
+    # Pod's ConfigMap mount while the agent runs (README, "Grading").
+    from trainer_stub.client import RolloutClient
+
+    tasks = [t for t in red_team_tasks("same") if not t.get("tests")]
+    client = RolloutClient(real_stack.redis_url)
+    try:
+        batch = client.submit(
+            **real_node.batch_fields(),
+            backend="kubernetes",
+            tasks=tasks,
+            samples_per_task=1,
+            parallelism=4,
+            policy=NEVER_ASKED,
+            capacity_check="warn",
+        )
+        report = client.wait(batch.batch_id, timeout=900)
+    finally:
+        client.close()
+    rows = {row["task_id"]: row for row in report["pods"]}
+    expected = {
+        f"hack-{name.replace('_', '-')}": (0, cause)
+        for name, (_, cause) in (TRICKS | SANDBOX_TRICKS).items()
+    }
+    expected["honest"] = (1, None)
+    got = {task: (row["reward"], row["grade_cause"]) for task, row in rows.items()}
+    assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
+    assert all(row["status"] == "ok" for row in rows.values())
