@@ -30,6 +30,7 @@ import orjson
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.local.backend import LocalBackend
+from rollout_worker.backends.local.files import RunDir
 from rollout_worker.cli.policy_server import running
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode
@@ -37,9 +38,20 @@ from rollout_worker.validation import validate_episode
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 
 
-def run(backend: LocalBackend, request: dict[str, Any], name: str) -> dict[str, Any]:
+def run(
+    backend: LocalBackend,
+    request: dict[str, Any],
+    name: str,
+    program: str | None = None,
+    rows_out: list[Any] | None = None,
+) -> dict[str, Any]:
+    """One batch's figures; `program` replaces the episode program the run got (another
+    version's, for an A/B), `rows_out` receives its validated rows."""
     spec = parse_spec(request, max_episodes=100_000)
     handle = backend.start_run(spec, lambda fields: None)
+    if program is not None:
+        assert handle.run_dir is not None
+        RunDir(Path(handle.run_dir)).program.write_text(program)
     cgroup = CPUACCT / f"rollout-bench-{os.getpid()}-{name}"
     cgroup.mkdir()
     try:
@@ -60,6 +72,8 @@ def run(backend: LocalBackend, request: dict[str, Any], name: str) -> dict[str, 
         obs = backend.wait_episode(handle, index, 5)
         rows.append(validate_episode(obs, backend.read_output(handle, obs), handle.origin))
     backend.delete_run(handle)
+    if rows_out is not None:
+        rows_out.extend(rows)
     return {
         "batch": name,
         "episodes": spec.count,
