@@ -42,6 +42,13 @@ def demo_task() -> dict[str, Any]:
     return dict(task, id=DEMO_TASK_ID)
 
 
+def agent_view(task: dict[str, Any]) -> dict[str, Any]:
+    """What an agent's sandbox may hold of its task: not the tests it is graded by, and the
+    solution only when the agent is the oracle (every backend hands the agent this part)."""
+    hidden = {"tests"} | (set() if task.get("agent") == "oracle" else {"solution"})
+    return {name: value for name, value in task.items() if name not in hidden}
+
+
 def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any]]:
     """The tasks of `ref`: "bundled", a JSON file or a Harbor task folder. `only` keeps these
     task ids, in order."""

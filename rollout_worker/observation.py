@@ -40,6 +40,9 @@ class EpisodeObservation:
     # (the local backend's policy socket): the runner's record can be checked against it, since
     # an agent may reach the policy without the runner. None: not counted by this backend.
     policy_completions: int | None = None
+    # The containers whose logs, in this order, make the episode's log (Kubernetes: an agent's
+    # init container before the grading one, when the batch grades apart). Empty: the one.
+    log_containers: list[str] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:

@@ -200,3 +200,37 @@ HARBOR_TRICKS = {
     "harbor-plant-and-kill": (HARBOR_PLANT_AND_KILL, "runner_exited"),
     "harbor-links": (HARBOR_LINKS, "reward_file"),
 }
+
+# Looks everywhere it can read for the hidden tests' text (the check's own case list) and
+# prints what it found: it must find nothing, on either backend.
+HIDDEN_TESTS_MARK = "cases = [((1, 2), 3)"
+LOOK_FOR_TESTS = """
+import os, stat
+mark = b"cases = [((1, " + b"2), 3)"  # in two pieces: this source itself is in the task
+found = []
+for top in ("/",):
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if os.path.join(folder, d) not in ("/proc", "/sys", "/dev")]
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+                if not stat.S_ISREG(info.st_mode) or info.st_size > 2**20:
+                    continue
+                with open(path, "rb") as handle:
+                    if mark in handle.read():
+                        found.append(path)
+            except OSError:
+                pass
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        for part in ("environ", "cmdline"):
+            try:
+                with open("/proc/%s/%s" % (pid, part), "rb") as handle:
+                    if mark in handle.read():
+                        found.append("/proc/%s/%s" % (pid, part))
+            except OSError:
+                pass
+print("hidden tests found: %s" % (found or "none"))
+"""
+HARBOR_TRICKS["harbor-look-for-tests"] = (LOOK_FOR_TESTS, "reward_file")

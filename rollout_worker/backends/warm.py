@@ -35,9 +35,10 @@ def pool_image(spec: BatchSpec) -> str | None:
 
 def pool_key(spec: BatchSpec, program: str) -> str | None:
     """Which pool a batch takes from, or None when it can take none: its episodes use several
-    images, or it has a retry budget (a warm episode has no Job to run it again)."""
+    images, it has a retry budget (a warm episode has no Job to run it again), or hidden tests
+    (a warm sandbox would be handed them with its task, and has no grader behind it)."""
     image = pool_image(spec)
-    if image is None or spec.infra_retries:
+    if image is None or spec.infra_retries or any(t.get("tests") for t in spec.tasks):
         return None
     shape = {
         "image": image,

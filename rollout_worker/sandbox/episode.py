@@ -2352,7 +2352,11 @@ class Runner:
         if self.task.get("grade", "same") == "fresh" or os.environ.get(GRADER_ENV) == "sandbox":
             # The tests run in another sandbox: over a copy of the workspace alone (fresh), or
             # (same) over this one's workspace, /tmp and /logs, where a backend that keeps the
-            # tests out of the agent's reach (ROLLOUT_GRADER=sandbox) gives them.
+            # tests out of the agent's reach (ROLLOUT_GRADER=sandbox) gives them. Nothing of
+            # the agent's may run on into the grading (a Pod's next container shares these
+            # folders), and the baseline's counts go where that grader reads them.
+            kill_leftovers()
+            hand_over(self.promise)
             record_outcome(emit("grade_pending", **acted, **self.identity))
             return 0
         record_outcome(emit("reward", **self.grade(), **acted, grade="same", **self.identity))
@@ -2365,7 +2369,7 @@ class Runner:
         # The agent's sandbox's baseline counts, passed on by the backend from its
         # grade_pending (written before the agent acted).
         with contextlib.suppress(ValueError, TypeError):
-            promise = json.loads(os.environ.get(BASELINE_TESTS_ENV) or "null")
+            promise = json.loads(os.environ.get(BASELINE_TESTS_ENV) or handed_over() or "null")
             self.promise = promise if isinstance(promise, dict) else None
         fields = self.grade()
         grade = self.task.get("grade", "same")
@@ -2682,6 +2686,40 @@ def episode_identity() -> dict:
 # The baseline's counts ({collected, skipped}, JSON) for a grading sandbox, from its agent
 # sandbox's grade_pending.
 BASELINE_TESTS_ENV = "ROLLOUT_BASELINE_TESTS"
+# A folder the agent's runner and its grader share (a Pod's init container and container):
+# the baseline's counts travel there when no backend passes BASELINE_TESTS_ENV.
+HANDOFF_ENV = "ROLLOUT_HANDOFF_DIR"
+HANDOFF_NAME = "baseline.json"
+
+
+def hand_over(promise: dict | None) -> None:
+    """Leave the baseline's counts for the grader (after every agent process is gone: written
+    to a new file and renamed over whatever the agent left at that name)."""
+    folder = os.environ.get(HANDOFF_ENV)
+    if not folder:
+        return
+    target = os.path.join(folder, HANDOFF_NAME)
+    with contextlib.suppress(OSError):
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        handle, temporary = tempfile.mkstemp(dir=folder)
+        with os.fdopen(handle, "w") as out:
+            json.dump(promise, out)
+        os.replace(temporary, target)
+
+
+def handed_over() -> str | None:
+    folder = os.environ.get(HANDOFF_ENV)
+    if not folder:
+        return None
+    try:
+        fd = os.open(os.path.join(folder, HANDOFF_NAME), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as handle:
+            return handle.read(4096)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 # Set by a backend that grades in a second sandbox whatever the task's `grade` (the local one,
 # for tasks whose tests the agent must not see): the agent's sandbox then ends with
 # grade_pending.

@@ -57,6 +57,8 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
     assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
     for task, row in rows.items():
         assert row["status"] == "ok" and row["graded_by"], (task, row["errors"])
+    # The agent that searched its whole sandbox for the hidden tests found nothing.
+    assert "hidden tests found: none" in rows["harbor-look-for-tests"]["agent_output"]
     log = client.logs(batch.batch_id)
     if grade == "fresh":
         assert all('"mode": "grade"' in log[row["index"]] for row in rows.values())
@@ -67,11 +69,11 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
 def test_every_red_team_agent_earns_nothing_in_real_pods(real_node, real_stack, k8s_cluster):
     # The same agents on the real node (grade `same`: Kubernetes grades in the agent's Pod,
     # after the runner, the container's PID 1, has killed everything the agent left). The
-    # Harbor tasks' hidden tests are not in this batch: on Kubernetes they are still in the
-    # Pod's ConfigMap mount while the agent runs (README, "Grading").
+    # Harbor tasks have hidden tests, so the batch grades apart: each agent runs in an init
+    # container that never holds them, and the Pod's container grades after it.
     from trainer_stub.client import RolloutClient
 
-    tasks = [t for t in red_team_tasks("same") if not t.get("tests")]
+    tasks = red_team_tasks("same")
     client = RolloutClient(real_stack.redis_url)
     try:
         batch = client.submit(
@@ -92,6 +94,9 @@ def test_every_red_team_agent_earns_nothing_in_real_pods(real_node, real_stack, 
         for name, (_, cause) in (TRICKS | SANDBOX_TRICKS).items()
     }
     expected["honest"] = (1, None)
+    expected |= {name: (0, cause) for name, (_, cause) in HARBOR_TRICKS.items()}
+    expected["harbor-honest"] = (1, None)
     got = {task: (row["reward"], row["grade_cause"]) for task, row in rows.items()}
     assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
     assert all(row["status"] == "ok" for row in rows.values())
+    assert "hidden tests found: none" in rows["harbor-look-for-tests"]["agent_output"]

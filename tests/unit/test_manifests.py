@@ -425,3 +425,92 @@ def test_an_episode_ends_when_its_container_exits_not_when_the_pod_phase_follows
     # Being deleted: wait for its final state (how it ended is the deletion's to say).
     deleting = _exited_pod(0, deletionTimestamp="2026-12-01T10:00:04Z")
     assert observe_pods(handle, 0, {"u": deleting}).phase == "Running"
+
+
+HIDDEN = {
+    "id": "hidden",
+    "statement": "Fix calc.py.",
+    "files": {"calc.py": "x = 1\n"},
+    "tests": {"test.sh": "exit 0  # the hidden check\n"},
+    "test_command": ["bash", "/tests/test.sh"],
+    "reward": "file",
+    "agent": {"command": ["python", "-c", "pass"]},
+}
+
+
+def real_spec(tasks):
+    return parse_spec(
+        {
+            "backend": "kubernetes",
+            "tasks": tasks,
+            "policy": {"url": "http://10.0.0.5:8000"},
+            "infra_retries": 1,
+        },
+        max_episodes=100,
+    )
+
+
+def test_hidden_tests_never_reach_the_agents_container():
+    from rollout_worker.backends.kube.objects import configmap_manifest, grades_apart
+
+    batch = real_spec([HIDDEN])
+    assert grades_apart(batch)
+    pod_spec = job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["template"]["spec"]
+    (agent,) = pod_spec["initContainers"]
+    (grader,) = pod_spec["containers"]
+    assert (agent["name"], grader["name"]) == ("agent", "episode")
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    # The agent's program folder holds the tasks without their tests; no /tests is mounted.
+    agent_mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
+    assert agent_mounts["/demo"] == "agent-program" and "/tests" not in agent_mounts
+    items = volumes["agent-program"]["configMap"]["items"]
+    assert {i["key"] for i in items} == {"episode.py", "tasks-agent.json"}
+    data = configmap_manifest(batch, "program")["data"]
+    assert "the hidden check" in data["tasks.json"]
+    assert "the hidden check" not in data["tasks-agent.json"]
+    # The agent's runner hands over to the grader, which alone has the tests.
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["ROLLOUT_GRADER"] == "sandbox" and "ROLLOUT_PHASE" not in env
+    grader_env = {e["name"]: e.get("value") for e in grader["env"]}
+    assert grader_env["ROLLOUT_PHASE"] == "grade"
+    assert {m["mountPath"] for m in grader["volumeMounts"]} >= {"/demo", "/tests", "/workspace"}
+    assert "startupProbe" in grader and "startupProbe" not in agent
+    # Both containers' exit codes count under the retry budget's rules.
+    rules = job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["podFailurePolicy"]
+    named = {r["onExitCodes"]["containerName"] for r in rules["rules"] if "onExitCodes" in r}
+    assert named == {"agent", "episode"}
+    # Tasks whose tests are in the task itself, or that run in their own image: one container.
+    visible = HIDDEN | {"tests": None, "test_files": {"t.py": "x"}}
+    del visible["tests"]
+    for tasks in ([visible], [HIDDEN | {"image": "rollout.local/task:1"}]):
+        assert not grades_apart(real_spec(tasks))
+
+
+def test_an_agent_container_that_failed_ends_the_episode_and_both_logs_are_read():
+    handle = RunHandle(
+        backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
+    )
+    failed = pod("rollout-0-x", "2026-11-30T10:00:00Z", phase="Failed")
+    status = failed["status"]
+    status["initContainerStatuses"] = [
+        {
+            "name": "agent",
+            "state": {
+                "terminated": {
+                    "exitCode": 4,
+                    "startedAt": "2026-11-30T10:00:02Z",
+                    "finishedAt": "2026-11-30T10:00:05Z",
+                    "message": '{"event": "error"}',
+                }
+            },
+        }
+    ]
+    status["containerStatuses"][0]["state"] = {"waiting": {"reason": "PodInitializing"}}
+    obs = observe_pods(handle, 0, {"a": failed})
+    assert (obs.phase, obs.exit_code, obs.termination_message) == (
+        "Failed",
+        4,
+        '{"event": "error"}',
+    )
+    assert obs.log_containers == ["agent", "episode"]
+    assert obs.timing["container_started_at"] == obs.created_at + 2

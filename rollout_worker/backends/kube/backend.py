@@ -524,19 +524,29 @@ class KubernetesBackend:
         """Nothing to do: the Job controller is the cluster's, and it does not die with us."""
 
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
+        """The episode's log: its container's, or (graded apart) its agent's init container's
+        followed by its grader's."""
+        return "".join(
+            self._container_log(handle, obs, name)
+            for name in obs.log_containers or [CONTAINER_NAME]
+        )
+
+    def _container_log(self, handle: RunHandle, obs: EpisodeObservation, container: str) -> str:
         try:
             text = self._text(
                 f"log of {obs.episode_id}",
                 self.core.read_namespaced_pod_log,
                 obs.episode_id,
                 handle.pool_namespace if handle.in_pool(obs.index) else _namespace(handle),
-                container=CONTAINER_NAME,
+                container=container,
                 limit_bytes=MAX_LOG_BYTES,
             )
         except (ResourceNotFound, BackendError) as exc:
             if isinstance(exc, TransientBackendError):
                 raise
-            return ""  # validation reports the missing events (and any termination message)
+            # Validation reports the missing events (and any termination message); a grader
+            # that never started (its agent failed) has no log to read.
+            return ""
         if len(text.encode("utf-8", "replace")) >= MAX_LOG_BYTES:
             # The API server stopped at our limit: say so in the log, never pass it off whole.
             text += f"\n[rollout: log read cut at {MAX_LOG_BYTES} bytes]\n"

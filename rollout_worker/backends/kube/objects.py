@@ -8,6 +8,7 @@ batch labels; cleanup refuses anything without them.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -17,13 +18,20 @@ import orjson
 
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
-from rollout_wire.tasksets import demo_task
+from rollout_wire.tasksets import agent_view, demo_task
 from rollout_worker.backends.warm import pool_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
 JOB_NAME = "rollout"
 CONFIGMAP_NAME = "episode"
 CONTAINER_NAME = "episode"
+# A batch whose tests the agent must not see runs its agent in an init container of this
+# name; the Pod's one container (CONTAINER_NAME) then only grades (grades_apart).
+AGENT_CONTAINER = "agent"
+AGENT_TASKS_KEY = "tasks-agent.json"
+# Where the agent's runner leaves its baseline counts for the grader (written after every
+# process of the agent's is gone; validation checks the grader used what the log says).
+HANDOFF_DIR = "/handoff"
 PROGRAM_DIR = "/demo"
 # The runner's `ready` marker, on the Pod's own /tmp (see ready_probe).
 READY_FILE = "/tmp/rollout-ready"
@@ -65,11 +73,22 @@ def tasks_text(spec: BatchSpec) -> str | None:
     return orjson.dumps(spec.tasks or [demo_task()]).decode()
 
 
+def grades_apart(spec: BatchSpec) -> bool:
+    """Whether the batch's tests stay out of its agents' containers: tasks with hidden tests
+    (`tests`), none of which runs in its own image (whose folders, where such an agent works,
+    a second container would not share). The agent then runs in an init container that is
+    given each task without its tests, and the Pod's container grades after it, over the same
+    workspace, /tmp and /logs (`grade: same`)."""
+    return any(t.get("tests") for t in spec.tasks) and not any(t.get("image") for t in spec.tasks)
+
+
 def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
     data = {PROGRAM_KEY: program}
     tasks = tasks_text(spec)
     if tasks is not None:
         data[TASKS_KEY] = tasks
+    if grades_apart(spec):
+        data[AGENT_TASKS_KEY] = orjson.dumps([agent_view(t) for t in spec.tasks]).decode()
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
     if size > CONFIGMAP_MAX_BYTES:
         raise ValueError(
@@ -141,26 +160,36 @@ def pod_failure_policy(spec: BatchSpec) -> dict[str, Any]:
     """Which failed Pods use up the episode's retry budget (`backoffLimitPerIndex`): the
     runner's infrastructure exit code and disruptions (eviction, preemption, node loss). Any
     other failure (an episode error, a deadline) fails its index at once: retrying it would
-    only sample the policy again until one attempt looks good."""
+    only sample the policy again until one attempt looks good. The agent's init container,
+    when the batch grades apart, by the same rules."""
+    names = [AGENT_CONTAINER, CONTAINER_NAME] if grades_apart(spec) else [CONTAINER_NAME]
+    count = [
+        {
+            "action": "Count",
+            "onExitCodes": {
+                "containerName": name,
+                "operator": "In",
+                "values": [EXIT_INFRASTRUCTURE],
+            },
+        }
+        for name in names
+    ]
+    fail = [
+        {
+            "action": "FailIndex",
+            "onExitCodes": {
+                "containerName": name,
+                "operator": "NotIn",
+                "values": [0, EXIT_INFRASTRUCTURE],
+            },
+        }
+        for name in names
+    ]
     return {
         "rules": [
             {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]},
-            {
-                "action": "Count",
-                "onExitCodes": {
-                    "containerName": CONTAINER_NAME,
-                    "operator": "In",
-                    "values": [EXIT_INFRASTRUCTURE],
-                },
-            },
-            {
-                "action": "FailIndex",
-                "onExitCodes": {
-                    "containerName": CONTAINER_NAME,
-                    "operator": "NotIn",
-                    "values": [0, EXIT_INFRASTRUCTURE],
-                },
-            },
+            *count,
+            *fail,
             # Every other failed Pod (it never ran: a Pending Pod past its deadline) is not
             # retried either; without this rule the Job's default would count it.
             {"action": "FailIndex", "onPodConditions": [{"type": "Ready", "status": "False"}]},
@@ -299,11 +328,49 @@ def sandbox_pod_spec(
         for name, path in AGENT_DIRS.items():
             container["volumeMounts"].append({"name": name, "mountPath": path})
             pod_spec["volumes"].append({"name": name, "emptyDir": {}})
+    if grades_apart(spec):
+        _grade_apart(pod_spec)
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
     return pod_spec
+
+
+def _grade_apart(pod_spec: dict[str, Any]) -> None:
+    """The agent as an init container that never sees the tests: its program folder holds
+    the tasks without them and it mounts no /tests; its runner ends with grade_pending. The
+    kubelet starts the Pod's container only after it exited 0 (every process of the agent
+    gone with it), and that container grades over the same workspace, /tmp and /logs."""
+    grader = pod_spec["containers"][0]
+    agent = copy.deepcopy(grader)
+    agent["name"] = AGENT_CONTAINER
+    handoff = {"name": "handoff", "mountPath": HANDOFF_DIR}
+    agent["volumeMounts"] = [
+        {"name": "agent-program", "mountPath": PROGRAM_DIR, "readOnly": True},
+        *(m for m in grader["volumeMounts"] if m["name"] not in ("program", "agent-tests")),
+        handoff,
+    ]
+    agent["env"] = [
+        *agent["env"],
+        {"name": "ROLLOUT_GRADER", "value": "sandbox"},
+        {"name": "ROLLOUT_HANDOFF_DIR", "value": HANDOFF_DIR},
+    ]
+    grader["env"] = [
+        *grader["env"],
+        {"name": "ROLLOUT_PHASE", "value": "grade"},
+        {"name": "ROLLOUT_HANDOFF_DIR", "value": HANDOFF_DIR},
+    ]
+    grader["volumeMounts"] = [*grader["volumeMounts"], handoff | {"readOnly": True}]
+    items = [
+        {"key": PROGRAM_KEY, "path": PROGRAM_KEY},
+        {"key": AGENT_TASKS_KEY, "path": TASKS_KEY},
+    ]
+    pod_spec["volumes"] += [
+        {"name": "agent-program", "configMap": {"name": CONFIGMAP_NAME, "items": items}},
+        {"name": "handoff", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+    ]
+    pod_spec["initContainers"] = [agent]
 
 
 def job_manifest(

@@ -15,6 +15,7 @@ from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.backends.kube.objects import (
+    AGENT_CONTAINER,
     CONTAINER_NAME,
     FIRST_INDEX_LABEL,
     INDEX_LABEL,
@@ -198,6 +199,19 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
     )
     running = state.get("running") or {}
+    agent = next(
+        (s for s in status.get("initContainerStatuses") or [] if s.get("name") == AGENT_CONTAINER),
+        None,
+    )
+    agent_started = None
+    if agent is not None:
+        # Graded apart: the agent's init container ran first, so the sandbox started with it;
+        # an agent that failed is the episode's end (its grader never runs).
+        agent_state = agent.get("state") or {}
+        ended = agent_state.get("terminated") or {}
+        if not terminated and not running and ended.get("exitCode") not in (None, 0):
+            terminated = ended
+        agent_started = (agent_state.get("running") or ended).get("startedAt")
     conditions = {
         c["type"]: ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
     }
@@ -209,7 +223,7 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         # "sandbox created" (the claim is after the run's origin; the Pod itself is older).
         pool_created, created = created, float(claimed)
     scheduled = conditions.get("PodScheduled")
-    started = ts(terminated.get("startedAt") or running.get("startedAt"))
+    started = ts(agent_started or terminated.get("startedAt") or running.get("startedAt"))
     finished = ts(terminated.get("finishedAt"))
     phase = status.get("phase", "Pending")
     # A Pod-level reason (DeadlineExceeded, Evicted) says more than the container's ("Error"
@@ -254,6 +268,7 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         restart_count=int(container.get("restartCount", 0)),
         reason=reason,
         termination_message=terminated.get("message") or None,
+        log_containers=[AGENT_CONTAINER, CONTAINER_NAME] if agent is not None else [],
         # A warm Pod has no ready probe (it started long before its episode): no signal.
         ready=phase == "Running" and container.get("started") is True and claimed is None,
         timing={

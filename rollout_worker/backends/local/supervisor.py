@@ -28,7 +28,7 @@ import redis
 
 from rollout_wire.redis_url import redis_client
 from rollout_wire.request import BatchSpec
-from rollout_wire.tasksets import demo_task
+from rollout_wire.tasksets import agent_view, demo_task
 from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
@@ -176,7 +176,7 @@ class Supervisor:
             for position, task in enumerate(spec.tasks or [demo_task()]):
                 # The agent's sandbox never holds what it must not see: the tests (and the
                 # solution, but for the oracle); the grader's gets the whole task.
-                write_json_atomic(self.task_file(position), [visible_part(task)])
+                write_json_atomic(self.task_file(position), [agent_view(task)])
                 write_json_atomic(self.task_file(position, GRADE_PHASE), [task])
 
     def task_file(self, position: int, phase: str = AGENT_PHASE) -> Path:
@@ -599,13 +599,6 @@ class Supervisor:
 
     def request_stop(self, *_: object) -> None:
         self.stopping = True
-
-
-def visible_part(task: dict[str, Any]) -> dict[str, Any]:
-    """What an agent's sandbox may hold of its task: not the tests it is graded by, and the
-    solution only when the agent is the oracle."""
-    hidden = {"tests"} | (set() if task.get("agent") == "oracle" else {"solution"})
-    return {name: value for name, value in task.items() if name not in hidden}
 
 
 def _error_cause(log_path: Path) -> str | None:
