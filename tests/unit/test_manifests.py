@@ -42,15 +42,16 @@ def test_job_has_the_guides_shape_and_security():
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # An episode's disk is capped (the kubelet evicts it past the limit), never reserved.
     assert container["resources"] == {
-        "requests": {"cpu": "100m", "memory": "64Mi"},
-        "limits": {"cpu": "500m", "memory": "128Mi"},
+        "requests": {"cpu": "100m", "memory": "64Mi", "ephemeral-storage": "0"},
+        "limits": {"cpu": "500m", "memory": "128Mi", "ephemeral-storage": "1Gi"},
     }
     env = {e["name"]: e for e in container["env"]}
     assert env["EPISODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["program"]["configMap"]["name"] == "episode"
-    assert "emptyDir" in volumes["workspace"]
+    assert volumes["workspace"]["emptyDir"] == {"sizeLimit": "1Gi"}
     labels = job["metadata"]["labels"]
     assert js["template"]["metadata"]["labels"] == labels | {"rollout.dev/first-index": "0"}
     assert labels["rollout.dev/owner"] == "rollout"
@@ -514,3 +515,24 @@ def test_an_agent_container_that_failed_ends_the_episode_and_both_logs_are_read(
     )
     assert obs.log_containers == ["agent", "episode"]
     assert obs.timing["container_started_at"] == obs.created_at + 2
+
+
+def test_every_container_and_folder_of_an_episode_has_a_bounded_disk():
+    """An episode cannot fill its node's disk: each container has an ephemeral-storage limit
+    and each emptyDir a sizeLimit (the agent's init container and its folders too)."""
+    from rollout_worker.backends.kube.objects import EPISODE_STORAGE_LIMIT, pool_pod_manifest
+
+    batch = real_spec([HIDDEN])
+    pods = [
+        job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["template"]["spec"],
+        job_manifest(spec(), ttl_seconds_after_finished=60)["spec"]["template"]["spec"],
+        pool_pod_manifest(spec(image="python:3.12-alpine"), "k", 60)["spec"],
+    ]
+    for pod in pods:
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            assert container["resources"]["limits"]["ephemeral-storage"] == EPISODE_STORAGE_LIMIT
+        for volume in pod["volumes"]:
+            if "emptyDir" in volume:
+                assert volume["emptyDir"].get("sizeLimit"), volume["name"]
+    names = {v["name"] for v in pods[0]["volumes"] if "emptyDir" in v}
+    assert names >= {"workspace", "tmp", "agent-logs", "agent-tests", "handoff"}

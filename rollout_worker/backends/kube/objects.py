@@ -46,6 +46,13 @@ FIRST_INDEX_LABEL = "rollout.dev/first-index"
 # this index failed before this one.
 FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
 SANDBOX_UID = 1000
+# An episode's share of its node's disk (its workspace and other folders, a writable root,
+# its logs): past the limit the kubelet evicts the Pod instead of the node filling up. Each
+# folder on disk has it as its sizeLimit too. Not a batch field yet (Resources has none).
+# Requested at 0: a request would keep Pods off nodes that report no ephemeral-storage
+# (KWOK's), and it is the limit that protects the node.
+EPISODE_STORAGE_LIMIT = "1Gi"
+EPISODE_STORAGE_REQUEST = "0"
 # The writable folders an agent's episode has besides its workspace and /tmp.
 AGENT_DIRS = {"agent-logs": "/logs", "agent-tests": "/tests", "agent-solution": "/solution"}
 
@@ -304,8 +311,16 @@ def sandbox_pod_spec(
                     "seccompProfile": {"type": "RuntimeDefault"},
                 },
                 "resources": {
-                    "requests": {"cpu": res.cpu_request, "memory": res.memory_request},
-                    "limits": {"cpu": res.cpu_limit, "memory": res.memory_limit},
+                    "requests": {
+                        "cpu": res.cpu_request,
+                        "memory": res.memory_request,
+                        "ephemeral-storage": EPISODE_STORAGE_REQUEST,
+                    },
+                    "limits": {
+                        "cpu": res.cpu_limit,
+                        "memory": res.memory_limit,
+                        "ephemeral-storage": EPISODE_STORAGE_LIMIT,
+                    },
                 },
                 "terminationMessagePolicy": "File",
                 "volumeMounts": [
@@ -317,7 +332,7 @@ def sandbox_pod_spec(
         ],
         "volumes": [
             {"name": "program", "configMap": {"name": CONFIGMAP_NAME}},
-            {"name": "workspace", "emptyDir": {}},
+            {"name": "workspace", "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}},
             {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
         ],
     }
@@ -327,7 +342,9 @@ def sandbox_pod_spec(
         container = pod_spec["containers"][0]
         for name, path in AGENT_DIRS.items():
             container["volumeMounts"].append({"name": name, "mountPath": path})
-            pod_spec["volumes"].append({"name": name, "emptyDir": {}})
+            pod_spec["volumes"].append(
+                {"name": name, "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}}
+            )
     if grades_apart(spec):
         _grade_apart(pod_spec)
     if spec.node_selector:

@@ -112,11 +112,19 @@ class LocalBackend:
 
     # -- helpers -----------------------------------------------------------------------------
     def _isolation(self) -> str:
+        """Bubblewrap, or no sandbox only when asked for by name: `auto` never falls back to
+        unsandboxed episodes (an agent could then reach Redis and the host), it refuses."""
         wanted = self.settings.local_isolation
-        problem = probe_bwrap() if wanted in ("auto", "bwrap") else None
-        if wanted == "bwrap" and problem:
-            raise BackendUnavailable(f"ROLLOUT_LOCAL_ISOLATION=bwrap but {problem}")
-        return "bwrap" if wanted in ("auto", "bwrap") and not problem else "none"
+        if wanted == "none":
+            return "none"
+        problem = probe_bwrap()
+        if problem:
+            raise BackendUnavailable(
+                f"local sandboxes need bubblewrap (ROLLOUT_LOCAL_ISOLATION={wanted}) but "
+                f"{problem}; to run episodes without a sandbox, on purpose, set "
+                "ROLLOUT_LOCAL_ISOLATION=none"
+            )
+        return "bwrap"
 
     def _dir(self, handle: RunHandle) -> RunDir:
         assert handle.run_dir is not None, "not a local run"
@@ -131,7 +139,7 @@ class LocalBackend:
                 "executable (ROLLOUT_LOCAL_PYTHON)"
             )
         if self._isolation() == "none":
-            warnings.append(f"local sandboxes are NOT isolated: {probe_bwrap() or 'disabled'}")
+            warnings.append("local sandboxes are NOT isolated: ROLLOUT_LOCAL_ISOLATION=none")
         for task in spec.tasks:
             # A task that is only its image (a Harbor Dockerfile) runs in that image's files.
             image = task.get("image")
@@ -170,6 +178,7 @@ class LocalBackend:
         return warnings
 
     def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
+        isolation = self._isolation()  # refuses before anything is created
         run_dir = RunDir(self.root / spec.batch_id)
         python = self.settings.local_python
         prefix, image_id = describe_python(python)
@@ -185,7 +194,7 @@ class LocalBackend:
             "spec": spec.to_dict(),
             "limits": {"memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds},
             "episode_prefix": f"rollout-{spec.batch_id}",
-            "isolation": self._isolation(),
+            "isolation": isolation,
             "python": python,
             "python_prefix": prefix,
             "image_id": image_id,

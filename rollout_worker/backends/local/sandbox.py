@@ -18,6 +18,19 @@ WORKSPACE_MOUNT = "/workspace"
 # rlimits every sandbox gets besides its memory and CPU (from the batch's resources).
 FILE_SIZE_LIMIT = 64 * 2**20
 OPEN_FILES_LIMIT = 256
+# RLIMIT_NPROC counts every process and thread of the real uid, and every local sandbox is
+# host uid 1000: this is a cap on all sandboxes of the machine together (plus that uid's
+# other processes: the worker's own when it does not run as root), not one sandbox's share.
+# 4096 leaves 64 for each of 64 busy sandboxes (a build, a test runner's threads) and stops a
+# fork bomb there, not at the host's pid_max. A bomb can still starve the other sandboxes
+# (their forks then fail until it is killed at its deadline); a per-sandbox cgroup pids.max
+# would not, but needs a cgroup the worker may write: a root worker can (the pids
+# controller), an unprivileged one only with a delegated subtree.
+PROCESS_LIMIT = 4096
+# tmpfs is RAM that no address-space limit counts: each one a sandbox can write is sized.
+TMP_SIZE_LIMIT = 256 * 2**20  # /tmp, unless a host folder is mounted there
+SHM_SIZE_LIMIT = 64 * 2**20  # /dev/shm (Docker's default)
+SANDBOX_DIR_SIZE_LIMIT = 2**20  # /sandbox over an image's root: mount points only
 
 
 @dataclass(frozen=True)
@@ -153,7 +166,8 @@ def plan_sandbox(
     else:
         # /sandbox as a tmpfs: the program and task files are mounted on it (a file mount
         # point cannot be made inside the read-only root).
-        argv += ["--ro-bind", str(root.path), "/", "--tmpfs", "/sandbox"]
+        argv += ["--ro-bind", str(root.path), "/"]
+        argv += ["--size", str(SANDBOX_DIR_SIZE_LIMIT), "--tmpfs", "/sandbox"]
         python = root.python
         if root.workdir != "/":
             workspace_mount = root.workdir
@@ -162,9 +176,19 @@ def plan_sandbox(
         # after the tmpfs, or the tmpfs hides it.
         "--proc",
         "/proc",
+        # /dev/shm sized (/dev itself stays writable: the Kubernetes stand-ins bind a file at
+        # /dev/termination-log there).
         "--dev",
         "/dev",
-        *(["--bind", str(tmp), "/tmp"] if tmp is not None else ["--tmpfs", "/tmp"]),
+        "--size",
+        str(SHM_SIZE_LIMIT),
+        "--tmpfs",
+        "/dev/shm",
+        *(
+            ["--bind", str(tmp), "/tmp"]
+            if tmp is not None
+            else ["--size", str(TMP_SIZE_LIMIT), "--tmpfs", "/tmp"]
+        ),
         "--ro-bind",
         str(program),
         PROGRAM_MOUNT,
@@ -203,5 +227,6 @@ def rlimits(memory_bytes: int, cpu_seconds: int) -> Any:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
         resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
+        resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
 
     return apply

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,7 +33,10 @@ from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
     RunDir,
+    TreeCopy,
+    copy_tree,
     daemonize,
+    resolve_in_root,
     write_json_atomic,
 )
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
@@ -288,20 +291,41 @@ class Supervisor:
         """Start episode `index`'s sandbox; the grading phase (`since`: when the agent's
         started) grades the workspace the agent left, or a copy of it (`fresh`)."""
         workspace = self.dir.workspace(index)
+        root = self.image_root(index)
+        if root is not None and root.workdir != "/":
+            try:
+                # root.path is on the host: a WORKDIR that is a link (to /, to /etc) is
+                # followed inside the image's filesystem only.
+                root = replace(root, workdir=resolve_in_root(root.path, root.workdir))
+            except ValueError as exc:
+                print(f"episode {index}: not started: {exc}", flush=True)
+                for own in (AGENT_PHASE, GRADE_PHASE):
+                    shutil.rmtree(self.state_dir(index, own), ignore_errors=True)
+                shutil.rmtree(workspace, ignore_errors=True)
+                self.write_status(
+                    index,
+                    phase="Failed",
+                    reason="StartError",
+                    exit_code=None,
+                    finished_at=time.time(),
+                )
+                return
         if phase == AGENT_PHASE:
             shutil.rmtree(workspace, ignore_errors=True)
             workspace.mkdir(parents=True)
         elif self.spec.tasks[self.spec.episode(index).task_index or 0].get("grade") == "fresh":
             agent_left = workspace.with_name(f"{index}.left")
             workspace.rename(agent_left)
-            shutil.copytree(agent_left, workspace, symlinks=True)
+            # What the agent left is hostile: copied on the host without following a link
+            # or opening a FIFO, socket or device, and bounded; its grader sees the copy.
+            _note_copy(index, "the agent's workspace", copy_tree(agent_left, workspace))
             shutil.rmtree(agent_left, ignore_errors=True)
         extra_env, mounts, tmp = self.agent_setup(index, phase)
-        root = self.image_root(index)
         if root is not None and phase == AGENT_PHASE and root.workdir != "/":
             # The episode starts from the image's working directory, a copy of its own.
             shutil.rmtree(workspace)
-            shutil.copytree(root.path / root.workdir.lstrip("/"), workspace, symlinks=True)
+            workdir = root.path / root.workdir.lstrip("/")
+            _note_copy(index, "the image's WORKDIR", copy_tree(workdir, workspace))
         plan = plan_sandbox(
             isolation=self.run["isolation"],
             python=self.run["python"],
@@ -599,6 +623,13 @@ class Supervisor:
 
     def request_stop(self, *_: object) -> None:
         self.stopping = True
+
+
+def _note_copy(index: int, what: str, copied: TreeCopy) -> None:
+    """Into the supervisor's log (a run record): what a copy skipped or where it stopped."""
+    note = copied.summary()
+    if note:
+        print(f"episode {index}: copying {what}: {note}", flush=True)
 
 
 def _error_cause(log_path: Path) -> str | None:
