@@ -34,6 +34,19 @@ def red_team_tasks(grade: str) -> list[dict]:
     return tasks
 
 
+def assert_expected_grades(rows: dict[str, dict]) -> None:
+    """Every hack's row: reward 0 with its cause; the honest fixes' rows: 1, no cause."""
+    expected = {
+        f"hack-{name.replace('_', '-')}": (0, cause)
+        for name, (_, cause) in (TRICKS | SANDBOX_TRICKS).items()
+    }
+    expected["honest"] = (1, None)
+    expected |= {name: (0, cause) for name, (_, cause) in HARBOR_TRICKS.items()}
+    expected["harbor-honest"] = (1, None)
+    got = {task: (row["reward"], row["grade_cause"]) for task, row in rows.items()}
+    assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
+
+
 def agent(source: str) -> dict:
     return {"command": ["python", "-c", source]}
 
@@ -46,15 +59,7 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
     assert report["run_isolation"] == "bwrap"
     rows = {row["task_id"]: row for row in report["pods"]}
     assert len(rows) == len(tasks), report["errors"]
-    expected = {
-        f"hack-{name.replace('_', '-')}": (0, cause)
-        for name, (_, cause) in (TRICKS | SANDBOX_TRICKS).items()
-    }
-    expected["honest"] = (1, None)
-    expected |= {name: (0, cause) for name, (_, cause) in HARBOR_TRICKS.items()}
-    expected["harbor-honest"] = (1, None)
-    got = {task: (row["reward"], row["grade_cause"]) for task, row in rows.items()}
-    assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
+    assert_expected_grades(rows)
     for task, row in rows.items():
         assert row["status"] == "ok" and row["graded_by"], (task, row["errors"])
     # The agent that searched its whole sandbox for the hidden tests found nothing.
@@ -89,14 +94,6 @@ def test_every_red_team_agent_earns_nothing_in_real_pods(real_node, real_stack, 
     finally:
         client.close()
     rows = {row["task_id"]: row for row in report["pods"]}
-    expected = {
-        f"hack-{name.replace('_', '-')}": (0, cause)
-        for name, (_, cause) in (TRICKS | SANDBOX_TRICKS).items()
-    }
-    expected["honest"] = (1, None)
-    expected |= {name: (0, cause) for name, (_, cause) in HARBOR_TRICKS.items()}
-    expected["harbor-honest"] = (1, None)
-    got = {task: (row["reward"], row["grade_cause"]) for task, row in rows.items()}
-    assert got == expected, {t: rows[t]["errors"] or rows[t]["failure_cause"] for t in rows}
+    assert_expected_grades(rows)
     assert all(row["status"] == "ok" for row in rows.values())
     assert "hidden tests found: none" in rows["harbor-look-for-tests"]["agent_output"]
