@@ -342,10 +342,13 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
     ):
         problems.append(f"agent_env must be an absolute directory path, got {agent_env!r}")
         agent_env = None
-    if backend == "kubernetes" and any(t.get("grade") == "fresh" for t in tasks):
+    own_image = [t.get("id") for t in tasks if t.get("image")]
+    if backend == "kubernetes" and own_image and any(t.get("grade") == "fresh" for t in tasks):
+        # A fresh grader is a second container of the Pod, which would not share the folders
+        # of a task's own image where its agent worked.
         problems.append(
-            "grade: fresh runs on the local backend only so far (on Kubernetes the tests run in "
-            "the agent's Pod)"
+            "grade: fresh on Kubernetes needs every task of the batch in the batch's image: "
+            f"{own_image[:3]} run in their own; submit those in a batch graded `same`"
         )
     if agent_env is not None and backend == "kubernetes":
         problems.append(

@@ -38,7 +38,8 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_LOCAL_ROOT": "directory for local runs (default <tmp>/rollout-runs)",
     "ROLLOUT_LOCAL_PYTHON": "interpreter for local sandboxes (default /usr/bin/python3, else the "
     "worker's own)",
-    "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap when it works)",
+    "ROLLOUT_LOCAL_ISOLATION": "auto | bwrap | none (default auto: bwrap; when it cannot run, "
+    "a batch is refused before anything starts; none only when named)",
     "ROLLOUT_ROOTFS_DIR": "local backend: where `rollout tasks build --rootfs` exported task "
     "images' root filesystems; a task whose image has one there runs in it "
     "(default <tmp>/rollout-rootfs)",

@@ -857,6 +857,21 @@ def write_files(root: str, files: dict, scripts: bool = False) -> None:
             os.chmod(full, 0o755)
 
 
+def empty_folder(path: str) -> None:
+    """Remove everything in the folder `path` (never following a link), making writable on
+    the way what the agent made unwritable; OSError when something stays."""
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if os.path.isdir(full) and not os.path.islink(full):
+            for folder, dirs, _ in os.walk(full):
+                for name in [".", *dirs]:
+                    with contextlib.suppress(OSError):
+                        os.chmod(os.path.join(folder, name), 0o700, follow_symlinks=False)
+            shutil.rmtree(full)
+        else:
+            os.unlink(full)
+
+
 def fresh_dir(path: str, prefix: str) -> str:
     """`path` emptied (made when missing), or a new temporary directory when it cannot be:
     nothing an agent left there (a planted reward file, a link) reaches the grading."""
@@ -864,17 +879,24 @@ def fresh_dir(path: str, prefix: str) -> str:
         if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
             os.unlink(path)
         os.makedirs(path, exist_ok=True)
-        for entry in os.listdir(path):
-            full = os.path.join(path, entry)
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full)
-            else:
-                os.unlink(full)
+        empty_folder(path)
         if os.access(path, os.W_OK | os.X_OK) and not os.listdir(path):
             return path
     except OSError:
         pass
     return tempfile.mkdtemp(prefix=prefix)
+
+
+def remove_special_files(root: str) -> None:
+    """FIFOs, sockets and devices under `root` removed (a test that opens a FIFO would hang):
+    a `fresh` grader receives files, folders and links, as a local copy does."""
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                mode = os.lstat(path).st_mode
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                    os.unlink(path)
 
 
 def resolve_argv(argv: list, path: str) -> list:
@@ -2365,6 +2387,15 @@ class Runner:
     def grade_phase(self) -> int:
         """ROLLOUT_PHASE=grade: the tests of a `grade: fresh` episode, over the workspace its
         agent left (its baseline and agent fields are in the first sandbox's grade_pending)."""
+        if self.task.get("grade", "same") == "fresh":
+            # A backend whose grader shares folders with the agent's sandbox (a Pod's
+            # containers) names them: `fresh` receives the workspace alone.
+            for shared in filter(None, os.environ.get(SHARED_DIRS_ENV, "").split(":")):
+                try:
+                    empty_folder(shared)
+                except OSError as exc:
+                    raise EpisodeError(f"{shared} cannot be emptied for grading: {exc}") from None
+            remove_special_files(self.root)
         emit("ready", mode="grade", **self.identity)
         # The agent's sandbox's baseline counts, passed on by the backend from its
         # grade_pending (written before the agent acted).
@@ -2720,6 +2751,9 @@ def handed_over() -> str | None:
         return None
 
 
+# Set by a backend whose grader shares folders with the agent's sandbox besides the
+# workspace (Kubernetes: the Pod's /tmp, /logs and /dev/shm), ':'-separated.
+SHARED_DIRS_ENV = "ROLLOUT_SHARED_DIRS"
 # Set by a backend that grades in a second sandbox whatever the task's `grade` (the local one,
 # for tasks whose tests the agent must not see): the agent's sandbox then ends with
 # grade_pending.

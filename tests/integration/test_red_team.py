@@ -72,13 +72,15 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
 @pytest.mark.k8s
 @pytest.mark.k8s_real
 def test_every_red_team_agent_earns_nothing_in_real_pods(real_node, real_stack, k8s_cluster):
-    # The same agents on the real node (grade `same`: Kubernetes grades in the agent's Pod,
-    # after the runner, the container's PID 1, has killed everything the agent left). The
-    # Harbor tasks have hidden tests, so the batch grades apart: each agent runs in an init
-    # container that never holds them, and the Pod's container grades after it.
+    # The same agents on the real node, under both grade modes in one batch. It has hidden
+    # tests and `fresh` tasks, so it grades apart: each agent runs in an init container that
+    # never holds the tests, and the Pod's container grades after it (after the runner, the
+    # agent container's PID 1, killed everything the agent left): `same` over the agent's
+    # workspace, /tmp and /logs, `fresh` over the workspace alone.
     from trainer_stub.client import RolloutClient
 
     tasks = red_team_tasks("same")
+    tasks += [task | {"id": f"fresh-{task['id']}"} for task in red_team_tasks("fresh")]
     client = RolloutClient(real_stack.redis_url)
     try:
         batch = client.submit(
@@ -94,6 +96,10 @@ def test_every_red_team_agent_earns_nothing_in_real_pods(real_node, real_stack, 
     finally:
         client.close()
     rows = {row["task_id"]: row for row in report["pods"]}
-    assert_expected_grades(rows)
+    assert len(rows) == len(tasks), report["errors"]
+    assert_expected_grades({t: row for t, row in rows.items() if not t.startswith("fresh-")})
+    assert_expected_grades({t[6:]: row for t, row in rows.items() if t.startswith("fresh-")})
     assert all(row["status"] == "ok" for row in rows.values())
-    assert "hidden tests found: none" in rows["harbor-look-for-tests"]["agent_output"]
+    for prefix in ("", "fresh-"):
+        found = rows[f"{prefix}harbor-look-for-tests"]["agent_output"]
+        assert "hidden tests found: none" in found

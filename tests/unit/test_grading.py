@@ -7,6 +7,7 @@ suite runs the same agents through real sandboxes (tests/integration/test_red_te
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -75,6 +76,34 @@ def test_a_fresh_grader_holds_the_tests_to_the_baseline_of_the_agent_sandbox(tmp
     assert events[-1]["tests_promised"] is None
     row = row_of(first.stdout + untold.stdout, started)
     assert row.status == "failed" and "baseline counted 3" in row.errors[0]
+
+
+@pytest.mark.parametrize("grade", ["same", "fresh"])
+def test_a_grader_sharing_folders_with_the_agent_empties_them_only_when_fresh(tmp_path, grade):
+    # A Pod's grading container shares /tmp, /logs and /dev/shm with the agent's (named in
+    # ROLLOUT_SHARED_DIRS): `fresh` receives the workspace alone, and no FIFO in it (a test
+    # that opens one would hang); `same` finds them as the agent left them.
+    task = shipping_task(HONEST, grade=grade)
+    _, agent_events = run_runner(tmp_path, task, url=NEVER_ASKED)
+    assert agent_events[-1]["event"] == ("grade_pending" if grade == "fresh" else "reward")
+    shared = [tmp_path / "shared-tmp", tmp_path / "shared-logs"]
+    for folder in shared:
+        (folder / "deep").mkdir(parents=True)
+        (folder / "deep" / "left.txt").write_text("the agent's")
+        (folder / "deep").chmod(0o500)  # an agent may make what it leaves unwritable
+        (folder / "top.txt").write_text("the agent's")
+    os.mkfifo(tmp_path / "ws" / "pipe")
+    env = baseline_of(agent_events[-1]) if grade == "fresh" else {}
+    env[episode.SHARED_DIRS_ENV] = ":".join(map(str, shared))
+    _, events = run_runner(tmp_path, task, phase="grade", extra_env=env)
+    assert events[-1]["reward"] == 1, events[-1]
+    left = [sorted(p.name for p in folder.iterdir()) for folder in shared]
+    if grade == "fresh":
+        assert left == [[], []] and not (tmp_path / "ws" / "pipe").exists()
+    else:
+        assert left == [["deep", "top.txt"]] * 2 and (tmp_path / "ws" / "pipe").exists()
+        for folder in shared:
+            (folder / "deep").chmod(0o700)
 
 
 PYTEST_TESTS = """from shipping import shipping

@@ -1,3 +1,6 @@
+import pytest
+
+from rollout_wire.errors import InvalidSpec
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.backends.kube.objects import (
@@ -485,6 +488,36 @@ def test_hidden_tests_never_reach_the_agents_container():
     del visible["tests"]
     for tasks in ([visible], [HIDDEN | {"image": "rollout.local/task:1"}]):
         assert not grades_apart(real_spec(tasks))
+
+
+def test_grade_fresh_on_kubernetes_grades_in_a_second_container_over_the_workspace_alone():
+    from rollout_worker.backends.kube.objects import grades_apart
+
+    visible = {k: v for k, v in HIDDEN.items() if k != "tests"} | {
+        "test_files": {"t.py": "x"},
+        "test_command": ["python", "t.py"],
+        "reward": "all",
+        "grade": "fresh",
+    }
+    batch = real_spec([visible])
+    assert grades_apart(batch)
+    pod_spec = job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["template"]["spec"]
+    (agent,) = pod_spec["initContainers"]
+    (grader,) = pod_spec["containers"]
+    grader_env = {e["name"]: e.get("value") for e in grader["env"]}
+    assert grader_env["ROLLOUT_PHASE"] == "grade"
+    # Everything the grader shares with the agent's container but the workspace is named, so
+    # a fresh grader empties it first.
+    shared = set(grader_env["ROLLOUT_SHARED_DIRS"].split(":"))
+    volumes = {m["name"] for m in agent["volumeMounts"]}
+    both = {m["mountPath"] for m in grader["volumeMounts"] if m["name"] in volumes}
+    assert both - shared == {"/workspace", "/handoff"} and "/dev/shm" in shared
+    assert {"/tmp", "/logs", "/solution"} <= shared
+    # A task in its own image keeps its folders in that image's root: refused by name.
+    own_image = visible | {"image": "rollout.local/task:1"}
+    with pytest.raises(InvalidSpec, match="grade: fresh on Kubernetes needs every task"):
+        real_spec([own_image])
+    assert not grades_apart(real_spec([own_image | {"grade": "same"}]))
 
 
 def test_an_agent_container_that_failed_ends_the_episode_and_both_logs_are_read():

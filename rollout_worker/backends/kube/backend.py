@@ -732,7 +732,8 @@ class KubernetesBackend:
 
     # -- warm pools (backends/warm.py, kube/pools.py) ---------------------------------------
     def pool_key(self, spec: BatchSpec) -> str | None:
-        return warm.pool_key(spec, self.program)
+        # A warm Pod is one container: a batch that grades in a second one starts cold.
+        return None if objects.grades_apart(spec) else warm.pool_key(spec, self.program)
 
     def fill_pool(
         self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate

@@ -81,12 +81,14 @@ def tasks_text(spec: BatchSpec) -> str | None:
 
 
 def grades_apart(spec: BatchSpec) -> bool:
-    """Whether the batch's tests stay out of its agents' containers: tasks with hidden tests
-    (`tests`), none of which runs in its own image (whose folders, where such an agent works,
-    a second container would not share). The agent then runs in an init container that is
-    given each task without its tests, and the Pod's container grades after it, over the same
-    workspace, /tmp and /logs (`grade: same`)."""
-    return any(t.get("tests") for t in spec.tasks) and not any(t.get("image") for t in spec.tasks)
+    """Whether the batch's agents and graders run in separate containers: tasks with hidden
+    tests (`tests`) or `grade: fresh`, none of which runs in its own image (whose folders,
+    where such an agent works, a second container would not share). The agent then runs in
+    an init container that is given each task without its tests, and the Pod's container
+    grades after it, over the same workspace, /tmp and /logs (`same`) or over the workspace
+    alone, the rest emptied first (`fresh`)."""
+    apart = any(t.get("tests") or t.get("grade") == "fresh" for t in spec.tasks)
+    return apart and not any(t.get("image") for t in spec.tasks)
 
 
 def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
@@ -358,7 +360,8 @@ def _grade_apart(pod_spec: dict[str, Any]) -> None:
     """The agent as an init container that never sees the tests: its program folder holds
     the tasks without them and it mounts no /tests; its runner ends with grade_pending. The
     kubelet starts the Pod's container only after it exited 0 (every process of the agent
-    gone with it), and that container grades over the same workspace, /tmp and /logs."""
+    gone with it), and that container grades over the same workspace, /tmp and /logs (a
+    `fresh` grader empties all but the workspace first: ROLLOUT_SHARED_DIRS)."""
     grader = pod_spec["containers"][0]
     agent = copy.deepcopy(grader)
     agent["name"] = AGENT_CONTAINER
@@ -373,10 +376,15 @@ def _grade_apart(pod_spec: dict[str, Any]) -> None:
         {"name": "ROLLOUT_GRADER", "value": "sandbox"},
         {"name": "ROLLOUT_HANDOFF_DIR", "value": HANDOFF_DIR},
     ]
+    # What the grader shares with the agent's container besides the workspace: a `fresh`
+    # grader empties them before anything else (the Pod's /dev/shm is shared too).
+    both = {m["name"] for m in agent["volumeMounts"]} - {"workspace", "handoff"}
+    shared = [m["mountPath"] for m in grader["volumeMounts"] if m["name"] in both]
     grader["env"] = [
         *grader["env"],
         {"name": "ROLLOUT_PHASE", "value": "grade"},
         {"name": "ROLLOUT_HANDOFF_DIR", "value": HANDOFF_DIR},
+        {"name": "ROLLOUT_SHARED_DIRS", "value": ":".join([*shared, "/dev/shm"])},
     ]
     grader["volumeMounts"] = [*grader["volumeMounts"], handoff | {"readOnly": True}]
     items = [
