@@ -36,6 +36,7 @@ WIRE_FIELDS = (
     "max_retries",
     "max_policy_lag",
     "trainer",
+    "tokens",
 )
 DEFAULT_TRAINER = "default"
 _TRAINER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -67,6 +68,10 @@ class PolicyEndpoint:
     max_policy_lag: int | None = None
     # Whose published policy version (`RolloutClient.publish_policy_version`) the bound reads.
     trainer: str = DEFAULT_TRAINER
+    # Whether every turn asks the server for its token ids and log-probabilities (vLLM's and
+    # SGLang's `return_token_ids`, `logprobs`): the trainer's token view. False for a server
+    # that refuses those fields.
+    tokens: bool = True
     # Parsed from `url` (derived: not compared, not on the wire).
     scheme: str = field(init=False, repr=False, compare=False)
     host: str = field(init=False, repr=False, compare=False)
@@ -126,6 +131,8 @@ class PolicyEndpoint:
             # The runner stops an episode whose policy moved on too far (it sees the version
             # of every turn); without a bound the configuration is as before.
             config["max_policy_lag"] = self.max_policy_lag
+        if not self.tokens:
+            config["tokens"] = False
         return config
 
     def runner_json(self) -> str:
@@ -134,11 +141,15 @@ class PolicyEndpoint:
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form: the request's policy object, with every default filled in."""
+        config = self.runner_config()
+        config.pop("max_policy_lag", None)
+        config.pop("tokens", None)
         return {
             "url": self.url,
-            **self.runner_config(),
+            **config,
             "max_policy_lag": self.max_policy_lag,
             "trainer": self.trainer,
+            "tokens": self.tokens,
         }
 
     @classmethod
@@ -201,6 +212,10 @@ def parse_policy(value: Any, problems: list[str]) -> PolicyEndpoint | None:
     if not isinstance(trainer, str) or not _TRAINER.match(trainer):
         problems.append("policy.trainer must be 1-64 letters, digits, '_', '.' or '-'")
         trainer = DEFAULT_TRAINER
+    tokens = value.get("tokens", True)
+    if not isinstance(tokens, bool):
+        problems.append("policy.tokens must be true (ask for token ids) or false")
+        tokens = True
     if not usable:
         return None
     return PolicyEndpoint(
@@ -211,4 +226,5 @@ def parse_policy(value: Any, problems: list[str]) -> PolicyEndpoint | None:
         max_retries=retries,
         max_policy_lag=lag,
         trainer=trainer,
+        tokens=tokens,
     )

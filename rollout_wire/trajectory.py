@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from rollout_wire.tokens import token_view
+
 # A single event line above this is refused by the collectors (the episode is failed): the
 # runner cuts observations to 4 KiB and leaves out responses above 192 KiB, so only a broken or
 # tampered-with runner writes one.
@@ -37,16 +39,19 @@ def events_of(log: str) -> list[dict[str, Any]]:
 
 def trajectory_from_log(log: str) -> dict[str, Any]:
     """{episode_id, task_id, sample, group_id, steps: [...], outcome: the reward, error or
-    stale event}."""
+    stale event, tokens: the token view trainers consume (rollout_wire.tokens)}, made once
+    when the episode is collected."""
     events = events_of(log)
     ready = next((e for e in events if e["event"] == "ready"), {})
     outcome = next((e for e in events if e["event"] in ("reward", "error", "stale")), None)
+    steps = [e for e in events if e["event"] == STEP_EVENT]
     return {
         "episode_id": ready.get("episode_id"),
         "task_id": ready.get("task_id"),
         "sample": ready.get("sample"),
         "group_id": ready.get("group_id"),
         "policy_base_url": ready.get("policy_base_url"),
-        "steps": [e for e in events if e["event"] == STEP_EVENT],
+        "steps": steps,
         "outcome": outcome,
+        "tokens": token_view(steps),
     }

@@ -28,6 +28,7 @@ from rollout_wire.policy import DEFAULT_TRAINER
 from rollout_wire.redis_url import celery_settings, redis_client
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.states import GroupFilter
+from rollout_wire.tokens import token_view
 from rollout_wire.trajectory import trajectory_from_log
 from rollout_wire.urls import redacted
 from trainer_stub.sampling import ContinuousSampler, Following
@@ -392,6 +393,43 @@ class RolloutClient:
         that is not ok carries `failure_kind` (`infrastructure` rows are no samples)."""
         for row in self.stream(batch_id, timeout):
             yield row, self.trajectory(batch_id, int(row["index"]))
+
+    def tokens(self, batch_id: str, index: int) -> dict[str, Any] | None:
+        """Episode `index`'s token view (rollout_wire.tokens: prompt/response ids, mask and
+        log-probabilities, or why it has none), made once when the episode was collected.
+        None before the episode is collected."""
+        trajectory = self.trajectory(batch_id, index)
+        if trajectory is None:
+            return None
+        view: dict[str, Any] = trajectory.get("tokens") or token_view(trajectory["steps"])
+        return view
+
+    def sampled_groups(
+        self, batch_id: str, timeout: float | None = None
+    ) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """(group, its samples) as each group completes: every sample's row (reward, status,
+        `failure_kind`: an `infrastructure` one is no sample) and its token view under
+        `tokens` (None for an episode that never ran), in sample order. What trainer
+        adapters consume."""
+        for group in self.groups(batch_id, timeout):
+            indexes = [str(i) for i in group["indexes"]]
+            what = f"reading the samples of group {group['group_id']} of batch {batch_id}"
+            rows, stored = self.call(
+                what,
+                lambda indexes=indexes: (  # type: ignore[misc]
+                    self.redis.hmget(k.episodes_key(batch_id), indexes),
+                    self.redis.hmget(k.trajectories_key(batch_id), indexes),
+                ),
+            )
+            samples = []
+            for raw_row, raw_trajectory in zip(rows, stored, strict=True):
+                if raw_row is None:
+                    continue
+                row: dict[str, Any] = codec.loads(raw_row)
+                trajectory = codec.loads(raw_trajectory) if raw_trajectory is not None else None
+                row["tokens"] = (trajectory or {}).get("tokens")
+                samples.append(row)
+            yield group, sorted(samples, key=lambda r: r.get("sample", 0))
 
     def records(self, batch_id: str) -> dict[str, str]:
         raw = self.call(

@@ -32,12 +32,14 @@ the sample from `X-Rollout-Sample`. Routes: POST `/rollout/<episode id>/v1/chat/
 slow, the version it answered with), for tests.
 
 Responses look like vLLM's: `logprobs` when the request asks for them, `prompt_token_ids` and
-per-choice `token_ids` when it sets `return_token_ids` (made-up but deterministic values), so
-trainers' code paths that keep them can be exercised. Every answer carries `usage`, plausible
-counts for the cost ledger: prompt_tokens is the size of the request's messages as JSON over 4
-(about 4 bytes a token), completion_tokens the answer's 16 made-up token ids; so a longer
-conversation costs more. A stream sends it as its last chunk when the request asks
-(stream_options.include_usage), as OpenAI's API does.
+per-choice `token_ids` when it sets `return_token_ids`, from a byte-level tokenizer and a chat
+template that behave like a real engine's (`render_prompt`): each message is [START, role]
++ its bytes + [END], an assistant message's body is the ids its completion had (which end with
+END, as a real engine's end with EOS), and the prompt ends with [START, assistant]. So a conversation that carries each answer back unchanged is
+append-only (each prompt begins with the last prompt and completion), and an agent that
+rewrites its context breaks the prefix, as it would on vLLM. Every answer carries `usage`:
+prompt_tokens and completion_tokens count those ids. A stream sends it as its last chunk when
+the request asks (stream_options.include_usage), as OpenAI's API does.
 
     rollout policy-server --port 8000                 # the bundled set's script
     rollout policy-server --port 8000 --script my.json
@@ -140,8 +142,45 @@ class ScriptedPolicy:
         return self.turn_seconds * (self.slow_factor if slow else 1.0), slow
 
 
-def _fake_tokens(text: str) -> list[int]:
-    return list(hashlib.sha256(text.encode()).digest()[:16])
+# The byte-level tokenizer's special ids; a byte b is the id b + BYTE_OFFSET.
+START, END, BYTE_OFFSET = 1, 2, 16
+ROLE_IDS = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
+
+
+def text_ids(text: str) -> list[int]:
+    return [b + BYTE_OFFSET for b in text.encode("utf-8", "replace")]
+
+
+def answer_text(message: Mapping[str, Any]) -> str:
+    """What an assistant message's completion ids spell: its text, or each tool call's name
+    and arguments."""
+    calls = message.get("tool_calls") or []
+    if calls:
+        return "".join(
+            str((c.get("function") or {}).get("name", ""))
+            + str((c.get("function") or {}).get("arguments", ""))
+            for c in calls
+            if isinstance(c, Mapping)
+        )
+    content = message.get("content")
+    return content if isinstance(content, str) else orjson.dumps(content).decode()
+
+
+def render_prompt(messages: Any) -> list[int]:
+    """The prompt ids of `messages` under the server's chat template (see the module's text),
+    ending with the assistant's turn opened."""
+    ids: list[int] = []
+    for message in messages if isinstance(messages, list) else []:
+        if not isinstance(message, Mapping):
+            continue
+        role = str(message.get("role", "user"))
+        if role == "assistant":
+            body = text_ids(answer_text(message))
+        else:
+            content = message.get("content")
+            body = text_ids(content if isinstance(content, str) else orjson.dumps(content).decode())
+        ids += [START, ROLE_IDS.get(role, ROLE_IDS["user"]), *body, END]
+    return [*ids, START, ROLE_IDS["assistant"]]
 
 
 # What a `bash`-tool agent runs for each of our tools, and how it says it is done
@@ -208,16 +247,18 @@ def completion(
     else:
         message = {"role": "assistant", "content": str(turn.get("text", ""))}
         finish, text = "stop", message["content"]
-    tokens = _fake_tokens(text)
+    # The answer's ids end with END, the id a real engine samples last (EOS, in vLLM's
+    # token_ids too) and its template closes an assistant message with.
+    tokens = [*text_ids(text), END]
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
     if request.get("logprobs"):
         choice["logprobs"] = {
             "content": [
-                {"token": f"<{t}>", "logprob": -t / 256, "bytes": [t], "top_logprobs": []}
+                {"token": f"<{t}>", "logprob": -t / 1024, "bytes": [t], "top_logprobs": []}
                 for t in tokens
             ]
         }
-    prompt = orjson.dumps(request.get("messages", []))
+    prompt = render_prompt(request.get("messages", []))
     body: dict[str, Any] = {
         "id": f"chatcmpl-{call_id}",
         "object": "chat.completion",
@@ -225,14 +266,14 @@ def completion(
         "model": str(request.get("model", "scripted")),
         "choices": [choice],
         "usage": {
-            "prompt_tokens": len(prompt) // 4,
+            "prompt_tokens": len(prompt),
             "completion_tokens": len(tokens),
-            "total_tokens": len(prompt) // 4 + len(tokens),
+            "total_tokens": len(prompt) + len(tokens),
         },
     }
     if request.get("return_token_ids"):
         choice["token_ids"] = tokens
-        body["prompt_token_ids"] = _fake_tokens(prompt.decode())
+        body["prompt_token_ids"] = prompt
     if version is not None:
         body["metadata"] = {"weight_version": str(version)}
     return body
@@ -255,12 +296,18 @@ def stream_chunks(body: Mapping[str, Any], request: Mapping[str, Any]) -> list[d
         return base | {"choices": [part]}
 
     logprobs = (choice.get("logprobs") or {}).get("content") or []
+    # vLLM's stream: the prompt's ids on the first chunk, each chunk's sampled ids on it (all
+    # here on the one chunk that carries the log-probabilities).
+    sampled: dict[str, Any] = {"logprobs": {"content": logprobs}} if logprobs else {}
+    if "token_ids" in choice:
+        sampled["token_ids"] = choice["token_ids"]
     chunks = [chunk({"role": "assistant", "content": ""})]
+    if "prompt_token_ids" in body:
+        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
     content = message.get("content") or ""
     pieces = [content[i : i + 16] for i in range(0, len(content), 16)]
     for number, piece in enumerate(pieces):
-        extra = {"logprobs": {"content": logprobs}} if logprobs and number == 0 else {}
-        chunks.append(chunk({"content": piece}, extra=extra))
+        chunks.append(chunk({"content": piece}, extra=sampled if number == 0 else {}))
     for position, call in enumerate(message.get("tool_calls") or []):
         arguments = call["function"]["arguments"]
         half = len(arguments) // 2
@@ -285,8 +332,8 @@ def stream_chunks(body: Mapping[str, Any], request: Mapping[str, Any]) -> list[d
                 {"tool_calls": [{"index": position, "function": {"arguments": arguments[half:]}}]}
             )
         )
-    if logprobs and not pieces:
-        chunks[0]["choices"][0]["logprobs"] = {"content": logprobs}
+    if not pieces:
+        chunks[0]["choices"][0].update(sampled)
     chunks.append(chunk({}, choice["finish_reason"]))
     if (request.get("stream_options") or {}).get("include_usage"):
         chunks.append(base | {"choices": [], "usage": body["usage"]})

@@ -136,6 +136,9 @@ TRUNCATION_MARKER = "\n[... {omitted} bytes truncated ...]"
 # A server response larger than this is not copied into the step event (which the collectors
 # refuse above 256 KiB); its size and digest are kept instead.
 MAX_RESPONSE_BYTES = 192 * 1024
+# Asked on every turn for the trainer's token view (rollout_wire/tokens.py): the server's own
+# prompt and completion ids (vLLM, SGLang) and the sampled tokens' log-probabilities.
+TOKEN_REQUEST = {"return_token_ids": True, "logprobs": True}
 MAX_RESPONSE_READ = 8 * 2**20
 COMMAND_TIMEOUT_SECONDS = 30
 # A connection the policy endpoint has not accepted by then is retried on a new one rather than
@@ -683,6 +686,9 @@ class Policy:
         self.retries = int(config.get("max_retries", 2))
         lag = config.get("max_policy_lag")
         self.max_policy_lag = lag if isinstance(lag, int) and not isinstance(lag, bool) else None
+        # What every turn asks for on the trainer's behalf (its token view), unless the batch
+        # said `tokens: false`.
+        self.token_request = TOKEN_REQUEST if config.get("tokens", True) is not False else {}
         self.socket_path = os.environ.get("ROLLOUT_POLICY_SOCKET")
         root = os.environ.get("ROLLOUT_POLICY_URL", "http://policy")
         parsed = urllib.parse.urlsplit(root)
@@ -761,10 +767,17 @@ class Policy:
         LEDGER.retried(time.time() - began)
         raise InfrastructureError(f"{problem} (after {self.retries + 1} attempt(s))")
 
+    def tokens_of(self, response: dict, previous: list) -> tuple[dict, list, dict]:
+        """turn_tokens, or why there are none when the batch asked for no ids."""
+        if not self.token_request:
+            return {"unavailable": "the batch asked for no token ids (tokens: false)"}, [], response
+        return turn_tokens(response, previous)
+
     def complete(self, messages: list) -> tuple[dict, bytes, int, str | None]:
         """(parsed response, raw bytes, attempts, X-Policy-Version header or None). Raises
         InfrastructureError when the retries are spent or the answer is no chat completion."""
         body = dict(self.sampling)
+        body.update(self.token_request)
         body.update({"model": self.model, "messages": messages, "tools": TOOLS})
         answer = self.send(json.dumps(body).encode())
         status, raw = answer.status, answer.raw
@@ -1767,17 +1780,77 @@ def _cut_texts(value: object) -> object:
     return value
 
 
+def turn_tokens(response: dict, previous: list) -> tuple[dict, list, dict]:
+    """(the step's `tokens` record, the turn's prompt + completion ids, the response to record)
+    from a chat completion: the server's own ids (vLLM's top-level `prompt_token_ids`, SGLang's
+    per choice; the first choice's `token_ids`) and its log-probabilities, the prompt stored
+    beyond what it shares with `previous` (the last turn's prompt + completion). The recorded
+    response leaves out the ids (they are in the record, stored once)."""
+    choices = response.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    choice = choice if isinstance(choice, dict) else {}
+    prompt = response.get("prompt_token_ids")
+    if prompt is None:
+        prompt = choice.get("prompt_token_ids")
+    completion = choice.get("token_ids")
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    record: dict
+    whole: list = []
+    if not isinstance(prompt, list) or not isinstance(completion, list):
+        record = {"unavailable": "the server sent no token ids (prompt_token_ids, token_ids)"}
+    elif not _all_ints(prompt) or not _all_ints(completion):
+        record = {"unavailable": "the server's token ids are not all integers"}
+    elif not isinstance(entries, list) or len(entries) != len(completion):
+        record = {"unavailable": "the server sent no log-probability per sampled token"}
+    else:
+        values = [e.get("logprob") if isinstance(e, dict) else None for e in entries]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            record = {"unavailable": "a sampled token's log-probability is not a number"}
+        else:
+            reused = 0
+            for ours, theirs in zip(prompt, previous):  # noqa: B905 (Python 3.9 runs this)
+                if ours != theirs:
+                    break
+                reused += 1
+            record = {
+                "prompt_reused": reused,
+                "prompt_ids": prompt[reused:],
+                "completion_ids": completion,
+                "logprobs": values,
+            }
+            whole = prompt + completion
+    shown = {k: v for k, v in response.items() if k != "prompt_token_ids"}
+    if isinstance(choices, list):
+        dropped = ("token_ids", "prompt_token_ids")
+        shown["choices"] = [
+            {k: v for k, v in part.items() if k not in dropped} if isinstance(part, dict) else part
+            for part in choices
+        ]
+    return record, whole, shown
+
+
+def _all_ints(value: object) -> bool:
+    return isinstance(value, list) and all(type(i) is int for i in value)
+
+
 def fit_step(fields: dict) -> dict:
     """The step event's fields within MAX_STEP_EVENT_BYTES: the new messages' long texts cut
     first (messages_truncated), then the largest part left out, its size and digest kept."""
     if _json_size(fields) <= MAX_STEP_EVENT_BYTES:
         return fields
     fields = dict(fields, new_messages=_cut_texts(fields["new_messages"]), messages_truncated=True)
-    for _ in range(3):
+    parts = [key for key in ("request", "new_messages", "response", "tokens") if key in fields]
+    for _ in range(len(parts)):
         if _json_size(fields) <= MAX_STEP_EVENT_BYTES:
             break
-        key = max(("request", "new_messages", "response"), key=lambda k: _json_size(fields[k]))
-        fields[key] = omitted(json.dumps(fields[key]).encode())
+        key = max(parts, key=lambda k: _json_size(fields[k]))
+        if key == "tokens":
+            # Ids cut would be a guess: the turn says why it has none.
+            size = _json_size(fields[key])
+            fields[key] = {"unavailable": f"the turn's token record ({size} bytes) is too large"}
+        else:
+            fields[key] = omitted(json.dumps(fields[key]).encode())
     return fields
 
 
@@ -1931,12 +2004,15 @@ AGENT_REQUEST_KEYS = frozenset(
 )
 
 
-def agent_request(request: dict, sampling: dict, model: str) -> tuple[dict, list]:
+def agent_request(
+    request: dict, sampling: dict, model: str, tokens: dict | None = None
+) -> tuple[dict, list]:
     """(the body sent for an agent's request, the names of the agent's keys refused or
-    overridden): the agent's conversation keys, then the batch's sampling over them, on the
-    batch's model."""
+    overridden): the agent's conversation keys, then the batch's sampling over them and what
+    the trainer's token view needs (`tokens`), on the batch's model."""
     sent = {k: v for k, v in request.items() if k in AGENT_REQUEST_KEYS}
     sent.update(sampling)
+    sent.update(tokens or {})
     sent["model"] = model
     refused = sorted(
         k for k, v in request.items() if k != "model" and (k not in sent or sent[k] != v)
@@ -1955,6 +2031,7 @@ class Proxy:
         self.stop = threading.Event()  # the agent must go: stale, or the policy is lost
         self.steps = 0
         self.previous: list | None = None
+        self.sequence: list = []  # the last answered turn's prompt + completion ids
         self.first_version: str | None = None
         self.failure: str | None = None
         self.stale: StalePolicy | None = None
@@ -2010,7 +2087,8 @@ class Proxy:
                 error_body("the episode is over: no more completions", "rollout_stopped"),
             )
             return
-        sent, refused = agent_request(request, self.policy.sampling, self.policy.model)
+        policy = self.policy
+        sent, refused = agent_request(request, policy.sampling, policy.model, policy.token_request)
         asked = time.time()
         try:
             answer = self.policy.send(
@@ -2158,8 +2236,11 @@ class Proxy:
             if self.steps == 1:
                 self.first_version = version
             verbatim: object = response
-            if response is not None and len(raw) > MAX_RESPONSE_BYTES:
-                verbatim = omitted(raw)
+            tokens = None
+            if response is not None:
+                tokens, self.sequence, verbatim = self.policy.tokens_of(response, self.sequence)
+                if len(raw) > MAX_RESPONSE_BYTES and _json_size(verbatim) > MAX_RESPONSE_BYTES:
+                    verbatim = omitted(raw)
             fields: dict = {
                 "step": self.steps,
                 "request": {k: v for k, v in sent.items() if k != "messages"},
@@ -2173,6 +2254,8 @@ class Proxy:
                 "policy_attempts": answer.attempts,
                 "policy_version": version,
             }
+            if tokens is not None:
+                fields["tokens"] = tokens
             if chunks is not None:
                 fields["chunks"] = chunks
             if refused:
@@ -2592,6 +2675,7 @@ class Runner:
         started = time.time()
         step = 0
         first_version: str | None = None
+        sequence: list = []  # the last turn's prompt + completion ids
         while True:
             if step >= self.max_steps:
                 return step, "max_steps"
@@ -2657,15 +2741,13 @@ class Runner:
                         "(write_file, read_file, run, submit).",
                     }
                 )
-            verbatim: object = response
-            if len(raw) > MAX_RESPONSE_BYTES:
-                verbatim = {
-                    "omitted_bytes": len(raw),
-                    "sha256": hashlib.sha256(raw).hexdigest(),
-                }
+            tokens, sequence, verbatim = self.need_policy().tokens_of(response, sequence)
+            if len(raw) > MAX_RESPONSE_BYTES and _json_size(verbatim) > MAX_RESPONSE_BYTES:
+                verbatim = omitted(raw)
             emit(
                 "step",
                 step=step,
+                tokens=tokens,
                 actions=records,
                 error=problem,
                 policy_seconds=answered - asked,

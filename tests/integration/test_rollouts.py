@@ -106,11 +106,22 @@ def test_a_mixed_bundled_batch_gets_exactly_the_rewards_the_scripted_actions_pro
         trajectory = trajectory_from_log(logs[row.index])
         assert [s["step"] for s in trajectory["steps"]] == list(range(1, steps + 1))
         for s in trajectory["steps"]:
-            # Verbatim: the server's response, log-probabilities and token ids included.
+            # Verbatim: the server's response, log-probabilities included; its ids moved to
+            # the step's token record, stored once.
             choice = s["response"]["choices"][0]
             assert s["response"]["object"] == "chat.completion"
-            assert "token_ids" in choice and choice["logprobs"]["content"]
+            assert choice["logprobs"]["content"] and s["tokens"]["completion_ids"]
             assert s["policy_seconds"] >= 0 and s["action_seconds"] >= 0
+        # The loop carries each answer back as it came: one sequence, every answer masked in.
+        view = trajectory["tokens"]
+        assert (view["tokens"], view["layout"], len(view["turns"])) == (
+            "available",
+            "sequence",
+            steps,
+        )
+        assert sum(view["response_mask"]) == sum(
+            len(s["tokens"]["completion_ids"]) for s in trajectory["steps"]
+        )
         tools = [a["tool"] for s in trajectory["steps"] for a in s["actions"]]
         if episode.task_id == "inventory-two-bugs":
             assert tools == ["run", "write_file", "run", "write_file", "run", "submit"]

@@ -110,8 +110,13 @@ def test_mini_swe_agent_from_pypi_earns_the_scripted_rewards_with_every_exchange
             assert step["status"] == 200 and step["stream"] is False
             assert step["request"]["tools"][0]["function"]["name"] == "bash"  # mini's own
             response = step["response"]
-            assert response["prompt_token_ids"] and response["choices"][0]["token_ids"]
+            assert step["tokens"]["prompt_ids"] and step["tokens"]["completion_ids"]
             assert response["choices"][0]["logprobs"]["content"]
+        # Their agent's own conversation, as the engine saw it: ids for every turn.
+        view = agent_client.tokens(batch.batch_id, row["index"])
+        assert view is not None and view["tokens"] == "available", view
+        turns = view["turns"] if view["layout"] == "sequence" else view["samples"]
+        assert len(turns) == row["steps"]
         assert (
             steps[-1]["response"]["choices"][0]["message"]["tool_calls"][0]["function"][
                 "arguments"

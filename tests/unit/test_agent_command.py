@@ -156,9 +156,20 @@ def test_an_agent_command_reaches_the_policy_through_the_recording_proxy(tmp_pat
     assert ready["mode"] == "command" and ready["agent_command"] == task["agent"]["command"]
     assert ready["policy_base_url"].endswith(f"/rollout/{EP}/v1")
     # The agent's conversation, on the batch's model and sampling: its own temperature is
-    # refused, and the step says so.
-    assert first["request"] == {"model": "policy-m", "temperature": 1.0, "top_p": 0.9}
+    # refused, and the step says so. The token view's fields are asked on the trainer's behalf.
+    assert first["request"] == {
+        "model": "policy-m",
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
     assert first["request_refused"] == ["temperature"]
+    # The server's ids, stored once: the second turn's prompt extends the first exchange.
+    assert first["tokens"]["prompt_reused"] == 0 and first["tokens"]["completion_ids"]
+    assert second["tokens"]["prompt_reused"] == len(first["tokens"]["prompt_ids"]) + len(
+        first["tokens"]["completion_ids"]
+    )
     assert first["new_messages"] == [{"role": "user", "content": "Fix add in calc.py."}]
     assert first["messages_reset"] is False and first["stream"] is False
     assert first["status"] == 200 and first["error"] is None and first["policy_version"] == "3"

@@ -22,6 +22,7 @@ WIRE = {
     "max_retries": 1,
     "max_policy_lag": None,
     "trainer": "default",
+    "tokens": True,
 }
 
 
@@ -105,6 +106,15 @@ def test_the_wire_form_is_the_request_object_it_always_was():
     # A demo batch has none, before and after.
     demo = parse_spec({"count": 2}, max_episodes=10)
     assert demo.to_dict()["policy"] is None and BatchSpec.from_dict(demo.to_dict()) == demo
+
+
+def test_token_ids_are_asked_for_unless_the_batch_says_not_to():
+    assert policy_of(WIRE).tokens is True and "tokens" not in policy_of(WIRE).runner_config()
+    quiet = policy_of(WIRE | {"tokens": False})
+    assert quiet.runner_config()["tokens"] is False
+    assert list(quiet.to_dict()) == list(WIRE) and quiet.to_dict()["tokens"] is False
+    with pytest.raises(InvalidSpec, match=r"policy\.tokens must be true"):
+        policy_of(WIRE | {"tokens": "yes"})
 
 
 def test_a_parsed_spec_can_be_submitted_again():

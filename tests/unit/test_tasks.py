@@ -47,6 +47,7 @@ def test_a_batch_is_the_task_set_times_samples_and_each_episode_knows_its_task_a
         "max_retries": 2,
         "max_policy_lag": None,
         "trainer": "default",
+        "tokens": True,
     }
     # The spec travels as JSON (receipt) and decodes to the same thing.
     assert BatchSpec.from_dict(spec.to_dict()) == spec
