@@ -3,7 +3,12 @@
 # redis-server and bubblewrap from apt, and the package (+ dev tools with --dev) from PyPI into
 # the project's own virtual environment (never the system interpreter):
 #
-#   hack/setup.sh [--dev]
+#   hack/setup.sh [--dev] [--train]
+#
+# --dev adds the test and lint tools; --train the trainer side's libraries (torch, transformers,
+# TRL: several GB, PyPI's x86_64 torch is a CUDA build that runs on the CPU), pinned in
+# pyproject.toml's `train` extra, for the tiny engine, the adapters' tests and the learning
+# benchmark.
 #
 # The environment is ${ROLLOUT_VENV:-<repo>/.venv}, created with `${PYTHON:-python3} -m venv`
 # (python3-venv is installed with apt when Debian's python3 lacks it). The package is installed
@@ -30,17 +35,30 @@ command -v bwrap >/dev/null || need+=(bubblewrap)
 # The local sandboxes run the system's Python (Debian's python3) as uid 1000.
 [[ -x /usr/bin/python3 ]] || { echo "setup: /usr/bin/python3 is missing" >&2; exit 1; }
 
+extras=()
+for arg in "$@"; do
+  case "${arg}" in
+    --dev) extras+=(dev) ;;
+    --train) extras+=(train) ;;
+    *) echo "setup: unknown option ${arg} (--dev, --train)" >&2; exit 2 ;;
+  esac
+done
 extra=""
-[[ "${1:-}" == "--dev" ]] && extra="[dev]"
+((${#extras[@]} == 0)) || extra="[$(IFS=,; echo "${extras[*]}")]"
 VENV="${ROLLOUT_VENV:-${ROOT}/.venv}"
 [[ "${VENV}" == /* ]] || VENV="${ROOT}/${VENV}"
 PYTHON="${PYTHON:-python3}"
 stamp="${VENV}/.rollout-setup"
 want="$(sha256sum pyproject.toml | cut -c1-16) ${extra:-[]} ${ROOT}"
-# Dev extras include the base: a --dev stamp satisfies a plain call too.
+# A stamp with more extras satisfies a call that asks for fewer (each includes the base).
 have="$(cat "${stamp}" 2>/dev/null || true)"
-if [[ -x "${VENV}/bin/python" ]] && { [[ "${have}" == "${want}" ]] \
-    || [[ -z "${extra}" && "${have}" == "${want% * *} [dev] ${ROOT}" ]]; }; then
+read -r have_hash have_extras have_root <<<"${have:-- [] -}"
+satisfied=1
+[[ "${have_hash} ${have_root}" == "${want%% *} ${ROOT}" ]] || satisfied=0
+for e in "${extras[@]}"; do
+  [[ ",${have_extras//[\[\]]/}," == *",${e},"* ]] || satisfied=0
+done
+if [[ -x "${VENV}/bin/python" ]] && ((satisfied)); then
   exit 0
 fi
 

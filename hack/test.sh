@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # Wall time per phase, printed on stderr as `test.sh: PHASE Ns` (the cold path's budget).
 t=${SECONDS}
 phase() { echo "test.sh: $1 $((SECONDS - t))s" >&2; t=${SECONDS}; }
-./hack/setup.sh --dev
+./hack/setup.sh --dev --train
 phase setup
 VENV="${ROLLOUT_VENV:-.venv}"
 [[ "${VENV}" == /* ]] || VENV="$(pwd)/${VENV}"

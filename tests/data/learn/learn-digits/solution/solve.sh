@@ -1,0 +1,2 @@
+#!/bin/bash
+printf 12345678 > answer.txt

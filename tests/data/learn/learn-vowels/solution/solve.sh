@@ -1,0 +1,2 @@
+#!/bin/bash
+printf aeiouaei > answer.txt

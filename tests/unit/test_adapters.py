@@ -1,0 +1,118 @@
+"""The adapters' common mapping: an episode row with its token view becomes training samples
+(one sequence, one per turn for a stepwise episode, none with the reason for an episode that
+is no sample), and TRL's rollout_func fields line up with the prompts TRL asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_stub.adapters.samples import samples_of_row
+from trainer_stub.adapters.trl_rollout import TRLRollouts, rollout_fields, rollout_reward
+
+SEQUENCE = {
+    "tokens": "available",
+    "layout": "sequence",
+    "prefix_broke_at": None,
+    "prompt_ids": [1, 4, 20, 2, 1, 5],
+    "response_ids": [30, 31, 2, 1, 6, 40, 2, 1, 5, 32, 2],
+    "response_mask": [1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1],
+    "response_logprobs": [-0.1, -0.2, -0.3, 0, 0, 0, 0, 0, 0, -0.4, -0.5],
+    "turns": [
+        {"start": 0, "end": 3, "policy_version": "4"},
+        {"start": 9, "end": 11, "policy_version": "5"},
+    ],
+}
+STEPWISE = {
+    "tokens": "available",
+    "layout": "stepwise",
+    "prefix_broke_at": 2,
+    "samples": [
+        {
+            "prompt_ids": [1, 4],
+            "response_ids": [7, 2],
+            "response_mask": [1, 1],
+            "response_logprobs": [-1.0, -0.5],
+            "policy_version": "4",
+        },
+        {
+            "prompt_ids": [1, 4, 9],
+            "response_ids": [8, 2],
+            "response_mask": [1, 1],
+            "response_logprobs": [-0.7, -0.1],
+            "policy_version": "4",
+        },
+    ],
+}
+
+
+def row(task="t", sample=0, status="ok", reward=0.5, tokens=SEQUENCE, **extra):
+    return {
+        "task_id": task,
+        "sample": sample,
+        "index": sample,
+        "status": status,
+        "reward": reward,
+        "tokens": tokens,
+        **extra,
+    }
+
+
+def test_a_sequence_episode_is_one_sample_with_its_mask_and_versions():
+    (sample,) = samples_of_row(row())
+    assert sample.usable and sample.reward == 0.5 and sample.turns == 2
+    assert sample.response_ids == SEQUENCE["response_ids"]
+    assert sample.response_mask == SEQUENCE["response_mask"]
+    assert sample.policy_versions == ["4", "5"]
+
+
+def test_a_stepwise_episode_is_one_sample_per_turn_each_with_the_reward():
+    first, second = samples_of_row(row(tokens=STEPWISE, reward=1.0))
+    assert (first.turn, second.turn) == (1, 2)
+    assert second.prompt_ids == [1, 4, 9] and second.reward == first.reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "aborted", "why"),
+    [
+        ({"status": "failed", "failure_cause": "node lost"}, False, "node lost"),
+        ({"status": "aborted"}, True, "aborted"),
+        ({"tokens": {"tokens": "unavailable", "reason": "turn 1: no ids"}}, False, "no ids"),
+        ({"tokens": None}, False, "no token view"),
+    ],
+)
+def test_an_episode_that_is_no_sample_has_no_reward_never_a_zero(changes, aborted, why):
+    (sample,) = samples_of_row(row() | changes)
+    assert sample.reward is None and not sample.usable
+    assert sample.aborted is aborted and why in str(sample.missing)
+
+
+def test_trl_fields_follow_the_prompts_kth_occurrence_is_sample_k():
+    episodes = {
+        ("a", 0): samples_of_row(row("a", 0, reward=1.0))[0],
+        ("a", 1): samples_of_row(row("a", 1, status="failed"))[0],
+        ("b", 0): samples_of_row(row("b", 0, tokens=STEPWISE, reward=0.0))[-1],
+    }
+    out = rollout_fields(["a", "a", "b", "b"], episodes, placeholder_id=99)
+    assert out["rollout_reward"] == [1.0, None, 0.0, None]
+    assert out["rollout_status"] == ["ok", "failed", "ok", "missing"]
+    assert out["completion_ids"][0] == SEQUENCE["response_ids"]
+    assert out["env_mask"][0] == SEQUENCE["response_mask"]
+    # No sample: one placeholder id, masked out.
+    assert out["completion_ids"][1] == [99] and out["env_mask"][1] == [0]
+    assert out["prompt_ids"][2] == [1, 4, 9]  # a stepwise episode's last turn
+    assert all(
+        len(ids) == len(lp) == len(mask)
+        for ids, lp, mask in zip(
+            out["completion_ids"], out["logprobs"], out["env_mask"], strict=True
+        )
+    )
+    assert rollout_reward([], [], out["rollout_reward"]) == [1.0, None, 0.0, None]
+
+
+def test_trl_prompts_must_be_task_ids_asked_equally_often():
+    rollouts = TRLRollouts(client=None, request={"tasks": [{"id": "a"}, {"id": "b"}]})  # type: ignore[arg-type]
+    assert rollouts.dataset(2) == [{"prompt": p} for p in ["a", "b", "a", "b"]]
+    with pytest.raises(ValueError, match="no task ids"):
+        rollouts(["c"])
+    with pytest.raises(ValueError, match="same number of times"):
+        rollouts(["a", "a", "b"])

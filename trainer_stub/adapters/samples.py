@@ -1,0 +1,111 @@
+"""One training sample per episode, from a collected group: the episode's token view
+(rollout_wire.tokens) with its reward and status, in the shape every adapter maps from.
+
+An episode whose turns were not append-only (a `stepwise` view) gives one sample per turn:
+each turn's prompt and completion, the episode's reward on each (SkyRL's step-wise mode and
+slime take them so; a trainer that wants one sequence per episode takes `last_turn`). An
+episode that is no sample (an infrastructure failure, lost, never ran) has `reward` None and
+no ids: trainers must leave it out of group baselines, never score it 0. A withdrawn one
+(aborted by the quota, stale) is `aborted`: slime's ABORTED, TRL's unscorable."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rollout_wire.tokens import AVAILABLE, SEQUENCE
+
+ABORTED_STATUSES = ("aborted", "stale")
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    """One sequence to learn from (or a placeholder for an episode that is none)."""
+
+    task_id: str
+    sample: int
+    index: int
+    reward: float | None  # None: no sample (infrastructure failure, lost, aborted)
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    # 1 for the model's ids, 0 for the environment's (tool output between turns).
+    response_mask: list[int] = field(default_factory=list)
+    # The sampling engine's log-probability of each response id (0.0 on environment ids).
+    response_logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[Any] = field(default_factory=list)  # per model turn
+    turns: int = 0
+    aborted: bool = False
+    status: str = "ok"
+    # Why there are no ids (the view's reason, or the row's failure), when there are none.
+    missing: str | None = None
+    turn: int | None = None  # for one turn of a stepwise episode: which (1-based)
+
+    @property
+    def usable(self) -> bool:
+        """Whether a trainer may learn from it: a reward and ids."""
+        return self.reward is not None and bool(self.response_ids)
+
+
+def samples_of_row(row: Mapping[str, Any]) -> list[TrainingSample]:
+    """The training samples of one episode row as `sampled_groups` gives it (with `tokens`)."""
+    base = TrainingSample(
+        task_id=str(row.get("task_id")),
+        sample=int(row.get("sample") or 0),
+        index=int(row.get("index") or 0),
+        reward=None,
+    )
+    status = str(row.get("status"))
+    if status != "ok":
+        why = row.get("failure_cause") or status
+        return [
+            replace(
+                base,
+                aborted=status in ABORTED_STATUSES,
+                status=status,
+                missing=str(why),
+            )
+        ]
+    reward = float(row.get("reward") or 0.0)
+    view = row.get("tokens")
+    if not isinstance(view, Mapping) or view.get("tokens") != AVAILABLE:
+        why = view.get("reason") if isinstance(view, Mapping) else "no token view was stored"
+        return [replace(base, status=status, missing=str(why))]
+    if view.get("layout") == SEQUENCE:
+        turns = list(view["turns"])
+        return [
+            replace(
+                base,
+                reward=reward,
+                prompt_ids=list(view["prompt_ids"]),
+                response_ids=list(view["response_ids"]),
+                response_mask=list(view["response_mask"]),
+                response_logprobs=list(view["response_logprobs"]),
+                policy_versions=[t.get("policy_version") for t in turns],
+                turns=len(turns),
+            )
+        ]
+    return [
+        replace(
+            base,
+            reward=reward,
+            prompt_ids=list(part["prompt_ids"]),
+            response_ids=list(part["response_ids"]),
+            response_mask=list(part["response_mask"]),
+            response_logprobs=list(part["response_logprobs"]),
+            policy_versions=[part.get("policy_version")],
+            turns=1,
+            turn=number,
+        )
+        for number, part in enumerate(view["samples"], 1)
+    ]
+
+
+def last_turn(samples: Sequence[TrainingSample]) -> TrainingSample:
+    """One sample per episode: the sequence, or a stepwise episode's last turn."""
+    return samples[-1]
+
+
+def group_samples(rows: Iterable[Mapping[str, Any]]) -> list[list[TrainingSample]]:
+    """Per episode of a group (in sample order), its training samples."""
+    return [samples_of_row(row) for row in rows]
