@@ -32,14 +32,12 @@ the sample from `X-Rollout-Sample`. Routes: POST `/rollout/<episode id>/v1/chat/
 slow, the version it answered with), for tests.
 
 Responses look like vLLM's: `logprobs` when the request asks for them, `prompt_token_ids` and
-per-choice `token_ids` when it sets `return_token_ids`, from a byte-level tokenizer and a chat
-template that behave like a real engine's (`render_prompt`): each message is [START, role]
-+ its bytes + [END], an assistant message's body is the ids its completion had (which end with
-END, as a real engine's end with EOS), and the prompt ends with [START, assistant]. So a conversation that carries each answer back unchanged is
-append-only (each prompt begins with the last prompt and completion), and an agent that
-rewrites its context breaks the prefix, as it would on vLLM. Every answer carries `usage`:
-prompt_tokens and completion_tokens count those ids. A stream sends it as its last chunk when
-the request asks (stream_options.include_usage), as OpenAI's API does.
+per-choice `token_ids` when it sets `return_token_ids`, from the byte-level tokenizer and chat
+template of rollout_wire/byte_template.py, which behave like a real engine's: a conversation
+that carries each answer back unchanged is append-only, one that rewrites its context breaks
+the prefix, as on vLLM. Every answer carries `usage`: prompt_tokens and completion_tokens
+count those ids. A stream sends it as its last chunk when the request asks
+(stream_options.include_usage), as OpenAI's API does.
 
     rollout policy-server --port 8000                 # the bundled set's script
     rollout policy-server --port 8000 --script my.json
@@ -62,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from rollout_wire.byte_template import END, render_prompt, text_ids
 
 GROUP_HEADER = "X-Rollout-Group-Id"
 TASK_HEADER = "X-Rollout-Task-Id"
@@ -140,47 +140,6 @@ class ScriptedPolicy:
         """(seconds every turn of this sample waits before its answer, whether it is slow)."""
         slow = self.is_slow(group_id, sample)
         return self.turn_seconds * (self.slow_factor if slow else 1.0), slow
-
-
-# The byte-level tokenizer's special ids; a byte b is the id b + BYTE_OFFSET.
-START, END, BYTE_OFFSET = 1, 2, 16
-ROLE_IDS = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
-
-
-def text_ids(text: str) -> list[int]:
-    return [b + BYTE_OFFSET for b in text.encode("utf-8", "replace")]
-
-
-def answer_text(message: Mapping[str, Any]) -> str:
-    """What an assistant message's completion ids spell: its text, or each tool call's name
-    and arguments."""
-    calls = message.get("tool_calls") or []
-    if calls:
-        return "".join(
-            str((c.get("function") or {}).get("name", ""))
-            + str((c.get("function") or {}).get("arguments", ""))
-            for c in calls
-            if isinstance(c, Mapping)
-        )
-    content = message.get("content")
-    return content if isinstance(content, str) else orjson.dumps(content).decode()
-
-
-def render_prompt(messages: Any) -> list[int]:
-    """The prompt ids of `messages` under the server's chat template (see the module's text),
-    ending with the assistant's turn opened."""
-    ids: list[int] = []
-    for message in messages if isinstance(messages, list) else []:
-        if not isinstance(message, Mapping):
-            continue
-        role = str(message.get("role", "user"))
-        if role == "assistant":
-            body = text_ids(answer_text(message))
-        else:
-            content = message.get("content")
-            body = text_ids(content if isinstance(content, str) else orjson.dumps(content).decode())
-        ids += [START, ROLE_IDS.get(role, ROLE_IDS["user"]), *body, END]
-    return [*ids, START, ROLE_IDS["assistant"]]
 
 
 # What a `bash`-tool agent runs for each of our tools, and how it says it is done

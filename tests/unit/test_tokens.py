@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from rollout_wire.byte_template import END, render_prompt
 from rollout_wire.tokens import token_view
-from rollout_worker.cli.policy_server import END, completion, render_prompt
+from rollout_worker.cli.policy_server import completion
 from rollout_worker.sandbox import episode
 
 ASK = episode.TOKEN_REQUEST

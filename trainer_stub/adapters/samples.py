@@ -40,6 +40,7 @@ class TrainingSample:
     # Why there are no ids (the view's reason, or the row's failure), when there are none.
     missing: str | None = None
     turn: int | None = None  # for one turn of a stepwise episode: which (1-based)
+    episode_id: str = ""  # the sandbox's name (the policy saw it in its request path)
 
     @property
     def usable(self) -> bool:
@@ -54,6 +55,7 @@ def samples_of_row(row: Mapping[str, Any]) -> list[TrainingSample]:
         sample=int(row.get("sample") or 0),
         index=int(row.get("index") or 0),
         reward=None,
+        episode_id=str(row.get("pod") or ""),
     )
     status = str(row.get("status"))
     if status != "ok":
