@@ -117,6 +117,8 @@ def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
                 max_steps=steps,
                 learning_rate=lr,
                 lr_scheduler_type="constant",
+                # Each step samples every task (a shuffled order can give one task twice).
+                shuffle_dataset=False,
                 beta=0.0,
                 logging_steps=1,
                 report_to=[],
@@ -138,6 +140,7 @@ def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
             trainer.train()
             wall = time.monotonic() - started
             ledger = server.ledger()
+            published = client.policy_version()
             checked = mismatched = 0
             for batch in rollouts.batches:
                 rows = [
@@ -163,6 +166,9 @@ def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
         "optimizer_share": round(1 - sampling / wall, 3),
         "turns_checked": checked,
         "drift_mismatches": mismatched,
+        "published_version": published,
+        "engine_version": server.version,
+        "statuses": sorted({s for b in rollouts.batches for s in b.statuses}),
     }
 
 

@@ -37,6 +37,7 @@ class BatchTiming:
     episodes: int
     seconds: float
     rewards: list[float | None] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
 
 
 class TRLRollouts:
@@ -90,6 +91,7 @@ class TRLRollouts:
                 len(order),
                 time.monotonic() - started,
                 list(out["rollout_reward"]),
+                list(out["rollout_status"]),
             )
         )
         return out
