@@ -726,6 +726,9 @@ class Policy:
             raise
         assert conn.sock is not None
         conn.sock.settimeout(self.timeout)
+        if not self.socket_path:
+            # http.client writes a request's headers and body apart (see ProxyHandler).
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
     def send(self, payload: bytes, keep_open: bool = False) -> Answer:
@@ -1871,6 +1874,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server: ProxyServer
+    # An answer's headers and body are two writes: with Nagle's algorithm the second waits
+    # for the agent's delayed ACK of the first (~40 ms a call on a keep-alive connection).
+    disable_nagle_algorithm = True
     gone = False  # the agent hung up: the rest of an answer is read, not written
 
     def log_message(self, format: str, *args: typing.Any) -> None:
