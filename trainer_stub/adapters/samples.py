@@ -73,32 +73,24 @@ def samples_of_row(row: Mapping[str, Any]) -> list[TrainingSample]:
     if not isinstance(view, Mapping) or view.get("tokens") != AVAILABLE:
         why = view.get("reason") if isinstance(view, Mapping) else "no token view was stored"
         return [replace(base, status=status, missing=str(why))]
-    if view.get("layout") == SEQUENCE:
-        turns = list(view["turns"])
-        return [
-            replace(
-                base,
-                reward=reward,
-                prompt_ids=list(view["prompt_ids"]),
-                response_ids=list(view["response_ids"]),
-                response_mask=list(view["response_mask"]),
-                response_logprobs=list(view["response_logprobs"]),
-                policy_versions=[t.get("policy_version") for t in turns],
-                turns=len(turns),
-            )
-        ]
-    return [
-        replace(
+
+    def sequence(part: Mapping[str, Any], versions: list[Any], turn: int | None) -> TrainingSample:
+        return replace(
             base,
             reward=reward,
             prompt_ids=list(part["prompt_ids"]),
             response_ids=list(part["response_ids"]),
             response_mask=list(part["response_mask"]),
             response_logprobs=list(part["response_logprobs"]),
-            policy_versions=[part.get("policy_version")],
-            turns=1,
-            turn=number,
+            policy_versions=versions,
+            turns=len(versions),
+            turn=turn,
         )
+
+    if view.get("layout") == SEQUENCE:
+        return [sequence(view, [t.get("policy_version") for t in view["turns"]], None)]
+    return [
+        sequence(part, [part.get("policy_version")], number)
         for number, part in enumerate(view["samples"], 1)
     ]
 
