@@ -116,3 +116,59 @@ def test_trl_prompts_must_be_task_ids_asked_equally_often():
         rollouts(["c"])
     with pytest.raises(ValueError, match="same number of times"):
         rollouts(["a", "a", "b"])
+
+
+# SkyRL's GeneratorOutput keys (skyrl/train/generators/base.py at a956457).
+SKYRL_OUTPUT_KEYS = {
+    "prompt_token_ids",
+    "response_ids",
+    "rewards",
+    "loss_masks",
+    "stop_reasons",
+    "rollout_metrics",
+    "rollout_logprobs",
+    "trajectory_ids",
+    "trajectory_generation_times",
+    "trajectory_time_splits",
+    "rollout_expert_indices",
+    "is_last_step",
+    "env_metrics",
+    "pixel_values",
+    "image_grid_thw",
+}
+
+
+@pytest.mark.parametrize("step_wise", [False, True])
+def test_skyrl_output_has_its_documented_keys_and_no_sample_moves_no_baseline(step_wise):
+    from trainer_stub.adapters.skyrl_generator import batch_keys, generator_output
+
+    class Trajectory:  # SkyRL's TrajectoryID: instance_id, repetition_id
+        def __init__(self, instance, repetition):
+            self.instance_id, self.repetition_id = instance, repetition
+
+    ids = [Trajectory("a", 0), Trajectory("a", 1), Trajectory("a", 2), Trajectory("b", 0)]
+    batch = {
+        "prompts": [[{"role": "user", "content": "x"}]] * 4,
+        "env_extras": [{"task_id": "a"}, {"task_id": "a"}, {"task_id": "a"}, {"task_id": "b"}],
+        "trajectory_ids": ids,
+    }
+    keys = batch_keys(batch)
+    assert keys == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    episodes = {
+        ("a", 0): samples_of_row(row("a", 0, reward=1.0)),
+        ("a", 1): samples_of_row(row("a", 1, status="failed")),
+        ("a", 2): samples_of_row(row("a", 2, reward=0.0)),
+        ("b", 0): samples_of_row(row("b", 0, tokens=STEPWISE, reward=1.0)),
+    }
+    out = generator_output(keys, episodes, ids, step_wise, placeholder_id=7)
+    assert set(out) <= SKYRL_OUTPUT_KEYS
+    rows = 5 if step_wise else 4
+    assert all(len(out[k]) == rows for k in out if isinstance(out[k], list))
+    # The failed sample: masked out, rewarded its group's mean, so no advantage and no shift.
+    assert out["loss_masks"][1] == [0] and out["rewards"][1] == 0.5
+    assert out["stop_reasons"][1] == "no_sample" and out["trajectory_ids"][1] is ids[1]
+    if step_wise:
+        assert out["is_last_step"] == [True, True, True, False, True]
+        assert out["rewards"][3:] == [0.0, 1.0] and out["prompt_token_ids"][3] == [1, 4]
+    else:
+        assert out["prompt_token_ids"][3] == [1, 4, 9] and out["rewards"][3] == 1.0
