@@ -172,3 +172,29 @@ def test_skyrl_output_has_its_documented_keys_and_no_sample_moves_no_baseline(st
         assert out["rewards"][3:] == [0.0, 1.0] and out["prompt_token_ids"][3] == [1, 4]
     else:
         assert out["prompt_token_ids"][3] == [1, 4, 9] and out["rewards"][3] == 1.0
+
+
+def test_slime_samples_are_filled_from_the_token_view_and_no_sample_is_dropped():
+    from enum import Enum
+
+    from trainer_stub.adapters.slime_rollout import fill_sample
+
+    class Status(Enum):  # slime's Sample.Status (slime/utils/types.py at 624b824)
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    class Sample:  # the fields slime's Sample has, at their defaults
+        def __init__(self):
+            self.tokens, self.response_length, self.loss_mask = [], 0, None
+            self.rollout_log_probs, self.weight_versions, self.reward = None, [], None
+            self.status, self.remove_sample, self.metadata = Status.PENDING, False, {}
+
+    done = fill_sample(Sample(), samples_of_row(row(reward=1.0))[0], Status)
+    assert done.tokens == SEQUENCE["prompt_ids"] + SEQUENCE["response_ids"]
+    assert done.response_length == len(done.loss_mask) == len(done.rollout_log_probs) == 11
+    assert (done.weight_versions, done.reward, done.status) == (["4", "5"], 1.0, Status.COMPLETED)
+    lost = fill_sample(Sample(), samples_of_row(row(status="failed"))[0], Status)
+    assert (lost.status, lost.remove_sample, lost.reward) == (Status.ABORTED, True, None)
