@@ -198,3 +198,30 @@ def test_slime_samples_are_filled_from_the_token_view_and_no_sample_is_dropped()
     assert (done.weight_versions, done.reward, done.status) == (["4", "5"], 1.0, Status.COMPLETED)
     lost = fill_sample(Sample(), samples_of_row(row(status="failed"))[0], Status)
     assert (lost.status, lost.remove_sample, lost.reward) == (Status.ABORTED, True, None)
+
+
+# verl's AgentLoopOutput fields (verl/experimental/agent_loop/agent_loop.py at b178a3c).
+VERL_OUTPUT_FIELDS = {
+    "prompt_ids",
+    "response_ids",
+    "response_mask",
+    "response_logprobs",
+    "routed_experts",
+    "multi_modal_data",
+    "reward_score",
+    "num_turns",
+    "metrics",
+    "extra_fields",
+}
+
+
+def test_verl_output_carries_the_view_and_the_sandboxed_reward():
+    from trainer_stub.adapters.verl_loop import agent_loop_fields
+
+    fields = agent_loop_fields(samples_of_row(row(reward=0.75))[0])
+    assert set(fields) | {"metrics"} <= VERL_OUTPUT_FIELDS
+    assert fields["response_mask"] == SEQUENCE["response_mask"]
+    assert (fields["reward_score"], fields["num_turns"]) == (0.75, 4)
+    lost = agent_loop_fields(samples_of_row(row(status="failed", failure_cause="oom"))[0])
+    assert lost["reward_score"] is None and lost["response_mask"] == [0]
+    assert lost["extra_fields"]["no_sample"] is True and lost["extra_fields"]["cause"] == "oom"
