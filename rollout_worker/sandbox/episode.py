@@ -1785,8 +1785,9 @@ def _cut_texts(value: object) -> object:
 
 def turn_tokens(response: dict, previous: list) -> tuple[dict, list, dict]:
     """(the step's `tokens` record, the turn's prompt + completion ids, the response to record)
-    from a chat completion: the server's own ids (vLLM's top-level `prompt_token_ids`, SGLang's
-    per choice; the first choice's `token_ids`) and its log-probabilities, the prompt stored
+    from a chat completion: the server's own ids (vLLM's top-level `prompt_token_ids` and each
+    choice's `token_ids`; SGLang's per choice, `prompt_token_ids` and `response_token_ids`)
+    and its log-probabilities, the prompt stored
     beyond what it shares with `previous` (the last turn's prompt + completion). The recorded
     response leaves out the ids (they are in the record, stored once)."""
     choices = response.get("choices")
@@ -1796,6 +1797,8 @@ def turn_tokens(response: dict, previous: list) -> tuple[dict, list, dict]:
     if prompt is None:
         prompt = choice.get("prompt_token_ids")
     completion = choice.get("token_ids")
+    if completion is None:
+        completion = choice.get("response_token_ids")  # SGLang's name (0.5.23)
     logprobs = choice.get("logprobs")
     entries = logprobs.get("content") if isinstance(logprobs, dict) else None
     record: dict
@@ -1825,7 +1828,7 @@ def turn_tokens(response: dict, previous: list) -> tuple[dict, list, dict]:
             whole = prompt + completion
     shown = {k: v for k, v in response.items() if k != "prompt_token_ids"}
     if isinstance(choices, list):
-        dropped = ("token_ids", "prompt_token_ids")
+        dropped = ("token_ids", "prompt_token_ids", "response_token_ids")
         shown["choices"] = [
             {k: v for k, v in part.items() if k not in dropped} if isinstance(part, dict) else part
             for part in choices

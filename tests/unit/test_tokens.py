@@ -151,3 +151,16 @@ def test_failed_turns_are_no_samples_and_malformed_records_are_refused():
     assert token_view([failed])["reason"] == "no turn was answered"
     broken = dict(steps[1], tokens=dict(steps[1]["tokens"], prompt_reused=10**6))
     assert token_view([steps[0], broken])["tokens"] == "unavailable"
+
+
+def test_sglangs_field_names_give_the_same_record():
+    # SGLang 0.5.23 puts both ids on the choice: prompt_token_ids and response_token_ids.
+    vllm = turn(list(conversation(turns=1)[0][0]), 1)
+    sglang = json.loads(json.dumps(vllm))
+    choice = sglang["choices"][0]
+    choice["prompt_token_ids"] = sglang.pop("prompt_token_ids")
+    choice["response_token_ids"] = choice.pop("token_ids")
+    ours, _, _ = episode.turn_tokens(vllm, [])
+    theirs, _, shown = episode.turn_tokens(sglang, [])
+    assert theirs == ours and "completion_ids" in theirs
+    assert not {"prompt_token_ids", "response_token_ids"} & set(shown["choices"][0])
