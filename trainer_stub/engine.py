@@ -11,7 +11,7 @@ a prompt ends with [START, assistant]. END is the EOS the model stops at, so an 
 carried back unchanged (and whose bytes are UTF-8) makes the next prompt append-only.
 Completion ids decode to text as their bytes (special ids dropped), invalid UTF-8 replaced.
 
-- `build_model(seed)`: a 2-layer Llama of hidden size 64 (about 140k parameters), random.
+- `build_model(seed)`: a 2-layer Llama of hidden size 64 (about 100k parameters), random.
 - `build_tokenizer()`: the same vocabulary as a transformers fast tokenizer (byte-level, no
   merges; every special id skipped by `skip_special_tokens`), for TRL's `processing_class`:
   with a `rollout_func`, GRPOTrainer needs a `PreTrainedTokenizerBase` with `pad_token_id`,
