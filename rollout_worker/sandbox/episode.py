@@ -1765,6 +1765,14 @@ def _by_index(index: object) -> tuple:
     return (0, index, "") if isinstance(index, int) else (1, 0, str(index))
 
 
+def recorded(raw: bytes, shown: object) -> object:
+    """A response as its step records it: `shown` (the ids moved to the token record), or
+    the raw answer's size and digest when even that is above MAX_RESPONSE_BYTES."""
+    if len(raw) > MAX_RESPONSE_BYTES and _json_size(shown) > MAX_RESPONSE_BYTES:
+        return omitted(raw)
+    return shown
+
+
 def omitted(data: bytes) -> dict:
     return {"omitted_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -2248,8 +2256,7 @@ class Proxy:
             tokens = None
             if response is not None:
                 tokens, self.sequence, verbatim = self.policy.tokens_of(response, self.sequence)
-                if len(raw) > MAX_RESPONSE_BYTES and _json_size(verbatim) > MAX_RESPONSE_BYTES:
-                    verbatim = omitted(raw)
+                verbatim = recorded(raw, verbatim)
             fields: dict = {
                 "step": self.steps,
                 "request": {k: v for k, v in sent.items() if k != "messages"},
@@ -2750,9 +2757,7 @@ class Runner:
                         "(write_file, read_file, run, submit).",
                     }
                 )
-            tokens, sequence, verbatim = self.need_policy().tokens_of(response, sequence)
-            if len(raw) > MAX_RESPONSE_BYTES and _json_size(verbatim) > MAX_RESPONSE_BYTES:
-                verbatim = omitted(raw)
+            tokens, sequence, kept = self.need_policy().tokens_of(response, sequence)
             emit(
                 "step",
                 step=step,
@@ -2763,7 +2768,7 @@ class Runner:
                 policy_attempts=attempts,
                 policy_version=version,
                 action_seconds=time.time() - answered,
-                response=verbatim,
+                response=recorded(raw, kept),
                 **self.identity,
             )
             if submitted:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollout_wire.tokens import AVAILABLE, SEQUENCE
+from trainer_stub.client import RolloutClient
 
 ABORTED_STATUSES = ("aborted", "stale")
 
@@ -98,6 +99,31 @@ def samples_of_row(row: Mapping[str, Any]) -> list[TrainingSample]:
 def last_turn(samples: Sequence[TrainingSample]) -> TrainingSample:
     """One sample per episode: the sequence, or a stepwise episode's last turn."""
     return samples[-1]
+
+
+def run_episodes(
+    client: RolloutClient,
+    request: Mapping[str, Any],
+    task_ids: Sequence[str],
+    samples: int,
+    timeout: float,
+) -> tuple[str, dict[tuple[str, int], list[TrainingSample]]]:
+    """One batch of the request's tasks `task_ids` (in that order, each once) x `samples`,
+    waited for: (its batch id, each episode's training samples by (task id, sample))."""
+    tasks = {str(t["id"]): t for t in request["tasks"]}
+    unknown = sorted(set(task_ids) - set(tasks))
+    if unknown:
+        raise ValueError(f"tasks {unknown[:3]} are not in this request")
+    fields = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
+    submission = client.submit(
+        **fields, tasks=[tasks[t] for t in dict.fromkeys(task_ids)], samples_per_task=samples
+    )
+    episodes: dict[tuple[str, int], list[TrainingSample]] = {}
+    for _, rows in client.sampled_groups(submission.batch_id, timeout):
+        for row in rows:
+            found = samples_of_row(row)
+            episodes[(found[0].task_id, found[0].sample)] = found
+    return submission.batch_id, episodes
 
 
 def group_samples(rows: Iterable[Mapping[str, Any]]) -> list[list[TrainingSample]]:

@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainer_stub.adapters.samples import TrainingSample, samples_of_row
+from trainer_stub.adapters.samples import TrainingSample, run_episodes
 from trainer_stub.client import RolloutClient
 
 
@@ -41,7 +41,7 @@ class SkyRLGenerator:
     ) -> None:
         self.client = client
         self.tasks = {str(t["id"]): t for t in request["tasks"]}
-        self.request = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
+        self.request = request
         self.step_wise = step_wise
         self.timeout = timeout
         self.placeholder_id = placeholder_id
@@ -52,16 +52,8 @@ class SkyRLGenerator:
         unknown = sorted(set(order) - set(self.tasks))
         if unknown:
             raise ValueError(f"env_extras name tasks {unknown[:3]} that this request has not")
-        submission = self.client.submit(
-            **self.request,
-            tasks=[self.tasks[t] for t in order],
-            samples_per_task=1 + max(sample for _, sample in keys),
-        )
-        episodes: dict[tuple[str, int], list[TrainingSample]] = {}
-        for _, rows in self.client.sampled_groups(submission.batch_id, self.timeout):
-            for row in rows:
-                found = samples_of_row(row)
-                episodes[(found[0].task_id, found[0].sample)] = found
+        samples = 1 + max(sample for _, sample in keys)
+        _, episodes = run_episodes(self.client, self.request, order, samples, self.timeout)
         return generator_output(
             keys, episodes, input_batch.get("trajectory_ids"), self.step_wise, self.placeholder_id
         )

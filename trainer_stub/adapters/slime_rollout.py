@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer_stub.adapters.samples import TrainingSample, last_turn, samples_of_row
+from trainer_stub.adapters.samples import TrainingSample, last_turn, run_episodes
 from trainer_stub.client import RolloutClient
 
 
@@ -57,17 +57,8 @@ def run_groups(
     unknown = sorted(set(order) - set(tasks))
     if unknown:
         raise ValueError(f"samples name tasks {unknown[:3]} that this request has not")
-    fields = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
-    submission = client.submit(
-        **fields,
-        tasks=[tasks[t] for t in dict.fromkeys(order)],
-        samples_per_task=max(len(group) for group in groups),
-    )
-    episodes: dict[tuple[str, int], TrainingSample] = {}
-    for _, rows in client.sampled_groups(submission.batch_id, timeout):
-        for row in rows:
-            sample = last_turn(samples_of_row(row))
-            episodes[(sample.task_id, sample.sample)] = sample
+    _, found = run_episodes(client, request, order, max(len(group) for group in groups), timeout)
+    episodes = {key: last_turn(samples) for key, samples in found.items()}
     for task, group in zip(order, groups, strict=True):
         for number, target in enumerate(group):
             fill_sample(target, episodes.get((task, number)), status)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_stub.adapters.samples import TrainingSample, last_turn, samples_of_row
+from trainer_stub.adapters.samples import TrainingSample, last_turn, run_episodes
 from trainer_stub.client import RolloutClient
 
 
@@ -55,7 +55,7 @@ class TRLRollouts:
         if not isinstance(tasks, list) or not tasks:
             raise ValueError("the request needs its tasks: the dataset's prompts are their ids")
         self.client = client
-        self.request = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
+        self.request = request
         self.tasks = {str(t["id"]): t for t in tasks}
         self.timeout = timeout
         self.placeholder_id = placeholder_id
@@ -74,20 +74,14 @@ class TRLRollouts:
         if len(set(counts.values())) != 1:
             raise ValueError(f"every task must be asked the same number of times, got {counts}")
         started = time.monotonic()
-        submission = self.client.submit(
-            **self.request,
-            tasks=[self.tasks[t] for t in dict.fromkeys(order)],
-            samples_per_task=next(iter(counts.values())),
+        batch_id, found = run_episodes(
+            self.client, self.request, order, next(iter(counts.values())), self.timeout
         )
-        episodes: dict[tuple[str, int], TrainingSample] = {}
-        for _, rows in self.client.sampled_groups(submission.batch_id, self.timeout):
-            for row in rows:
-                sample = last_turn(samples_of_row(row))
-                episodes[(sample.task_id, sample.sample)] = sample
+        episodes = {key: last_turn(samples) for key, samples in found.items()}
         out = rollout_fields(order, episodes, self.placeholder_id)
         self.batches.append(
             BatchTiming(
-                submission.batch_id,
+                batch_id,
                 len(order),
                 time.monotonic() - started,
                 list(out["rollout_reward"]),

@@ -23,7 +23,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_stub.adapters.samples import TrainingSample, last_turn, samples_of_row
+from trainer_stub.adapters.samples import TrainingSample, last_turn, run_episodes
 from trainer_stub.client import RolloutClient
 
 
@@ -58,12 +58,10 @@ def run_episode(
     tasks = {str(t["id"]): t for t in request["tasks"]}
     if task_id not in tasks:
         raise ValueError(f"task {task_id!r} is not in this request")
-    fields = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
-    submission = client.submit(**fields, tasks=[tasks[task_id]], samples_per_task=1)
-    for _, rows in client.sampled_groups(submission.batch_id, timeout):
-        for row in rows:
-            return last_turn(samples_of_row(row))
-    raise RuntimeError(f"batch {submission.batch_id} ended without its episode's row")
+    batch_id, found = run_episodes(client, request, [task_id], 1, timeout)
+    if (task_id, 0) not in found:
+        raise RuntimeError(f"batch {batch_id} ended without its episode's row")
+    return last_turn(found[(task_id, 0)])
 
 
 def register_agent_loop(
