@@ -32,6 +32,7 @@ from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.local.backend import LocalBackend
 from rollout_worker.backends.local.files import RunDir
 from rollout_worker.cli.policy_server import running
+from rollout_worker.sandbox import compile_program
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode
 
@@ -51,7 +52,9 @@ def run(
     handle = backend.start_run(spec, lambda fields: None)
     if program is not None:
         assert handle.run_dir is not None
-        RunDir(Path(handle.run_dir)).program.write_text(program)
+        source = RunDir(Path(handle.run_dir)).program
+        source.write_text(program)
+        compile_program(source, backend.settings.local_python)  # as the checkout's own
     cgroup = CPUACCT / f"rollout-bench-{os.getpid()}-{name}"
     cgroup.mkdir()
     try:

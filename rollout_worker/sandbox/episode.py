@@ -1035,7 +1035,8 @@ def harness_plan(argv: list) -> tuple[list, str, list] | None:
     return None
 
 
-# -- harness: begin. The harness's whole source (json, os, sys and typing its only imports):
+# -- harness: begin. The harness's whole source (json, os and sys its only imports; typing
+# appears in annotations alone, never evaluated):
 # the runner writes this part alone to a file and runs it, so a test run starts about as fast
 # as the bare command (this whole program would add its compile and imports: `harness_source`).
 HARNESS_KEY_BYTES = 16
@@ -1090,7 +1091,7 @@ def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
         def run(self, test: typing.Any) -> typing.Any:
             collected = test.countTestCases()
             result = super().run(test)
-            verdicts = list(typing.cast(typing.Any, result).verdicts.values())
+            verdicts = list(result.verdicts.values())  # type: ignore[attr-defined]
             report(
                 {
                     "collected": collected,
@@ -1286,10 +1287,12 @@ HARNESS_END = "# -- harness: end"
 
 def harness_source() -> str:
     """The harness as a program of its own: its part of this file, its imports, its main."""
-    with open(os.path.abspath(__file__), encoding="utf-8") as handle:
+    # Run as its compiled bytecode, the program's source lies beside it.
+    source = __file__[:-1] if __file__.endswith(".pyc") else __file__
+    with open(os.path.abspath(source), encoding="utf-8") as handle:
         text = handle.read()
     part = text[text.index(HARNESS_BEGIN) : text.index(HARNESS_END)]
-    head = "from __future__ import annotations\nimport json, os, sys, typing\n"
+    head = "from __future__ import annotations\nimport json, os, sys\n"
     return head + part + "\nsys.exit(harness(sys.argv[1:]))\n"
 
 

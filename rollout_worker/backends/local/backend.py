@@ -42,7 +42,7 @@ from rollout_worker.backends.local.sandbox import ImageRoot
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits
-from rollout_worker.sandbox import episode_program_text
+from rollout_worker.sandbox import compile_program, compiled_path, episode_program_text
 from rollout_worker.settings import Settings
 
 # How long a cancel waits for the supervisor to stop its sandboxes (longer under heavy load).
@@ -209,7 +209,7 @@ class LocalBackend:
         key = self.pool_key(spec)
         if key is not None and self._pool_dir(key).socket.exists():
             run["pool_dir"] = str(self._pool_dir(key).path)  # its supervisor takes from it
-        _write_program(run_dir.program)
+        _write_program(run_dir.program, python)
         # The first start creates run.json; a redelivered start finds it and keeps its origin.
         create_json_exclusive(run_dir.run_file, run)
         existing = run_dir.read_json(run_dir.run_file)
@@ -454,7 +454,7 @@ class LocalBackend:
         python = self.settings.local_python
         prefix, _ = describe_python(python)
         memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
-        _write_program(pool_dir.program)
+        _write_program(pool_dir.program, python)
         write_json_atomic(
             pool_dir.config,
             {
@@ -515,11 +515,14 @@ class LocalBackend:
         return pools
 
 
-def _write_program(path: Path) -> None:
-    """The episode program, readable by the sandboxes, written once (atomically)."""
+def _write_program(path: Path, python: str) -> None:
+    """The episode program, readable by the sandboxes, written once (atomically), and its
+    bytecode for the sandboxes' interpreter."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(episode_program_text())
         tmp.chmod(0o644)
         os.replace(tmp, path)
+    if not compiled_path(path).exists():
+        compile_program(path, python)

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_worker.sandbox import PROGRAM_MOUNT, compiled_path
+
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
-PROGRAM_MOUNT = "/sandbox/episode.py"
 WORKSPACE_MOUNT = "/workspace"
+COMPILED_MOUNT = "/sandbox/episode.pyc"
 # rlimits every sandbox gets besides its memory and CPU (from the batch's resources).
 FILE_SIZE_LIMIT = 64 * 2**20
 OPEN_FILES_LIMIT = 256
@@ -101,6 +103,18 @@ def _system_mounts() -> list[str]:
     return args
 
 
+def current_bytecode(program: Path) -> Path | None:
+    """The bytecode beside the program when its interpreter compiled it (compile_program) and
+    the source was not written since (a program replaced by hand runs as written). Not for a
+    task image's own interpreter, whose bytecode format may differ."""
+    compiled = compiled_path(program)
+    try:
+        fresh = compiled.stat().st_mtime_ns >= program.stat().st_mtime_ns
+    except OSError:
+        return None
+    return compiled if fresh else None
+
+
 def plan_sandbox(
     *,
     isolation: str,
@@ -132,11 +146,12 @@ def plan_sandbox(
         "PYTHONDONTWRITEBYTECODE": "1",
         "LANG": "C.UTF-8",
     } | dict(extra_env or {})
+    compiled = None if root is not None else current_bytecode(program)
     if isolation == "none":
         env = base_env | {"ROLLOUT_WORKSPACE": str(workspace), "HOME": str(workspace)}
         env |= {m.env: str(m.host) for m in mounts if m.env}
         run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
-        return SandboxPlan([python, "-B", str(program)], env, str(workspace), run_as)
+        return SandboxPlan([python, "-B", str(compiled or program)], env, str(workspace), run_as)
     if isolation != "bwrap":
         raise ValueError(f"unknown isolation {isolation!r}")
     argv = [
@@ -192,6 +207,7 @@ def plan_sandbox(
         "--ro-bind",
         str(program),
         PROGRAM_MOUNT,
+        *(["--ro-bind", str(compiled), COMPILED_MOUNT] if compiled else []),
         "--bind",
         str(workspace),
         workspace_mount,
@@ -211,7 +227,7 @@ def plan_sandbox(
     env |= {m.env: m.target for m in mounts if m.env}
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    argv += ["--", python, "-B", PROGRAM_MOUNT]
+    argv += ["--", python, "-B", COMPILED_MOUNT if compiled else PROGRAM_MOUNT]
     run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
     return SandboxPlan(argv, {}, str(workspace), run_as)
 
