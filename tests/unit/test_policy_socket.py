@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from rollout_wire.policy import PolicyEndpoint
+from rollout_worker.backends.local import policy_proxy
 from rollout_worker.backends.local.policy_proxy import MAX_BODY, EpisodeIdentity, PolicyProxy
 
 EPISODE = "b1-0"
@@ -179,3 +181,49 @@ def test_the_count_travels_in_the_status_the_episode_observation_is_read_from():
     status = {"index": 0, "episode_id": EPISODE, "phase": "Succeeded", "policy_completions": 3}
     assert EpisodeObservation.from_dict(status).policy_completions == 3
     assert EpisodeObservation(0, EPISODE, "Running").policy_completions is None  # not counted
+
+
+def connected(proxy: PolicyProxy) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    for _ in range(100):
+        try:
+            conn.connect(str(proxy.socket_path(0)))
+            return conn
+        except BlockingIOError:  # the listen backlog is full until the server accepts
+            time.sleep(0.02)
+    raise AssertionError("the proxy never accepted the connection")
+
+
+@pytest.mark.timeout(30)
+def test_an_episode_holding_its_connection_cap_gets_the_next_one_closed_unanswered(proxy, policy):
+    held = [connected(proxy) for _ in range(policy_proxy.MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # every held connection has its thread
+        extra = connected(proxy)
+        extra.sendall(post(f"Content-Length: {N}\r\n", BODY))
+        assert extra.recv(65536) == b""  # closed, nothing answered
+        extra.close()
+        assert policy.requests == []
+        assert any("over 16 connections" in why for why in proxy.refused)
+    finally:
+        for conn in held:
+            conn.close()
+    # Closed connections give their slots back: a request is served again.
+    deadline = time.monotonic() + 5
+    while True:
+        answer = exchange(proxy, post(f"Content-Length: {N}\r\nConnection: close\r\n", BODY))
+        if answer.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+@pytest.mark.timeout(30)
+def test_a_connection_that_sends_nothing_is_closed_after_the_idle_limit(proxy, monkeypatch):
+    monkeypatch.setattr(policy_proxy._Handler, "timeout", 0.3)
+    with connected(proxy) as conn:
+        conn.sendall(b"POST /rollout/")  # half a request line, then silence
+        started = time.monotonic()
+        assert conn.recv(65536) == b""
+        assert time.monotonic() - started < 4

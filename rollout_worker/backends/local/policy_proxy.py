@@ -9,9 +9,11 @@ task, sample, episode, attempt), whatever the sandbox sent, so a trainer can tru
 What a sandbox sends is hostile input: a body is read only by a single plain Content-Length of
 at most MAX_BODY (no chunked body, no length to read until the connection ends: the host's
 memory), is forwarded only when whole, and every refusal closes the connection (so an unread
-body is never taken for the next request). The proxy counts the chat completions it answered
-per episode (`answered`): an agent can call this socket directly, bypassing the runner's
-recording proxy, so the runner's own count is not to be trusted alone.
+body is never taken for the next request). A connection idle for CLIENT_IDLE_SECONDS is
+closed, and an episode holds at most MAX_CONNECTIONS at once (each costs the host a
+thread). The proxy counts the chat completions it answered per episode (`answered`): an
+agent can call this socket directly, bypassing the runner's recording proxy, so the
+runner's own count is not to be trusted alone.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ MAX_BODY = 8 * 2**20
 # " 5", non-ASCII digits).
 _DIGITS = re.compile(r"[0-9]+")
 MAX_RESPONSE = 16 * 2**20
+# A connection that sends nothing for this long is closed: the runner writes each request as
+# soon as it connects (it waits on the policy, not the other way round), and an idle or
+# trickling connection would hold one of the host's threads.
+CLIENT_IDLE_SECONDS = 30.0
+# Connections one episode may hold open at once; beyond, a new one is closed unanswered (a
+# sandbox opening sockets without end would otherwise cost the host a thread each). The runner
+# holds one at a time.
+MAX_CONNECTIONS = 16
 # Response headers a sandbox gets from the policy server (the rest stay here).
 PASSED_HEADERS = ("X-Policy-Version",)
 IDENTITY_HEADERS = {
@@ -63,6 +73,7 @@ class EpisodeIdentity:
 class _Handler(BaseHTTPRequestHandler):
     server: _EpisodeServer
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_IDLE_SECONDS  # on every read and write of the sandbox's side
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -243,7 +254,27 @@ class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
         self.identity = identity
         self.proxy = proxy
         self.answered = 0  # chat completions answered 200 (under the proxy's lock)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(path, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.proxy.refused.append(
+                f"{self.identity.episode_id}: over {MAX_CONNECTIONS} connections"
+            )
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started: it will not release it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class PolicyProxy:
