@@ -133,6 +133,7 @@ class GradeCause(StrEnum):
     TESTS_MISSING = "tests_missing"  # fewer ran than the task promised (its baseline), or none
     RUNNER_EXITED = "runner_exited"  # the test run ended before it reported its end
     TESTS_TIMED_OUT = "tests_timed_out"
+    TESTS_TAMPERED = "tests_tampered"  # the code under test replaced unittest's machinery
     EXIT_STATUS = "exit_status"  # every test passed, yet the command exited non-zero
     NO_REWARD_FILE = "no_reward_file"
     REWARD_FILE_INVALID = "reward_file_invalid"  # too large, not a bounded number, a link

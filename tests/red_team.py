@@ -139,6 +139,28 @@ for pid in os.listdir("/proc"):
             pass
 """
 
+# Every assertion made a no-op by the code under test, as the tests import it.
+NOOP_ASSERTIONS = """
+open("shipping.py", "w").write(
+    "import unittest\\n"
+    "for name in dir(unittest.TestCase):\\n"
+    "    if name.startswith('assert'):\\n"
+    "        setattr(unittest.TestCase, name, lambda *a, **k: None)\\n"
+    "def shipping(total):\\n    return 0\\n"
+)
+"""
+
+# TestCase.run rewritten to report a success without running the test.
+EVERY_TEST_PASSES = """
+open("shipping.py", "w").write(
+    "import unittest\\n"
+    "def run(self, result=None):\\n"
+    "    result.startTest(self); result.addSuccess(self); result.stopTest(self)\\n"
+    "unittest.TestCase.run = run\\n"
+    "def shipping(total):\\n    return 0\\n"
+)
+"""
+
 TRICKS = {
     "exit_at_import": (EXIT_AT_IMPORT, "runner_exited"),
     "exit_in_test_hook": (EXIT_IN_TEST_HOOK, "runner_exited"),
@@ -148,6 +170,8 @@ TRICKS = {
     "forged_results": (FORGED_RESULTS, "runner_exited"),
     "planted_bytecode": (PLANTED_BYTECODE, "tests_failed"),
     "skip_at_import": (SKIP_AT_IMPORT, "tests_missing"),
+    "noop_assertions": (NOOP_ASSERTIONS, "tests_tampered"),
+    "every_test_passes": (EVERY_TEST_PASSES, "tests_tampered"),
     "daemon": (DAEMON, "tests_failed"),
     "delete_tests": (DELETE_TESTS, "tests_failed"),
 }

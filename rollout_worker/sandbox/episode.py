@@ -1004,6 +1004,7 @@ CAUSE_FAILED = "tests_failed"
 CAUSE_MISSING = "tests_missing"  # fewer tests ran than the task promises, or none
 CAUSE_EXITED = "runner_exited"  # the test run ended before it reported its end
 CAUSE_TIMED_OUT = "tests_timed_out"
+CAUSE_TAMPERED = "tests_tampered"  # the code under test replaced unittest's own machinery
 CAUSE_EXIT_STATUS = "exit_status"  # the tests said pass but the command exited non-zero
 CAUSE_NO_REWARD_FILE = "no_reward_file"
 CAUSE_BAD_REWARD_FILE = "reward_file_invalid"
@@ -1042,16 +1043,37 @@ def harness_plan(argv: list) -> tuple[list, str, list] | None:
 HARNESS_KEY_BYTES = 16
 
 
+def _fingerprint(classes: list) -> dict:
+    """Each class's own attributes, by identity."""
+    return {
+        f"{c.__module__}.{c.__qualname__}.{name}": id(value)
+        for c in classes
+        for name, value in list(vars(c).items())
+    }
+
+
+def _tampering(classes: list, before: dict) -> list:
+    """The attributes of `classes` replaced, added or removed since `before` (sorted)."""
+    now = _fingerprint(classes)
+    return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+
+
 def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
-    """A TextTestRunner that reports each test's verdict (by test id) when its run ends."""
+    """A TextTestRunner that reports each test's verdict (by test id) when its run ends, and
+    which of unittest's own machinery the code under test replaced (an assertion made a no-op,
+    TestCase.run or the result's methods rewritten so every test "passes"): checked after
+    every test and at the end, against what it was before any test module was imported."""
     import unittest
+    import unittest.case
 
     class Result(unittest.TextTestResult):
         def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
             super().__init__(*args, **kwargs)
             self.verdicts: dict = {}
+            self.tampered: set = set()
 
         def _mark(self, test: typing.Any, verdict: str) -> None:
+            self.tampered.update(_tampering(watched, before))
             key = test.id()
             if self.verdicts.get(key) != "failed":  # a failed subtest fails its test for good
                 self.verdicts[key] = verdict
@@ -1092,16 +1114,32 @@ def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
             collected = test.countTestCases()
             result = super().run(test)
             verdicts = list(result.verdicts.values())  # type: ignore[attr-defined]
+            tampered = result.tampered | set(_tampering(watched, before))  # type: ignore[attr-defined]
             report(
                 {
                     "collected": collected,
                     "passed": verdicts.count("passed"),
                     "failed": verdicts.count("failed"),
                     "skipped": verdicts.count("skipped"),
+                    "tampered": sorted(tampered)[:20],
                 }
             )
             return result
 
+    watched = [
+        unittest.TestCase,
+        unittest.case._Outcome,  # type: ignore[attr-defined]
+        unittest.TestResult,
+        unittest.TextTestResult,
+        unittest.TextTestRunner,
+        unittest.TestSuite,
+        unittest.suite.BaseTestSuite,
+        unittest.TestLoader,
+        unittest.TestProgram,
+        Result,
+        Runner,
+    ]
+    before = _fingerprint(watched)
     return Runner
 
 
@@ -1259,6 +1297,8 @@ def judge(rule: str, run: TestRun, promise: dict | None) -> dict:
         cause = CAUSE_TIMED_OUT
     elif not run.ended:
         cause = CAUSE_EXITED
+    elif tampered(run.runs):
+        cause = CAUSE_TAMPERED
     elif counts["failed"]:
         cause = CAUSE_FAILED
     elif missing:
@@ -1268,7 +1308,7 @@ def judge(rule: str, run: TestRun, promise: dict | None) -> dict:
     else:
         cause = None
     countable = total - min(counts["skipped"], allowed_skips)
-    if cause in (CAUSE_TIMED_OUT, CAUSE_EXITED) or countable <= 0:
+    if cause in (CAUSE_TIMED_OUT, CAUSE_EXITED, CAUSE_TAMPERED) or countable <= 0:
         reward: float = 0
     elif rule == "fraction":
         reward = min(passed, countable) / countable
@@ -1375,6 +1415,13 @@ def tally(runs: list) -> dict:
         n: sum(_tally_count(r, n) for r in runs)
         for n in ("collected", "passed", "failed", "skipped")
     }
+
+
+def tampered(runs: list) -> list:
+    """What the code under test replaced of the test machinery, over every run."""
+    return sorted(
+        {str(n) for r in runs if isinstance(r.get("tampered"), list) for n in r["tampered"]}
+    )
 
 
 # -- agent commands ------------------------------------------------------------------------------
@@ -2555,6 +2602,8 @@ class Runner:
         else:
             verdict = judge(rule, run, self.promise)
             graded_by = run.graded_by
+            if verdict["grade_cause"] == CAUSE_TAMPERED:
+                run.output += f"\n[the code under test replaced {', '.join(tampered(run.runs))}]"
         shown, _ = truncate(run.output)
         return {
             **verdict,
