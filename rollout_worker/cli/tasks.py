@@ -7,8 +7,8 @@ image where a backend finds it: the local cluster's real node (`--node-import`),
 (`--push`), or an extracted root filesystem for the local backend (`--rootfs`).
 
 The commands are built by the pure functions below (argv lists, tested without Docker); the
-click commands only run them. No registry is reached by a build: a Dockerfile's FROM must
-already be in the local Docker.
+click commands only run them. A base image docker cannot get (not local, no registry reached)
+fails its task's build with the image named and the ways to provide it, not the build's log.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import click
 
 from rollout_wire.errors import InvalidSpec
 from rollout_worker.backends.local.sandbox import MOUNT_POINTS, WORKDIR_SUFFIX, rootfs_dirname
+from rollout_worker.cli.common import load_settings, redis_option
 
 # -- the commands (pure) -----------------------------------------------------------------------
 
@@ -130,21 +131,89 @@ def remove_argv(container: str) -> list[str]:
     return ["docker", "rm", "-f", container]
 
 
+def dockerfile_lines(text: str) -> list[list[str]]:
+    """A Dockerfile's instructions as words: continuation lines joined, comments dropped."""
+    instructions: list[list[str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        words = (pending + line).split()
+        pending = ""
+        if words:
+            instructions.append(words)
+    if pending.split():
+        instructions.append(pending.split())
+    return instructions
+
+
+# $NAME, ${NAME}, ${NAME:-default}, ${NAME:+word}: the forms an ARG takes in a FROM line.
+_ARG_REF = re.compile(r"\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
+
+
+def substitute_args(word: str, args: Mapping[str, str]) -> str:
+    """`word` with the build args' defaults put in (no --build-arg is ever passed here)."""
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(4)
+        value = args.get(name, "")
+        if match.group(2) == "-":
+            return value or match.group(3)
+        if match.group(2) == "+":
+            return match.group(3) if value else ""
+        return value
+
+    return _ARG_REF.sub(one, word)
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    return value
+
+
 def dockerfile_bases(text: str) -> list[str]:
-    """The images a Dockerfile's FROM lines name (stages it defines itself left out)."""
+    """The images a Dockerfile needs from elsewhere: its FROM images and `COPY --from=IMAGE`
+    sources, with the ARGs declared before the first FROM put in (the only ones a FROM sees);
+    the stages it defines itself (by name or number) and `scratch` left out. A FROM whose ARG
+    has no default stays as written (`${BASE}`), so a message can still name it."""
     bases: list[str] = []
     stages: set[str] = set()
-    for line in text.splitlines():
-        words = line.split()
-        if not words or words[0].upper() != "FROM":
-            continue
-        args = [w for w in words[1:] if not w.startswith("--")]
-        if not args:
-            continue
-        if args[0].lower() not in stages and args[0] not in bases:
-            bases.append(args[0])
-        if len(args) >= 3 and args[1].upper() == "AS":
-            stages.add(args[2].lower())
+    args: dict[str, str] = {}
+    seen_from = 0  # FROM lines so far
+
+    def add(word: str) -> None:
+        image = substitute_args(word, args) or word
+        if image.lower() in stages or image.lower() == "scratch" or image.isdigit():
+            return
+        if image not in bases:
+            bases.append(image)
+
+    for words in dockerfile_lines(text):
+        op = words[0].upper()
+        if op == "ARG" and seen_from == 0:
+            for decl in words[1:]:
+                name, eq, value = decl.partition("=")
+                args[name] = _unquote(value) if eq else args.get(name, "")
+        elif op == "FROM":
+            rest = [w for w in words[1:] if not w.startswith("--")]
+            stages.add(str(seen_from))  # `COPY --from=0` names the first stage
+            seen_from += 1
+            if not rest:
+                continue
+            add(rest[0])
+            if len(rest) >= 3 and rest[1].upper() == "AS":
+                stages.add(rest[2].lower())
+        elif op in ("COPY", "ADD"):
+            for word in words[1:]:
+                if word.startswith("--from="):
+                    add(word.removeprefix("--from="))
     return bases
 
 
@@ -159,6 +228,52 @@ _MISSING_BASE = re.compile(
 
 def missing_base(output: str) -> bool:
     return bool(_MISSING_BASE.search(output))
+
+
+# Docker's own registry: the one `registry-mirrors` (daemon.json) stands in for.
+_DOCKER_HUB = ("docker.io", "index.docker.io", "registry-1.docker.io")
+
+
+def registry_of(image: str) -> str:
+    """Where Docker would pull `image` from: its first part when that names a host."""
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return "docker.io"
+
+
+def missing_base_message(
+    image: str, bases: Sequence[str], absent: Sequence[str], cause: str
+) -> str:
+    """What to tell the user when a build could not get a base image: which one, and the
+    ways to provide it (a local tag, a saved copy, a mirror or a reachable registry)."""
+    names = list(absent) or list(bases)
+    lines = [f"docker build of {image}: cannot get its base image {', '.join(names) or '(none)'}"]
+    if absent:
+        lines[0] += " (not in the local Docker, and pulling it failed)"
+    else:
+        # Every base is local, yet docker went to a registry: an image for another platform
+        # (FROM --platform=...) or a stage's source that the Dockerfile spells differently.
+        lines[0] += " (in the local Docker, but docker still tried to pull: for another platform?)"
+    lines[0] += f": {last_line(cause)}"
+    for name in names:
+        if "$" in name:
+            lines.append(
+                f"  {name}: a build arg without a default (no --build-arg is passed): give its "
+                "ARG a default before the first FROM"
+            )
+            continue
+        registry = registry_of(name)
+        ways = [f"`docker tag <an image you have> {name}`", "or `docker load -i` a saved copy"]
+        if registry in _DOCKER_HUB:
+            ways.append(
+                'or set a mirror of Docker Hub ("registry-mirrors" in /etc/docker/daemon.json, '
+                "then restart dockerd)"
+            )
+        else:
+            ways.append(f"or make {registry} reachable (`docker login {registry}` if it asks)")
+        lines.append(f"  provide {name}: " + ", ".join(ways))
+    return "\n".join(lines)
 
 
 def last_line(output: str) -> str:
@@ -280,15 +395,19 @@ def _build(image: str, context: Path) -> None:
     try:
         _run(build_argv(image, context))
     except StepFailed as exc:
-        dockerfile = context / "Dockerfile"
-        bases = dockerfile_bases(dockerfile.read_text(errors="replace"))
-        if missing_base(str(exc)):
-            raise StepFailed(
-                f"docker build of {image}: its base {', '.join(bases) or '(unknown)'} is not in "
-                "the local Docker and no registry is used here: build or `docker tag` it "
-                f"locally first ({exc})"
-            ) from exc
-        raise
+        if not missing_base(str(exc)):
+            raise
+        bases = dockerfile_bases((context / "Dockerfile").read_text(errors="replace"))
+        absent = [base for base in bases if not _have_image(base)]
+        raise StepFailed(missing_base_message(image, bases, absent, str(exc))) from exc
+
+
+def _have_image(name: str) -> bool:
+    try:
+        _run(image_id_argv(name))
+    except StepFailed:
+        return False
+    return True
 
 
 def _export_rootfs(image: str, rootfs: Path) -> tuple[Path, bool]:
@@ -461,23 +580,197 @@ def build(
     problems = preflight(node_socket)
     if problems:
         _problems_exit(problems)
+    failures = build_images(images, node_socket=node_socket, registry=registry, rootfs=rootfs)
+    if failures:
+        _problems_exit(failures)
+
+
+def build_images(
+    images: Sequence[tuple[str, str, Path]],
+    *,
+    node_socket: str | None,
+    registry: str | None,
+    rootfs: Path | None,
+    echo: Any = click.echo,
+) -> list[str]:
+    """Build each (image, task id, context) and put it where asked; one line per failed task
+    (`rollout tasks check` builds through here too, printing to stderr)."""
     failures = []
     for image, task_id, context in images:
         try:
             _build(image, context)
-            click.echo(f"{task_id}: built {image}")
+            echo(f"{task_id}: built {image}")
             if node_socket is not None:
                 _pipe(*node_import_argvs(image, node_socket))
-                click.echo(f"{task_id}: imported {image} into the node's containerd")
+                echo(f"{task_id}: imported {image} into the node's containerd")
             if registry is not None:
                 target = pushed_name(image, registry)
                 for argv in push_argvs(image, target):
                     _run(argv)
-                click.echo(f"{task_id}: pushed {target}")
+                echo(f"{task_id}: pushed {target}")
             if rootfs is not None:
                 path, fresh = _export_rootfs(image, rootfs)
-                click.echo(f"{task_id}: rootfs {path}" + ("" if fresh else " (already there)"))
+                echo(f"{task_id}: rootfs {path}" + ("" if fresh else " (already there)"))
         except StepFailed as exc:
             failures.append(f"{task_id}: {exc}")
-    if failures:
-        _problems_exit(failures)
+    return failures
+
+
+@tasks.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--task", "only", multiple=True, help="Only this task id (repeatable).")
+@click.option("--nop", is_flag=True, help="Also run an agent that does nothing: it must score 0.")
+@click.option(
+    "--allow-no-oracle",
+    is_flag=True,
+    help="A task without solution/solve.sh passes (shown as 'no oracle'). [default: it fails]",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["local", "kubernetes"]),
+    default="local",
+    show_default=True,
+    help="Where the episodes run.",
+)
+@click.option(
+    "--all-in-one/--no-all-in-one",
+    default=None,
+    help="Start a private redis-server and workers for the check. [default: on for local; "
+    "off for kubernetes, which uses the workers at --redis-url]",
+)
+@click.option(
+    "--rootfs",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Local backend: where the images' root filesystems are exported. "
+    "[default: ROLLOUT_ROOTFS_DIR, else the workers' default]",
+)
+@click.option(
+    "--node-import",
+    is_flag=True,
+    help="Kubernetes: load each built image into the local cluster's real node.",
+)
+@click.option(
+    "--episode-timeout",
+    "episode_timeout_seconds",
+    type=int,
+    default=None,
+    help="Seconds one episode may take. [default: the longest task's limit + 60, at least 120]",
+)
+@redis_option
+def check(
+    folder: Path,
+    only: tuple[str, ...],
+    nop: bool,
+    allow_no_oracle: bool,
+    backend: str,
+    all_in_one: bool | None,
+    rootfs: Path | None,
+    node_import: bool,
+    episode_timeout_seconds: int | None,
+    redis_url: str | None,
+) -> None:
+    """Check a Harbor task set before training on it: build what needs building, run every
+    task's oracle (solution/solve.sh, which must score 1) and with --nop an agent that does
+    nothing (which must score 0), and print a table. Exit status 1 when a task fails, 3 when
+    only infrastructure failures kept tasks from being judged."""
+    from rollout_wire import harbor
+    from rollout_worker.cli import check as verdict
+
+    settings = load_settings(redis_url)
+    if all_in_one is None:
+        all_in_one = backend == "local"
+    try:
+        mapped = harbor.scan(folder, list(only) or None)
+    except InvalidSpec as exc:
+        _problems_exit(exc.problems)
+    task_list = [h.task for h in mapped]
+    images = [(str(h.task["image"]), h.task_id, h.build_dir) for h in mapped if h.build_dir]
+    build_errors: dict[str, str] = {}
+    if backend == "local":
+        rootfs = (rootfs or settings.rootfs_dir).resolve()
+    if images:
+        node_socket = containerd_socket() if node_import else None
+        problems = preflight(node_socket)
+        if problems:
+            _problems_exit(problems)
+        if rootfs is not None and not rootfs.exists():
+            rootfs.mkdir(parents=True)
+            rootfs.chmod(0o755)  # the sandboxes run as another host user
+        failures = build_images(
+            images,
+            node_socket=node_socket,
+            registry=None,
+            rootfs=rootfs if backend == "local" else None,
+            echo=lambda line: click.echo(line, err=True),
+        )
+        for line in failures:
+            task_id, _, why = line.partition(": ")
+            build_errors[task_id] = why
+            click.echo(f"error: {line}", err=True)
+    runnable = [t for t in task_list if str(t["id"]) not in build_errors]
+    episode_timeout, deadline = verdict.limits(runnable)
+    if episode_timeout_seconds is not None:
+        episode_timeout = episode_timeout_seconds
+        deadline = max(deadline, episode_timeout + verdict.DEADLINE_MARGIN_SECONDS)
+    requests = {}
+    common = {
+        "backend": backend,
+        "episode_timeout_seconds": episode_timeout,
+        "deadline_seconds": deadline,
+    }
+    if oracle_list := verdict.oracle_tasks(runnable):
+        requests["oracle"] = common | {"tasks": oracle_list}
+    if nop and runnable:
+        nop_list = verdict.nop_tasks(runnable)
+        requests["nop"] = common | {"tasks": nop_list, "policy": verdict.NEVER_ASKED_POLICY}
+    reports = _run_check_batches(requests, settings, all_in_one, rootfs)
+    checks = verdict.collect(task_list, reports.get("oracle"), reports.get("nop"), build_errors)
+    for line in format_rows(verdict.table(checks, nop=nop, allow_no_oracle=allow_no_oracle)):
+        click.echo(line)
+    click.echo(verdict.summary(checks, allow_no_oracle=allow_no_oracle))
+    sys.exit(verdict.exit_status(checks, allow_no_oracle=allow_no_oracle))
+
+
+def _run_check_batches(
+    requests: Mapping[str, Mapping[str, Any]],
+    settings: Any,
+    all_in_one: bool,
+    rootfs: Path | None,
+) -> dict[str, dict[str, Any]]:
+    """Submit the check's batches at once (they run side by side) and wait for their
+    reports: {"oracle": report, "nop": report}."""
+    from rollout_wire.errors import RolloutError
+    from rollout_wire.urls import redacted
+    from rollout_worker.cli.common import console, err
+    from rollout_worker.cli.stack import LocalStack
+    from trainer_stub.client import RolloutClient
+    from trainer_stub.display import follow
+
+    if not requests:
+        return {}
+    try:
+        specs = {
+            name: RolloutClient.prepare(request, settings.max_batch_episodes)
+            for name, request in requests.items()
+        }
+    except InvalidSpec as exc:
+        _problems_exit(exc.problems)
+    timeout = max(spec.deadline_seconds for spec in specs.values()) + 300
+    with contextlib.ExitStack() as stack:
+        heartbeat = None
+        if all_in_one:
+            env = {"ROLLOUT_ROOTFS_DIR": str(rootfs)} if rootfs is not None else {}
+            local = stack.enter_context(LocalStack(collectors=1, extra_env=env))
+            settings = settings.with_redis(local.redis_url)
+            heartbeat = local.check_alive
+            err(f"all-in-one: redis {redacted(local.redis_url)}, workers' logs in {local.dir}")
+        try:
+            client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
+            sent = {name: client.send(spec) for name, spec in specs.items()}
+            for name, submission in sent.items():
+                err(f"{name}: batch {submission.batch_id}, {submission.spec.count} episodes")
+            by_id = follow(client, list(sent.values()), console(True), timeout, heartbeat)
+        except RolloutError as exc:
+            raise click.ClickException(str(exc)) from exc
+    return {name: by_id[submission.batch_id] for name, submission in sent.items()}

@@ -79,7 +79,13 @@ def refusal(path: Path, only: list[str] | None = None) -> str:
 
 def test_the_fixture_folder_maps_each_harbor_task_to_one_of_ours():
     tasks = {t["id"]: t for t in load_harbor_tasks(FIXTURES)}
-    assert list(tasks) == ["add-numbers", "image-task", "no-solution", "partial-credit"]
+    assert list(tasks) == [
+        "add-numbers",
+        "image-task",
+        "no-solution",
+        "partial-credit",
+        "wrong-oracle",
+    ]
     for task in tasks.values():
         assert task["test_command"] == ["bash", "/tests/test.sh"]
         assert task["reward"] == "file" and task["baseline"] is False
@@ -223,6 +229,7 @@ def test_a_harbor_folder_is_a_task_set_and_only_picks_tasks_in_its_order(tmp_pat
         "image-task",
         "no-solution",
         "partial-credit",
+        "wrong-oracle",
     ]
     picked = load_task_set(str(FIXTURES), ["partial-credit", "add-numbers"])
     assert [t["id"] for t in picked] == ["partial-credit", "add-numbers"]
@@ -409,7 +416,13 @@ def test_show_prints_one_line_per_task_or_the_tasks_as_json():
     lines = result.output.splitlines()
     assert lines[0].split() == ["ID", "STATEMENT", "WORKSPACE", "TESTS", "SOLUTION", "LIMIT"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert list(rows) == ["add-numbers", "image-task", "no-solution", "partial-credit"]
+    assert list(rows) == [
+        "add-numbers",
+        "image-task",
+        "no-solution",
+        "partial-credit",
+        "wrong-oracle",
+    ]
     assert "1 file " in rows["add-numbers"] and rows["add-numbers"].endswith("yes       30s")
     assert "image rollout.local/harbor-image-task:" in rows["image-task"]
     assert rows["no-solution"].split()[-2:] == ["no", "20s"]
@@ -478,7 +491,9 @@ case "$1" in
       exit 1
     fi ;;
   save) printf 'an image archive' ;;
-  image) echo sha256:feed ;;
+  image)
+    if [[ "$*" == *nosuch* ]]; then echo "Error: No such image: nosuch:1" >&2; exit 1; fi
+    echo sha256:feed ;;
   create) echo c0ffee ;;
   export) tar -c -C "$FAKE_ROOTFS" etc dev ;;
 esac
@@ -522,10 +537,12 @@ def test_build_runs_each_step_and_says_in_one_line_what_failed(tmp_path, monkeyp
         f"image-task: imported {built['image-task']} into the node's containerd",
         f"image-task: pushed reg:5000/team/harbor-image-task:{tag}",
         f"image-task: rootfs {out}/rollout.local_harbor-image-task_{tag}",
-        f"error: no-base: docker build of {built['no-base']}: its base nosuch:1 is not in the "
-        "local Docker and no registry is used here: build "
-        "or `docker tag` it locally first (docker build failed: ERROR: failed to solve: "
-        "nosuch:1: pull access denied, repository does not exist)",
+        f"error: no-base: docker build of {built['no-base']}: cannot get its base image "
+        "nosuch:1 (not in the local Docker, and pulling it failed): docker build failed: "
+        "ERROR: failed to solve: nosuch:1: pull access denied, repository does not exist",
+        "  provide nosuch:1: `docker tag <an image you have> nosuch:1`, or `docker load -i` a "
+        'saved copy, or set a mirror of Docker Hub ("registry-mirrors" in '
+        "/etc/docker/daemon.json, then restart dockerd)",
     ]
     assert (tmp_path / "ctr-input").read_text() == "an image archive"
     extracted = out / f"rollout.local_harbor-image-task_{tag}"
