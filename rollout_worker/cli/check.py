@@ -235,7 +235,8 @@ def summary(checks: Sequence[TaskCheck], *, allow_no_oracle: bool = False) -> st
         c.task_id for c in checks if infrastructure_only(c, allow_no_oracle=allow_no_oracle)
     ]
     passed = len(checks) - len(failed) - len(incomplete)
-    text = f"{len(checks)} tasks: {passed} passed"
+    plural = "" if len(checks) == 1 else "s"
+    text = f"{len(checks)} task{plural}: {passed} passed"
     if failed:
         text += f", {len(failed)} failed ({', '.join(failed)})"
     if incomplete:
