@@ -933,9 +933,10 @@ def resolve_argv(argv: list, path: str) -> list:
 
 def run_process(
     argv: list, env: dict, cwd: str, timeout: float, pass_fds: tuple = ()
-) -> tuple[int, str]:
-    """(exit code, output) of a command in its own process group, output to a file: a
-    grandchild that keeps running (a test's server) neither holds a pipe open nor survives."""
+) -> tuple[int, str, set]:
+    """(exit code, output, the processes still running when it ended) of a command in its own
+    process group, output to a file: a grandchild that keeps running (a test's server) neither
+    holds a pipe open nor survives."""
     handle, output_path = tempfile.mkstemp(prefix="rollout-run-", suffix=".log")
     try:
         try:
@@ -957,6 +958,8 @@ def run_process(
             code: int | None = process.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
+        # What the command left running is killed here, by us: it did not end by itself.
+        alive = set(descendants(os.getpid()))
         with contextlib.suppress(OSError):
             os.killpg(process.pid, signal.SIGKILL)
         if code is None:
@@ -968,8 +971,8 @@ def run_process(
         with contextlib.suppress(OSError):
             os.unlink(output_path)
     if code is None:
-        return 124, output + f"\n[tests timed out after {timeout:.0f}s]"
-    return code, output
+        return 124, output + f"\n[tests timed out after {timeout:.0f}s]", alive
+    return code, output, alive
 
 
 def run_command(command: str, timeout: float, env: dict) -> tuple[int, str]:
@@ -1398,10 +1401,13 @@ del _rollout_watch
 """
 
 
-def unended(records: list) -> int:
-    """How many watched processes started and never reported their end."""
+def unended(records: list, killed: set | frozenset = frozenset()) -> int:
+    """How many watched processes started and never reported their end, besides those
+    `killed` by the grader because they were still running when the test command ended (a
+    server the task's script started in the background)."""
     started = {r["start"] for r in records if isinstance(r.get("start"), int)}
-    return len(started - {r["end"] for r in records if isinstance(r.get("end"), int)})
+    ended = {r["end"] for r in records if isinstance(r.get("end"), int)}
+    return len(started - ended - killed)
 
 
 def _tally_count(run: dict, name: str) -> int:
@@ -2436,7 +2442,7 @@ class Runner:
             env["PYTHONPATH"] = ":".join(filter(None, (folder, env.get("PYTHONPATH"))))
             env[WATCH_ENV] = f"{results_write}:{key}"
             try:
-                code, output = run_process(
+                code, output, killed = run_process(
                     resolve_argv(argv, env["PATH"]),
                     env,
                     self.root,
@@ -2447,7 +2453,7 @@ class Runner:
                 os.close(results_write)
                 shutil.rmtree(folder, ignore_errors=True)
             run = TestRun(code, output, GRADED_BY_EXIT)
-            run.unended = unended(read_records(results_read, key))
+            run.unended = unended(read_records(results_read, key), killed)
             return run
         flags, what, args = plan
         key_read, key_write = os.pipe()
@@ -2463,7 +2469,7 @@ class Runner:
         command = [sys.executable, "-E", "-s", *flags, program]
         command += [str(results_write), str(key_read), what, *args]
         try:
-            code, output = run_process(
+            code, output, _ = run_process(
                 command, env, self.root, TESTS_TIMEOUT_SECONDS, (results_write, key_read)
             )
         finally:

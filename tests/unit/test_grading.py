@@ -407,3 +407,24 @@ def test_a_task_script_that_runs_python_earns_nothing_when_that_python_never_end
     assert (outcome["reward"], outcome["grade_cause"]) == expected, outcome
     assert outcome["graded_by"] == "reward_file"
     assert row_of(done.stdout, started).status == "ok"
+
+
+def test_a_server_the_task_script_leaves_running_is_not_an_early_exit(tmp_path):
+    from tests.unit.test_agent_command import oracle_task
+
+    # The task's own script starts a Python server in the background and never stops it (as
+    # web-app tasks do); the grader kills it when the script ends. That kill is the grader's,
+    # not code under test leaving before its end: the honest solution keeps its reward 1.
+    check = (
+        "#!/bin/bash\n"
+        'cd "$ROLLOUT_WORKSPACE"\n'
+        'python -B -c "import time; time.sleep(60)" &\n'
+        "sleep 0.3\n"  # the server has started (and reported its start to the watch)
+        "python -B test_calc.py && r=1 || r=0\n"
+        'echo $r > "$ROLLOUT_VERIFIER_DIR/reward.txt"\n'
+    )
+    started = time.time()
+    done, events = run_runner(tmp_path, oracle_task(check))
+    outcome = events[-1]
+    assert (outcome["reward"], outcome["grade_cause"]) == (1, None), outcome
+    assert row_of(done.stdout, started).status == "ok"
