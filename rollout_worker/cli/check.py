@@ -40,6 +40,11 @@ class Outcome:
     seconds: float | None
     detail: str | None = None
     infrastructure: bool = False
+    said: str | None = None  # the agent's last line of output: why a wrong oracle is wrong
+
+
+# What a cause quotes of an agent's output.
+SAID_CHARS = 80
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,11 @@ def outcome(row: Mapping[str, Any] | None, report: Mapping[str, Any]) -> Outcome
         notes.append("agent timed out")
     elif code not in (0, None):
         notes.append(f"agent exited {code}")
-    return Outcome(float(row.get("reward") or 0), seconds, ", ".join(notes) or None)
+    lines = [line.strip() for line in str(row.get("agent_output") or "").splitlines()]
+    said = next((line for line in reversed(lines) if line), None)
+    if said is not None and len(said) > SAID_CHARS:
+        said = said[: SAID_CHARS - 3] + "..."
+    return Outcome(float(row.get("reward") or 0), seconds, ", ".join(notes) or None, said=said)
 
 
 def rows_by_task(report: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -154,7 +163,8 @@ def problems(check: TaskCheck, *, allow_no_oracle: bool = False) -> list[str]:
             found.append(_failed("oracle", oracle))
         elif oracle.reward < 1:
             why = f" ({oracle.detail})" if oracle.detail else ""
-            found.append(f"oracle scored {_number(oracle.reward)}{why}")
+            said = f"; solve.sh's last line: {oracle.said!r}" if oracle.said else ""
+            found.append(f"oracle scored {_number(oracle.reward)}{why}{said}")
     if (nop := check.nop) is not None:
         if nop.reward is None:
             found.append(_failed("nop", nop))

@@ -77,7 +77,10 @@ def test_check_runs_every_oracle_and_nop_and_fails_the_task_set_with_each_cause(
     for good in ("add-numbers", "image-task"):  # files only, and a task in its own image
         assert rows[good][1:3] == ["1", "0"] and rows[good][4:] == ["ok"], rows[good]
     assert rows["wrong-oracle"][1:3] == ["0", "0"]
-    assert rows["wrong-oracle"][4:] == ["FAIL", "oracle scored 0 (reward_file)"]
+    assert rows["wrong-oracle"][4:] == [
+        "FAIL",
+        "oracle scored 0 (reward_file); solve.sh's last line: 'nothing to fix'",
+    ]
     assert rows["partial-credit"][1:3] == ["1", "0.5"]
     assert rows["partial-credit"][5] == "nop scored 0.5: the tests reward an untouched task"
     assert rows["no-solution"][1:3] == ["no oracle", "0"]

@@ -64,8 +64,13 @@ def test_limits_fit_the_longest_task():
 def test_a_row_becomes_an_outcome_with_its_cause():
     empty = report()
     assert check.outcome(row("a"), empty) == Outcome(1.0, 2.5, None)
-    graded = check.outcome(row("a", 0.0, grade_cause="reward_file", agent_exit_code=2), empty)
-    assert graded == Outcome(0.0, 2.5, "reward_file, agent exited 2")
+    graded = check.outcome(
+        row("a", 0.0, grade_cause="reward_file", agent_exit_code=2, agent_output="a\nboom\n\n"),
+        empty,
+    )
+    assert graded == Outcome(0.0, 2.5, "reward_file, agent exited 2", said="boom")
+    long = check.outcome(row("a", agent_output="x" * 200), empty).said or ""
+    assert len(long) == check.SAID_CHARS and long.endswith("...")
     timed_out = check.outcome(row("a", 0.0, agent_exit_code=None, stop_reason="time_limit"), empty)
     assert timed_out.detail == "agent timed out"
     infra = row(
@@ -85,7 +90,7 @@ def test_a_row_becomes_an_outcome_with_its_cause():
 def checks_of(nop_rows, oracle_rows=None, build_errors=None):
     oracle_rows = oracle_rows or [
         row("good"),
-        row("bad-oracle", 0.0, grade_cause="reward_file"),
+        row("bad-oracle", 0.0, grade_cause="reward_file", agent_output="nothing to fix\n"),
         row("free-reward"),
     ]
     return check.collect(
@@ -106,7 +111,14 @@ def test_the_table_shows_each_reward_and_the_cause_of_each_failure():
     assert table == [
         ["TASK", "ORACLE", "NOP", "SECONDS", "RESULT", "CAUSE"],
         ["good", "1", "0", "2.5", "ok", ""],
-        ["bad-oracle", "0", "0", "2.5", "FAIL", "oracle scored 0 (reward_file)"],
+        [
+            "bad-oracle",
+            "0",
+            "0",
+            "2.5",
+            "FAIL",
+            "oracle scored 0 (reward_file); solve.sh's last line: 'nothing to fix'",
+        ],
         [
             "free-reward",
             "1",
