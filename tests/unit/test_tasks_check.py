@@ -265,3 +265,46 @@ def test_the_message_for_a_base_it_cannot_get_names_it_and_how_to_provide_it():
     # Every base local, yet docker went to a registry: the platform is the likely cause.
     local = cli_tasks.missing_base_message("i:1", ["python:3.12"], [], "no match for platform")
     assert "for another platform?" in local.splitlines()[0]
+
+
+# -- the command, its batches stood in for ------------------------------------------------------
+
+
+def test_the_command_submits_one_oracle_and_one_nop_batch_and_exits_with_the_verdict(
+    monkeypatch, tmp_path
+):
+    from click.testing import CliRunner
+
+    from rollout_worker.cli.main import cli
+
+    sent = {}
+
+    def fake_batches(requests, settings, all_in_one, rootfs):
+        sent.update(requests, all_in_one=all_in_one, rootfs=rootfs)
+        oracle = [
+            row(t["id"], 0.0 if t["id"] == "wrong-oracle" else 1.0)
+            for t in requests["oracle"]["tasks"]
+        ]
+        if "nop" not in requests:
+            return {"oracle": report(*oracle)}
+        nop = [row(t["id"], 0.0) for t in requests["nop"]["tasks"]]
+        return {"oracle": report(*oracle), "nop": report(*nop)}
+
+    monkeypatch.setattr(cli_tasks, "_run_check_batches", fake_batches)
+    picked = ["--task", "add-numbers", "--task", "no-solution", "--task", "wrong-oracle"]
+    args = ["tasks", "check", str(FIXTURES), *picked, "--nop", "--rootfs", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == check.EXIT_FAILED, result.output
+    assert [t["id"] for t in sent["oracle"]["tasks"]] == ["add-numbers", "wrong-oracle"]
+    assert [t["id"] for t in sent["nop"]["tasks"]] == ["add-numbers", "no-solution", "wrong-oracle"]
+    assert sent["nop"]["policy"] == check.NEVER_ASKED_POLICY and "policy" not in sent["oracle"]
+    assert sent["oracle"]["episode_timeout_seconds"] == 120 and sent["all_in_one"] is True
+    assert sent["rootfs"] == tmp_path.resolve()
+    lines = result.output.splitlines()
+    assert lines[-1] == "3 tasks: 1 passed, 2 failed (no-solution, wrong-oracle)"
+    # Without --nop, on the passing task alone: exit 0, no nop batch.
+    sent.clear()
+    result = CliRunner().invoke(cli, ["tasks", "check", str(FIXTURES), "--task", "add-numbers"])
+    assert result.exit_code == 0, result.output
+    assert "nop" not in sent
+    assert result.output.splitlines()[-2].split() == ["add-numbers", "1", "-", "2.5", "ok"]
