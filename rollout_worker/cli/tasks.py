@@ -741,6 +741,7 @@ def _run_check_batches(
     """Submit the check's batches at once (they run side by side) and wait for their
     reports: {"oracle": report, "nop": report}."""
     from rollout_wire.errors import RolloutError
+    from rollout_wire.states import Cleanup
     from rollout_wire.urls import redacted
     from rollout_worker.cli.common import console, err
     from rollout_worker.cli.stack import LocalStack
@@ -771,6 +772,35 @@ def _run_check_batches(
             for name, submission in sent.items():
                 err(f"{name}: batch {submission.batch_id}, {submission.spec.count} episodes")
             by_id = follow(client, list(sent.values()), console(True), timeout, heartbeat)
+            if all_in_one:
+                scheduled = [
+                    s
+                    for s in sent.values()
+                    if by_id[s.batch_id].get("cleanup") == Cleanup.SCHEDULED
+                ]
+                _wait_for_cleanups(scheduled, heartbeat)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
     return {name: by_id[submission.batch_id] for name, submission in sent.items()}
+
+
+def _wait_for_cleanups(submissions: Sequence[Any], heartbeat: Any) -> None:
+    """Before a private stack stops: let its workers delete the runs whose cleanup the report
+    scheduled (bounded), as `rollout run --all-in-one` does, so no sandbox's files are left
+    for the stack to remove."""
+    import time
+
+    from rollout_wire.states import Cleanup
+    from rollout_worker.cli.common import CLEANUP_WAIT_SECONDS
+
+    deadline = time.monotonic() + CLEANUP_WAIT_SECONDS
+    waiting = list(submissions)
+    while waiting and time.monotonic() < deadline:
+        waiting = [
+            s
+            for s in waiting
+            if s.receipt().get("cleanup") not in (Cleanup.DELETED, Cleanup.FAILED)
+        ]
+        if heartbeat is not None:
+            heartbeat()
+        time.sleep(0.2)
