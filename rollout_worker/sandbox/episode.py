@@ -2833,14 +2833,37 @@ class Runner:
                 return step, "submit"
 
 
-def load_task(identity: dict) -> dict:
+# A file of the batch's tasks with their hidden tests, for a runner that grades in the
+# container its agent acts in (Kubernetes, a task in its own image): read into memory and
+# removed before any agent process exists (the tasks file holds the tasks without them).
+HIDDEN_TASKS_ENV = "ROLLOUT_HIDDEN_TASKS_FILE"
+
+
+def take_hidden_tests() -> dict:
+    """{task id: tests} from HIDDEN_TASKS_ENV's file, which is gone when this returns (an
+    InfrastructureError when it cannot be removed: the agent must never find it). The
+    runner is not dumpable (harden), so the agent cannot read them from its memory either."""
+    path = os.environ.get(HIDDEN_TASKS_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tasks = json.load(handle)
+        os.unlink(path)
+    except (OSError, ValueError) as exc:
+        raise InfrastructureError(f"the hidden tests cannot be taken out of reach: {exc}") from None
+    return {t["id"]: t["tests"] for t in tasks if isinstance(t, dict) and t.get("tests")}
+
+
+def load_task(identity: dict, hidden: dict | None = None) -> dict:
     with open(os.environ["ROLLOUT_TASKS_FILE"]) as handle:
         tasks = json.load(handle)
     if isinstance(tasks, dict):
         tasks = tasks.get("tasks", [])
     for task in tasks:
         if task.get("id") == identity["task_id"]:
-            return task
+            tests = (hidden or {}).get(task["id"])
+            return dict(task, tests=tests) if tests else task
     raise InfrastructureError(f"task {identity['task_id']!r} is not in the tasks file")
 
 
@@ -2916,8 +2939,9 @@ GRADER_ENV = "ROLLOUT_GRADER"
 
 def agent(workspace: str) -> int:
     try:
+        hidden = take_hidden_tests()
         identity = episode_identity()
-        task = load_task(identity)
+        task = load_task(identity, hidden)
         raw = os.environ.get("ROLLOUT_POLICY")
         config = json.loads(raw) if raw else None
         phase = os.environ.get("ROLLOUT_PHASE") or "agent"

@@ -303,16 +303,28 @@ def test_harbor_tasks_oracle_scores_one_on_the_real_node(real_node, real_stack):
     )
     assert built.returncode == 0, built.stderr
     client = RolloutClient(real_stack.redis_url)
+    tasks = load_task_set(str(harbor), only)
+    # A task in its own image grades in its agent's container: the batch's hidden tests reach
+    # that runner alone. An agent that searches its whole Pod for add-numbers' tests (in the
+    # batch's tasks file) finds nothing.
+    from tests.red_team import LOOK_FOR_TESTS
+
+    look = {"command": ["python", "-c", LOOK_FOR_TESTS]}
+    tasks.append(next(t for t in tasks if t["id"] == "image-task") | {"id": "look", "agent": look})
     request = real_node.batch_fields() | {
         "backend": "kubernetes",
-        "tasks": load_task_set(str(harbor), only),
+        "tasks": tasks,
         "capacity_check": "warn",
         "agent": "oracle",
+        "policy": {"url": "http://127.0.0.1:9"},  # never asked
     }
     submission = client.submit(**request)
     report = client.wait(submission.batch_id, timeout=300)
     assert report["status"] == "succeeded", report["errors"]
-    assert {r["task_id"]: r["reward"] for r in report["pods"]} == dict.fromkeys(only, 1)
+    rewards = {r["task_id"]: r["reward"] for r in report["pods"]}
+    assert rewards == dict.fromkeys(only, 1) | {"look": 0}
+    found = next(r for r in report["pods"] if r["task_id"] == "look")["agent_output"]
+    assert "hidden tests found: none" in found, found
     assert (
         next(r for r in report["pods"] if r["task_id"] == "partial-credit")["reward_details"][
             "checks_passed"

@@ -428,3 +428,32 @@ def test_a_server_the_task_script_leaves_running_is_not_an_early_exit(tmp_path):
     outcome = events[-1]
     assert (outcome["reward"], outcome["grade_cause"]) == (1, None), outcome
     assert row_of(done.stdout, started).status == "ok"
+
+
+def test_a_runner_takes_its_hidden_tests_into_memory_and_leaves_no_file(tmp_path, monkeypatch):
+    stash = tmp_path / "stash"
+    stash.mkdir()
+    hidden = stash / "tasks.json"
+    hidden.write_text(json.dumps([{"id": "t1", "tests": {"test.sh": "the hidden check"}}]))
+    visible = tmp_path / "tasks.json"
+    visible.write_text(json.dumps([{"id": "t1", "statement": "s"}]))
+    monkeypatch.setenv("ROLLOUT_HIDDEN_TASKS_FILE", str(hidden))
+    monkeypatch.setenv("ROLLOUT_TASKS_FILE", str(visible))
+    taken = episode.take_hidden_tests()
+    assert not hidden.exists()
+    task = episode.load_task({"task_id": "t1"}, taken)
+    assert task == {"id": "t1", "statement": "s", "tests": {"test.sh": "the hidden check"}}
+    # A stash the runner cannot remove: no task, so no agent ever runs beside the file.
+    hidden.write_text("[]")
+    stash.chmod(0o500)
+    try:
+        if os.access(stash, os.W_OK):  # root ignores the mode: make the file unremovable
+            monkeypatch.setattr(episode.os, "unlink", _refuse)
+        with pytest.raises(episode.InfrastructureError, match="out of reach"):
+            episode.take_hidden_tests()
+    finally:
+        stash.chmod(0o700)
+
+
+def _refuse(path):
+    raise PermissionError(13, "Permission denied", path)

@@ -490,6 +490,38 @@ def test_hidden_tests_never_reach_the_agents_container():
         assert not grades_apart(real_spec(tasks))
 
 
+def test_hidden_tests_of_a_task_in_its_own_image_reach_only_its_runner():
+    from rollout_worker.backends.kube.objects import grades_apart, stashes_tests
+
+    batch = real_spec([HIDDEN | {"image": "rollout.local/task:1"}])
+    assert not grades_apart(batch) and stashes_tests(batch)
+    pod_spec = job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["template"]["spec"]
+    (stash,) = pod_spec["initContainers"]
+    (episode,) = pod_spec["containers"]
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    # The episode's container mounts the tasks without their tests, and the stash folder.
+    mounts = {m["mountPath"]: m["name"] for m in episode["volumeMounts"]}
+    assert mounts["/demo"] == "agent-program" and mounts["/rollout-stash"] == "stash"
+    assert {i["key"] for i in volumes["agent-program"]["configMap"]["items"]} == {
+        "episode.py",
+        "tasks-agent.json",
+    }
+    env = {e["name"]: e.get("value") for e in episode["env"]}
+    assert env["ROLLOUT_HIDDEN_TASKS_FILE"] == "/rollout-stash/tasks.json"
+    # The stash copies the full tasks file there, in the task's image, as the sandbox user.
+    assert stash["image"] == "rollout.local/task:1" and stash["env"] == []
+    assert stash["command"][-3:] == ["/demo/tasks.json", "/rollout-stash/tasks.json", "4"]
+    assert {m["name"] for m in stash["volumeMounts"]} == {"program", "stash"}
+    assert stash["securityContext"] == episode["securityContext"]
+    assert volumes["stash"]["emptyDir"]["medium"] == "Memory"
+    rules = job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["podFailurePolicy"]
+    named = {r["onExitCodes"]["containerName"] for r in rules["rules"] if "onExitCodes" in r}
+    assert named == {"stash", "episode"}
+    # No hidden tests: nothing stashed, the program folder as it was.
+    visible = {k: v for k, v in HIDDEN.items() if k != "tests"} | {"test_files": {"t.py": "x"}}
+    assert not stashes_tests(real_spec([visible | {"image": "rollout.local/task:1"}]))
+
+
 def test_grade_fresh_on_kubernetes_grades_in_a_second_container_over_the_workspace_alone():
     from rollout_worker.backends.kube.objects import grades_apart
 

@@ -29,6 +29,18 @@ CONTAINER_NAME = "episode"
 # name; the Pod's one container (CONTAINER_NAME) then only grades (grades_apart).
 AGENT_CONTAINER = "agent"
 AGENT_TASKS_KEY = "tasks-agent.json"
+# A batch whose tests must reach a runner in its agent's own container (stashes_tests): the
+# init container that copies them to STASH_DIR, a memory folder only that container mounts.
+STASH_CONTAINER = "stash"
+STASH_DIR = "/rollout-stash"
+# argv: source, destination, the exit code of a failed copy (infrastructure: retried).
+_STASH_COPY = """import shutil, sys
+try:
+    shutil.copyfile(sys.argv[1], sys.argv[2])
+except OSError as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(int(sys.argv[3]))
+"""
 # Where the agent's runner leaves its baseline counts for the grader (written after every
 # process of the agent's is gone; validation checks the grader used what the log says).
 HANDOFF_DIR = "/handoff"
@@ -91,12 +103,21 @@ def grades_apart(spec: BatchSpec) -> bool:
     return apart and not any(t.get("image") for t in spec.tasks)
 
 
+def stashes_tests(spec: BatchSpec) -> bool:
+    """Whether the batch's hidden tests reach a runner that grades in its agent's container (a
+    task in its own image, whose folders a second container would not share): an init
+    container copies the tasks with their tests to a memory folder of the Pod, the container
+    mounts the tasks without them, and its runner reads that copy and removes it before any
+    agent process exists (HIDDEN_TASKS_ENV in the episode program)."""
+    return not grades_apart(spec) and any(t.get("tests") for t in spec.tasks)
+
+
 def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
     data = {PROGRAM_KEY: program}
     tasks = tasks_text(spec)
     if tasks is not None:
         data[TASKS_KEY] = tasks
-    if grades_apart(spec):
+    if grades_apart(spec) or stashes_tests(spec):
         data[AGENT_TASKS_KEY] = orjson.dumps([agent_view(t) for t in spec.tasks]).decode()
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
     if size > CONFIGMAP_MAX_BYTES:
@@ -169,9 +190,13 @@ def pod_failure_policy(spec: BatchSpec) -> dict[str, Any]:
     """Which failed Pods use up the episode's retry budget (`backoffLimitPerIndex`): the
     runner's infrastructure exit code and disruptions (eviction, preemption, node loss). Any
     other failure (an episode error, a deadline) fails its index at once: retrying it would
-    only sample the policy again until one attempt looks good. The agent's init container,
-    when the batch grades apart, by the same rules."""
-    names = [AGENT_CONTAINER, CONTAINER_NAME] if grades_apart(spec) else [CONTAINER_NAME]
+    only sample the policy again until one attempt looks good. The init container (the
+    agent's when the batch grades apart, the tests' stash) by the same rules."""
+    names = [CONTAINER_NAME]
+    if grades_apart(spec):
+        names = [AGENT_CONTAINER, CONTAINER_NAME]
+    elif stashes_tests(spec):
+        names = [STASH_CONTAINER, CONTAINER_NAME]
     count = [
         {
             "action": "Count",
@@ -349,11 +374,57 @@ def sandbox_pod_spec(
             )
     if grades_apart(spec):
         _grade_apart(pod_spec)
+    elif stashes_tests(spec):
+        _stash_tests(pod_spec)
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
     return pod_spec
+
+
+def _agent_program_volume() -> dict[str, Any]:
+    """The program folder an agent's container mounts: the program and the tasks without
+    their tests (as TASKS_KEY)."""
+    items = [
+        {"key": PROGRAM_KEY, "path": PROGRAM_KEY},
+        {"key": AGENT_TASKS_KEY, "path": TASKS_KEY},
+    ]
+    return {"name": "agent-program", "configMap": {"name": CONFIGMAP_NAME, "items": items}}
+
+
+def _stash_tests(pod_spec: dict[str, Any]) -> None:
+    """See stashes_tests: the container mounts the tasks without their tests, and an init
+    container (the same image, user and limits) leaves the full tasks file in a memory
+    folder only the container mounts, for its runner to take and remove."""
+    container = pod_spec["containers"][0]
+    stash = copy.deepcopy(container)
+    stash["name"] = STASH_CONTAINER
+    stash["command"] = [
+        "python", "-B", "-I", "-c", _STASH_COPY,
+        f"{PROGRAM_DIR}/{TASKS_KEY}", f"{STASH_DIR}/{TASKS_KEY}", str(EXIT_INFRASTRUCTURE),
+    ]  # fmt: skip
+    stash["env"] = []
+    stash["volumeMounts"] = [
+        {"name": "program", "mountPath": PROGRAM_DIR, "readOnly": True},
+        {"name": "stash", "mountPath": STASH_DIR},
+    ]
+    stash.pop("terminationMessagePolicy", None)
+    container["volumeMounts"] = [
+        {"name": "agent-program", "mountPath": PROGRAM_DIR, "readOnly": True}
+        if m["name"] == "program"
+        else m
+        for m in container["volumeMounts"]
+    ] + [{"name": "stash", "mountPath": STASH_DIR}]
+    container["env"] = [
+        *container["env"],
+        {"name": "ROLLOUT_HIDDEN_TASKS_FILE", "value": f"{STASH_DIR}/{TASKS_KEY}"},
+    ]
+    pod_spec["volumes"] += [
+        _agent_program_volume(),
+        {"name": "stash", "emptyDir": {"medium": "Memory", "sizeLimit": "2Mi"}},
+    ]
+    pod_spec["initContainers"] = [stash]
 
 
 def _grade_apart(pod_spec: dict[str, Any]) -> None:
@@ -387,12 +458,8 @@ def _grade_apart(pod_spec: dict[str, Any]) -> None:
         {"name": "ROLLOUT_SHARED_DIRS", "value": ":".join([*shared, "/dev/shm"])},
     ]
     grader["volumeMounts"] = [*grader["volumeMounts"], handoff | {"readOnly": True}]
-    items = [
-        {"key": PROGRAM_KEY, "path": PROGRAM_KEY},
-        {"key": AGENT_TASKS_KEY, "path": TASKS_KEY},
-    ]
     pod_spec["volumes"] += [
-        {"name": "agent-program", "configMap": {"name": CONFIGMAP_NAME, "items": items}},
+        _agent_program_volume(),
         {"name": "handoff", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
     ]
     pod_spec["initContainers"] = [agent]
