@@ -5,6 +5,8 @@
 name the mapping gave it (`rollout_wire.harbor.local_image_name`), then optionally puts the
 image where a backend finds it: the local cluster's real node (`--node-import`), a registry
 (`--push`), or an extracted root filesystem for the local backend (`--rootfs`).
+`check DIR` builds the same way, then runs every task's oracle (and with --nop an agent that
+does nothing) and judges the rows (the verdict: `rollout_worker.cli.check`).
 
 The commands are built by the pure functions below (argv lists, tested without Docker); the
 click commands only run them. A base image docker cannot get (not local, no registry reached)
@@ -454,7 +456,7 @@ def _problems_exit(problems: Sequence[str]) -> NoReturn:
 
 @click.group()
 def tasks() -> None:
-    """Show a task set; build the images of Harbor tasks."""
+    """Show a task set; build the images of Harbor tasks; check every task's oracle."""
 
 
 def summary_rows(task_list: Sequence[Mapping[str, Any]]) -> list[list[str]]:
