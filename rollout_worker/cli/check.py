@@ -43,8 +43,9 @@ class Outcome:
     said: str | None = None  # the agent's last line of output: why a wrong oracle is wrong
 
 
-# What a cause quotes of an agent's output.
+# What a cause quotes of an agent's output, and of a build's failure.
 SAID_CHARS = 80
+BUILD_ERROR_CHARS = 160
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,12 @@ def _failed(who: str, result: Outcome) -> str:
 def problems(check: TaskCheck, *, allow_no_oracle: bool = False) -> list[str]:
     """Why the task fails the check (empty: it passes)."""
     if check.build_error is not None:
-        return [f"build failed: {check.build_error}"]
+        # Its first line (the whole message, with how to provide a base image, is printed
+        # above the table).
+        first = check.build_error.splitlines()[0] if check.build_error else "?"
+        if len(first) > BUILD_ERROR_CHARS:
+            first = first[: BUILD_ERROR_CHARS - 3] + "..."
+        return [f"build failed: {first}"]
     found = []
     if not check.has_oracle:
         if not allow_no_oracle:
@@ -208,7 +214,7 @@ def table(
     for check in checks:
         found = problems(check, allow_no_oracle=allow_no_oracle)
         if check.build_error is not None:
-            oracle_cell = nop_cell = "not built"
+            oracle_cell, nop_cell = "not built", "not built" if nop else "-"
         else:
             oracle_cell = _cell(check.oracle, ran=True, missing="no oracle")
             nop_cell = _cell(check.nop, ran=nop, missing="-")

@@ -9,7 +9,7 @@ from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli import check
 from rollout_worker.cli import tasks as cli_tasks
-from rollout_worker.cli.check import Outcome
+from rollout_worker.cli.check import Outcome, TaskCheck
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "harbor"
 
@@ -207,7 +207,13 @@ def test_a_task_whose_image_did_not_build_fails_with_the_build_error():
         "FAIL",
         "build failed: cannot get its base image x:1",
     ]
+    assert check.table(checks, nop=False)[1][1:3] == ["not built", "-"]
     assert check.exit_status(checks) == check.EXIT_FAILED
+    # A long, multi-line build error: its first line, cut, in the table.
+    long = "cannot get its base image " + "x" * 300 + "\n  provide it: ..."
+    cause = check.problems(TaskCheck("good", True, build_error=long))[0]
+    assert cause.startswith("build failed: cannot get") and "\n" not in cause
+    assert len(cause) == len("build failed: ") + check.BUILD_ERROR_CHARS
 
 
 # -- `rollout tasks build`: the base images a Dockerfile needs ----------------------------------
