@@ -228,9 +228,9 @@ HARBOR_TRICKS = {
 # Looks everywhere it can read for the hidden tests' text (the check's own case list) and
 # prints what it found: it must find nothing, on either backend.
 HIDDEN_TESTS_MARK = "cases = [((1, 2), 3)"
-LOOK_FOR_TESTS = """
+LOOK_FOR = """
 import os, stat
-mark = b"cases = [((1, " + b"2), 3)"  # in two pieces: this source itself is in the task
+mark = b"<FIRST>" + b"<SECOND>"  # in two pieces: this source itself is in the task
 found = []
 for top in ("/",):
     for folder, dirs, files in os.walk(top):
@@ -257,4 +257,13 @@ for pid in os.listdir("/proc"):
                 pass
 print("hidden tests found: %s" % (found or "none"))
 """
+
+
+def look_for(first: str, second: str) -> str:
+    """An agent that searches its whole sandbox (files, every process's environment and
+    command line) for the text `first + second`, a piece of the hidden tests."""
+    return LOOK_FOR.replace("<FIRST>", first).replace("<SECOND>", second)
+
+
+LOOK_FOR_TESTS = look_for("cases = [((1, ", "2), 3)")
 HARBOR_TRICKS["harbor-look-for-tests"] = (LOOK_FOR_TESTS, "reward_file")

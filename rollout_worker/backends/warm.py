@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from rollout_wire.request import BatchSpec
-from rollout_wire.tasksets import demo_task
+from rollout_wire.tasksets import agent_view, demo_task
 
 # Where the hand-over writes a real rollout's task (the sandbox's own /tmp, memory-backed).
 TASKS_FILE = "/tmp/rollout-tasks.json"
@@ -33,14 +33,17 @@ def pool_image(spec: BatchSpec) -> str | None:
     return images.pop() if len(images) == 1 else None
 
 
-def pool_key(spec: BatchSpec, program: str) -> str | None:
+def pool_key(spec: BatchSpec, program: str, *, grades_within: bool = False) -> str | None:
     """Which pool a batch takes from, or None when it can take none: its episodes use several
     images, it has a retry budget (a warm episode has no Job to run it again), or hidden tests
-    (a warm sandbox would be handed them with its task, and has no grader behind it)."""
+    unless the backend's sandbox grades within itself (`grades_within`: the tests travel in
+    the hand-over apart from the task, and its runner keeps them in memory; otherwise the
+    grader is a second sandbox that a warm one does not have)."""
     image = pool_image(spec)
-    if image is None or spec.infra_retries or any(t.get("tests") for t in spec.tasks):
+    hidden = any(t.get("tests") for t in spec.tasks)
+    if image is None or spec.infra_retries or (hidden and not grades_within):
         return None
-    shape = {
+    shape: dict[str, Any] = {
         "image": image,
         "runtime": spec.runtime,
         "image_pull_policy": spec.image_pull_policy,
@@ -50,6 +53,13 @@ def pool_key(spec: BatchSpec, program: str) -> str | None:
         "policy": spec.policy.endpoint if spec.policy is not None else None,
         "program": hashlib.sha256(program.encode()).hexdigest(),
     }
+    # What a sandbox's folders depend on (kube objects.sandbox_pod_spec): a writable root for
+    # tasks whose tests come after the agent, the agent's own folders for agent commands.
+    # Only named when present, so the other shapes keep their keys.
+    if hidden:
+        shape["writable_root"] = True
+    if any("agent" in t for t in spec.tasks):
+        shape["agent_dirs"] = True
     return hashlib.sha256(orjson.dumps(shape, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
@@ -79,5 +89,9 @@ def handover_line(
             "ROLLOUT_GROUP_ID": episode.group_id,
             "ROLLOUT_ATTEMPT": "0",
         }
-        line["tasks"] = [task]
+        # What the agent may see (agent_view: no tests, no solution but the oracle's); the
+        # tests apart, for the runner's memory alone (its take_handover).
+        line["tasks"] = [agent_view(task)]
+        if task.get("tests"):
+            line["hidden_tests"] = {task["id"]: task["tests"]}
     return orjson.dumps(line) + b"\n"

@@ -2839,13 +2839,18 @@ class Runner:
 HIDDEN_TASKS_ENV = "ROLLOUT_HIDDEN_TASKS_FILE"
 
 
+# A warm sandbox's hidden tests, from its hand-over line (never written to a file).
+HANDED_TESTS: dict = {}
+
+
 def take_hidden_tests() -> dict:
-    """{task id: tests} from HIDDEN_TASKS_ENV's file, which is gone when this returns (an
-    InfrastructureError when it cannot be removed: the agent must never find it). The
-    runner is not dumpable (harden), so the agent cannot read them from its memory either."""
+    """{task id: tests}: handed over (a warm sandbox), or from HIDDEN_TASKS_ENV's file, which
+    is gone when this returns (an InfrastructureError when it cannot be removed: the agent
+    must never find it). The runner is not dumpable (harden), so the agent cannot read them
+    from its memory either."""
     path = os.environ.get(HIDDEN_TASKS_ENV)
     if not path:
-        return {}
+        return dict(HANDED_TESTS)
     try:
         with open(path, encoding="utf-8") as handle:
             tasks = json.load(handle)
@@ -2975,7 +2980,8 @@ def take_handover(stream: typing.TextIO) -> bool:
     waits here, interpreter and imports done, for the one line that makes it an episode
     (written through the API server's attach, so the sandbox's network stays closed). The line
     is JSON: `env` (the variables a cold sandbox gets from its Pod spec) and, for real rollouts,
-    `tasks` (this episode's task, written to ROLLOUT_TASKS_FILE). False when stdin closed
+    `tasks` (this episode's task as its agent may see it, written to ROLLOUT_TASKS_FILE) and
+    `hidden_tests` (kept in memory: take_hidden_tests). False when stdin closed
     without a line (the pool was drained): there is no episode to run."""
     line = stream.readline()
     if not line.strip():
@@ -2985,6 +2991,8 @@ def take_handover(stream: typing.TextIO) -> bool:
     if "tasks" in handover:
         with open(os.environ["ROLLOUT_TASKS_FILE"], "w") as handle:
             json.dump(handover["tasks"], handle)
+    if isinstance(handover.get("hidden_tests"), dict):
+        HANDED_TESTS.update(handover["hidden_tests"])
     return True
 
 

@@ -299,3 +299,58 @@ def test_a_batch_of_several_waves_is_fed_from_its_pool_and_a_drained_pool_runs_c
         _wait_cleanup(client, s.batch_id)
     _drain(real_stack, k8s_cluster, key)
     client.close()
+
+
+@pytest.mark.timeout(900)
+def test_warm_pods_serve_episodes_with_hidden_tests_that_only_their_runner_holds(
+    real_node, real_stack, k8s_cluster
+):
+    # A task in its own image grades in its agent's container: a warm Pod takes such an
+    # episode, its tests handed over apart from the task and kept in the runner's memory. An
+    # agent that searches its whole Pod for them finds nothing, cold or warm.
+    from pathlib import Path
+
+    from rollout_wire.tasksets import load_task_set
+    from tests.red_team import look_for
+
+    harbor = Path(__file__).resolve().parents[1] / "data" / "harbor"
+    subprocess.run(["hack/docker-up.sh"], check=True, cwd=harbor.parents[2], timeout=600)
+    built = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.cli", "tasks", "build", str(harbor)),
+            *("--task", "image-task", "--node-import"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr
+    (task,) = load_task_set(str(harbor), ["image-task"])
+    look = {"command": ["python", "-c", look_for("from greet import ", "greeting")]}
+    fields = real_node.batch_fields() | {
+        "backend": "kubernetes",
+        "tasks": [task | {"agent": "oracle"}, task | {"id": "look", "agent": look}],
+        "policy": {"url": "http://127.0.0.1:9"},  # never asked
+        "capacity_check": "warn",
+    }
+    spec = parse_spec(fields, max_episodes=None)
+    key = warm.pool_key(spec, episode_program_text(), grades_within=True)
+    assert key is not None and warm.pool_key(spec, episode_program_text()) is None
+    client = RolloutClient(real_stack.redis_url)
+    try:
+        first = client.submit(**fields, warm_pool=2)
+        reports = [client.wait(first.batch_id, timeout=300)]
+        assert not client.receipt(first.batch_id)["run"]["warm"]
+        waiting = _wait_for_pool(k8s_cluster, objects.pool_namespace(key), 2)
+        assert all(not p.spec.init_containers for p in waiting)  # no stash in a warm Pod
+        second = client.submit(**fields)
+        reports.append(client.wait(second.batch_id, timeout=300))
+        assert len(client.receipt(second.batch_id)["run"]["warm"]) == 2
+        for report in reports:
+            rows = {row["task_id"]: row for row in report["pods"]}
+            assert {t: r["reward"] for t, r in rows.items()} == {"image-task": 1, "look": 0}
+            found = rows["look"]["agent_output"]
+            assert "hidden tests found: none" in found, found
+    finally:
+        client.close()
+        _drain(real_stack, k8s_cluster, key)

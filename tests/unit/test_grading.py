@@ -457,3 +457,36 @@ def test_a_runner_takes_its_hidden_tests_into_memory_and_leaves_no_file(tmp_path
 
 def _refuse(path):
     raise PermissionError(13, "Permission denied", path)
+
+
+def test_a_warm_sandbox_keeps_its_handed_over_tests_in_memory_only(tmp_path, monkeypatch):
+    import io
+
+    from rollout_wire.request import parse_spec
+    from rollout_worker.backends import warm
+
+    task = {
+        "id": "t1",
+        "statement": "s",
+        "files": {"a.py": "x = 1\n"},
+        "tests": {"test.sh": "the hidden check"},
+        "solution": {"solve.sh": "the answer"},
+        "test_command": ["bash", "/tests/test.sh"],
+        "reward": "file",
+        "agent": {"command": ["python", "-c", "pass"]},
+    }
+    spec = parse_spec(
+        {"backend": "kubernetes", "tasks": [task], "policy": {"url": "http://10.0.0.5:8000"}},
+        max_episodes=10,
+    )
+    handover = json.loads(warm.handover_line(spec, 0))
+    tasks_file = tmp_path / "tasks.json"
+    handover["env"]["ROLLOUT_TASKS_FILE"] = str(tasks_file)  # not the sandbox's /tmp
+    monkeypatch.setattr(episode, "HANDED_TESTS", {})
+    monkeypatch.delenv("ROLLOUT_HIDDEN_TASKS_FILE", raising=False)
+    for name in handover["env"]:
+        monkeypatch.setenv(name, "")  # take_handover sets them; monkeypatch restores them
+    assert episode.take_handover(io.StringIO(json.dumps(handover) + "\n"))
+    written = tasks_file.read_text()
+    assert "the hidden check" not in written and "the answer" not in written
+    assert episode.take_hidden_tests() == {"t1": {"test.sh": "the hidden check"}}

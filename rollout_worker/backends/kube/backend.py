@@ -732,8 +732,12 @@ class KubernetesBackend:
 
     # -- warm pools (backends/warm.py, kube/pools.py) ---------------------------------------
     def pool_key(self, spec: BatchSpec) -> str | None:
-        # A warm Pod is one container: a batch that grades in a second one starts cold.
-        return None if objects.grades_apart(spec) else warm.pool_key(spec, self.program)
+        # A warm Pod is one container: a batch that grades in a second one starts cold; one
+        # whose runner grades in its agent's container (stashes_tests) takes warm Pods, its
+        # hidden tests handed over apart from the task.
+        if objects.grades_apart(spec):
+            return None
+        return warm.pool_key(spec, self.program, grades_within=True)
 
     def fill_pool(
         self, spec: BatchSpec, size: int, budget: int, idle_seconds: float, record: ReceiptUpdate

@@ -289,10 +289,16 @@ def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
 
 
 def sandbox_pod_spec(
-    spec: BatchSpec, image: str, env: list[dict[str, Any]], active_deadline: int
+    spec: BatchSpec,
+    image: str,
+    env: list[dict[str, Any]],
+    active_deadline: int,
+    *,
+    warm: bool = False,
 ) -> dict[str, Any]:
     """The Pod spec of one sandbox, cold (a Job's template) or warm (a pool Pod): the same
-    isolation either way (non-root, no capabilities, no token, read-only root)."""
+    isolation either way (non-root, no capabilities, no token, read-only root). A warm one
+    gets its task, and any hidden tests, through its hand-over, never from a stash."""
     res = spec.resources
     pod_spec: dict[str, Any] = {
         "runtimeClassName": spec.runtime,
@@ -374,7 +380,7 @@ def sandbox_pod_spec(
             )
     if grades_apart(spec):
         _grade_apart(pod_spec)
-    elif stashes_tests(spec):
+    elif stashes_tests(spec) and not warm:
         _stash_tests(pod_spec)
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
@@ -573,7 +579,8 @@ def pool_pod_manifest(spec: BatchSpec, key: str, idle_seconds: float) -> dict[st
     if image is None:
         raise ValueError("a pool serves batches of one image")
     env = [{"name": "ROLLOUT_HANDOVER", "value": "stdin"}]
-    pod_spec = sandbox_pod_spec(spec, image, env, pool_lifetime_seconds(spec, idle_seconds))
+    lifetime = pool_lifetime_seconds(spec, idle_seconds)
+    pod_spec = sandbox_pod_spec(spec, image, env, lifetime, warm=True)
     pod_spec["containers"][0] |= {"stdin": True, "stdinOnce": True}
     return {
         "apiVersion": "v1",
