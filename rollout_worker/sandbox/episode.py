@@ -2343,6 +2343,8 @@ class Runner:
         self.root = root
         self.max_steps = int(task.get("max_steps", 10))
         self.time_limit = float(task.get("time_limit_seconds", 60))
+        # The test command's own limit (Harbor's [verifier] timeout_sec), not the agent's.
+        self.test_timeout = float(task.get("test_timeout_seconds", TESTS_TIMEOUT_SECONDS))
         self.agent: typing.Any = task.get("agent")
         self.mode = "agent" if self.agent is None else ORACLE if self.agent == ORACLE else "command"
         self.tests_dir = TESTS_DIR
@@ -2446,7 +2448,7 @@ class Runner:
                     resolve_argv(argv, env["PATH"]),
                     env,
                     self.root,
-                    TESTS_TIMEOUT_SECONDS,
+                    self.test_timeout,
                     (results_write,),
                 )
             finally:
@@ -2470,7 +2472,7 @@ class Runner:
         command += [str(results_write), str(key_read), what, *args]
         try:
             code, output, _ = run_process(
-                command, env, self.root, TESTS_TIMEOUT_SECONDS, (results_write, key_read)
+                command, env, self.root, self.test_timeout, (results_write, key_read)
             )
         finally:
             os.close(results_write)
