@@ -88,7 +88,9 @@ def test_check_runs_every_oracle_and_nop_and_fails_the_task_set_with_each_cause(
     summary = done.stdout.splitlines()[-1]
     assert "no-solution, partial-credit" in summary and "wrong-oracle" in summary, summary
     assert "image-task: rootfs " in done.stderr  # built and exported for the local backend
-    assert seconds < 30, f"the check took {seconds:.1f}s"
+    # About 10 s here (Docker build cached, rootfs exported once); bounded loosely so a busy
+    # machine does not fail it, tightly enough to catch one batch per task.
+    assert seconds < 60, f"the check took {seconds:.1f}s"
 
     # The same command passes (exit 0) on the tasks whose oracle is right and whose tests
     # reward nothing untouched; the rootfs is not exported again.
