@@ -45,7 +45,7 @@ import re
 import stat
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,12 @@ class HarborTask:
     task: dict[str, Any]
     folder: Path
     build_dir: Path | None
+    # What the task asks of the sandbox ([environment] cpus, memory_mb) when it says so: the
+    # batch's limits default to the largest (`rollout run`), and a smaller flag is refused.
+    requirements: dict[str, int] = field(default_factory=dict)
+    # Keys accepted without being enforced, and unknown keys let through by
+    # --allow-unknown-keys: shown to the user at submission, never silent.
+    warnings: tuple[str, ...] = ()
 
     @property
     def task_id(self) -> str:
@@ -111,10 +117,12 @@ def _task_folders(path: Path) -> list[Path]:
     )
 
 
-def load_harbor_tasks(path: str | Path, only: Iterable[str] | None = None) -> list[dict[str, Any]]:
+def load_harbor_tasks(
+    path: str | Path, only: Iterable[str] | None = None, allow_unknown_keys: bool = False
+) -> list[dict[str, Any]]:
     """The tasks of a Harbor folder (one task's folder, or a folder of them), in folder order;
     `only` keeps these task ids. Raises InvalidSpec listing every task that cannot be mapped."""
-    return [h.task for h in scan(path, only)]
+    return [h.task for h in scan(path, only, allow_unknown_keys)]
 
 
 def harbor_images(
@@ -125,8 +133,11 @@ def harbor_images(
     return [(h.task["image"], h.task_id, h.build_dir) for h in scan(path, only) if h.build_dir]
 
 
-def scan(path: str | Path, only: Iterable[str] | None = None) -> list[HarborTask]:
-    """Every task of the folder mapped, or InvalidSpec with every problem of every task."""
+def scan(
+    path: str | Path, only: Iterable[str] | None = None, allow_unknown_keys: bool = False
+) -> list[HarborTask]:
+    """Every task of the folder mapped, or InvalidSpec with every problem of every task;
+    `allow_unknown_keys` makes an unknown task.toml key a warning (HarborTask.warnings)."""
     root = Path(path)
     folders = _task_folders(root)
     if not folders:
@@ -152,7 +163,7 @@ def scan(path: str | Path, only: Iterable[str] | None = None) -> list[HarborTask
     mapped = []
     for task_id, same in by_id.items():
         if len(same) == 1 and (wanted is None or task_id in wanted):
-            task = _map_task(task_id, same[0], problems)
+            task = _map_task(task_id, same[0], problems, allow_unknown_keys)
             if task is not None:
                 mapped.append(task)
     if problems:
@@ -168,7 +179,9 @@ def _table(config: dict[str, Any], name: str, where: str, problems: list[str]) -
     return value
 
 
-def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | None:
+def _map_task(
+    task_id: str, folder: Path, problems: list[str], allow_unknown_keys: bool = False
+) -> HarborTask | None:
     where = f"task {folder.name!r}"
     before = len(problems)
     if folder.is_symlink():
@@ -187,19 +200,12 @@ def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | N
     agent = _table(config, "agent", where, problems)
     verifier = _table(config, "verifier", where, problems)
     environment = _table(config, "environment", where, problems)
-    solution_config = _table(config, "solution", where, problems)
+    _table(config, "solution", where, problems)
+    _table(config, "task", where, problems)
+    toml_name = f"{folder.name}/{TASK_TOML}"
+    warnings: list[str] = []
+    _check_keys(config, toml_name, where, problems, warnings, allow_unknown_keys)
     _refuse_unsupported(folder, config, environment, verifier, where, problems)
-    for section, table in (
-        ("environment", environment),
-        ("verifier", verifier),
-        ("solution", solution_config),
-    ):
-        if table.get("env"):
-            problems.append(
-                f"{where}: [{section}] env is not supported (the task would run without "
-                "those variables)"
-            )
-
     task: dict[str, Any] = {"id": task_id}
     description = _description(config)
     if description:
@@ -246,9 +252,133 @@ def _map_task(task_id: str, folder: Path, problems: list[str]) -> HarborTask | N
     if _folder(solution_dir, "solution", where, problems):
         task["solution"] = _read_tree(solution_dir, where, problems)
     task["time_limit_seconds"] = _time_limit(agent.get("timeout_sec"), where, problems)
+    _honour(task, agent, verifier, environment, where, problems, warnings)
     if len(problems) > before:
         return None
-    return HarborTask(task=task, folder=folder, build_dir=build_dir)
+    return HarborTask(
+        task=task,
+        folder=folder,
+        build_dir=build_dir,
+        requirements=_requirements(environment, where, problems),
+        warnings=tuple(warnings),
+    )
+
+
+# Harbor's task.toml keys (harbor-framework/harbor models/task/config.py, schema 1.1, plus
+# the keys published task sets use: workdir, environment_mode, artifacts, [[steps]]). A key
+# outside these is unknown: refused by name unless --allow-unknown-keys. Free-form tables
+# ([metadata], the env tables) are not walked.
+KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {
+            "schema_version",
+            "version",
+            "source",
+            "task",
+            "metadata",
+            "agent",
+            "verifier",
+            "environment",
+            "solution",
+            "artifacts",
+            "steps",
+            "multi_step_reward_strategy",
+        }
+    ),
+    "task": frozenset({"name", "version", "description", "authors", "keywords"}),
+    "agent": frozenset({"timeout_sec", "user", "network_mode", "allowed_hosts"}),
+    "verifier": frozenset(
+        {
+            "timeout_sec",
+            "env",
+            "user",
+            "network_mode",
+            "allowed_hosts",
+            "environment_mode",
+            "environment",
+        }
+    ),
+    "environment": frozenset(
+        {
+            "build_timeout_sec",
+            "docker_image",
+            "cpus",
+            "memory_mb",
+            "storage_mb",
+            "gpus",
+            "gpu_types",
+            "allow_internet",
+            "network_mode",
+            "allowed_hosts",
+            "mcp_servers",
+            "env",
+            "skills_dir",
+            "healthcheck",
+            "workdir",
+            "memory",
+            "storage",
+        }
+    ),
+    "solution": frozenset({"env"}),
+}
+# Refused whenever present (with any value), and why.
+REFUSED_KEYS: dict[str, str] = {
+    "steps": "multi-step tasks ([[steps]]) are not supported",
+    "multi_step_reward_strategy": "multi-step tasks are not supported",
+    "artifacts": "artifacts are not collected into the records",
+    "verifier.environment": "a separate verifier environment definition is not supported "
+    '(environment_mode = "separate" grades in a fresh sandbox of the task\'s own environment)',
+    "environment.healthcheck": "healthchecks are not run (the agent would start before the "
+    "environment is ready)",
+    "environment.skills_dir": "skills are not copied to agents",
+    "environment.memory": "deprecated; write memory_mb",
+    "environment.storage": "deprecated; write storage_mb",
+    "environment.env": "environment variables are not carried yet (the agent would run "
+    "without them)",
+    "verifier.env": "environment variables are not carried yet (the tests would run without them)",
+    "solution.env": "environment variables are not carried yet (the oracle would run without them)",
+}
+# The sandbox's only user (uid 1000, non-root): a task asking for it is honoured as is.
+SANDBOX_USERS = ("1000", 1000)
+# Harbor's spellings of "no network" (ours: a sandbox never has one).
+NO_NETWORK = ("no-network", "none")
+_WORKDIR = re.compile(r"^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+_SYSTEM_DIRS = frozenset({"proc", "dev", "sys", "sandbox", "tmp", "logs", "tests", "solution"})
+
+
+def _check_keys(
+    config: dict[str, Any],
+    toml_name: str,
+    where: str,
+    problems: list[str],
+    warnings: list[str],
+    allow_unknown_keys: bool,
+) -> None:
+    """Every key of task.toml is known; a known key that is refused whenever present is
+    refused here, by name."""
+    for section, known in KNOWN_KEYS.items():
+        table = config if not section else config.get(section, {})
+        if not isinstance(table, dict):
+            continue
+        for key in table:
+            dotted = f"{section}.{key}" if section else key
+            label = f"[{section}] {key}" if section else key
+            if key not in known:
+                message = f"{where}: unknown key {label} in {toml_name}"
+                if allow_unknown_keys:
+                    warnings.append(f"{message}: ignored (--allow-unknown-keys)")
+                else:
+                    problems.append(
+                        f"{message}: not honoured here (--allow-unknown-keys lets it through "
+                        "as a warning)"
+                    )
+            elif dotted in REFUSED_KEYS and _present(table[key]):
+                problems.append(f"{where}: {label} in {toml_name}: {REFUSED_KEYS[dotted]}")
+
+
+def _present(value: Any) -> bool:
+    # An empty table or list asks for nothing (Harbor's defaults written out).
+    return value is not None and value != {} and value != []
 
 
 def _refuse_unsupported(
@@ -266,18 +396,116 @@ def _refuse_unsupported(
             f"{where}: environment/{compose[0]} (several containers) is not supported: one "
             "sandbox per episode; give the task an environment/Dockerfile instead"
         )
-    if config.get("steps") or (folder / "steps").is_dir():
-        problems.append(f"{where}: multi-step tasks ([[steps]]) are not supported")
-    if verifier.get("environment_mode") == "separate" or "environment" in verifier:
-        problems.append(f"{where}: a separate verifier environment is not supported")
+    if not config.get("steps") and (folder / "steps").is_dir():
+        problems.append(f"{where}: multi-step tasks (steps/) are not supported")
     gpus = environment.get("gpus", 0)
     if gpus:
         problems.append(f"{where}: [environment] gpus = {gpus!r}: GPUs are not supported")
+    if environment.get("gpu_types"):
+        problems.append(f"{where}: [environment] gpu_types: GPUs are not supported")
     if environment.get("mcp_servers"):
         problems.append(f"{where}: [environment] mcp_servers are not supported")
     tests_dir = folder / "tests"
     if (tests_dir / "test.bat").is_file() and not (tests_dir / TEST_SCRIPT).is_file():
         problems.append(f"{where}: Windows tasks (tests/test.bat) are not supported")
+
+
+def _honour(
+    task: dict[str, Any],
+    agent: dict[str, Any],
+    verifier: dict[str, Any],
+    environment: dict[str, Any],
+    where: str,
+    problems: list[str],
+    warnings: list[str],
+) -> None:
+    """The keys that change how the episode runs, mapped onto the task or refused by name."""
+    timeout = verifier.get("timeout_sec")
+    if timeout is not None:
+        task["test_timeout_seconds"] = _seconds(timeout, "[verifier] timeout_sec", where, problems)
+    mode = verifier.get("environment_mode")
+    if mode is not None:
+        grades = {"shared": "same", "separate": "fresh"}
+        if mode in grades:
+            task["grade"] = grades[mode]
+        else:
+            problems.append(
+                f"{where}: [verifier] environment_mode {mode!r} is not 'shared' or 'separate'"
+            )
+    workdir = environment.get("workdir")
+    if workdir is not None:
+        if (
+            not isinstance(workdir, str)
+            or len(workdir) > 200
+            or not _WORKDIR.match(workdir)
+            or any(part in (".", "..") for part in workdir.split("/"))
+            or workdir.split("/")[1] in _SYSTEM_DIRS
+        ):
+            problems.append(
+                f"{where}: [environment] workdir {workdir!r} must be an absolute path of "
+                "letters, digits, '_', '.', '-', outside /proc, /dev, /sys, /tmp, /logs, "
+                "/tests, /solution and /sandbox"
+            )
+        else:
+            task["workdir"] = workdir
+    for section, table in (("agent", agent), ("verifier", verifier), ("environment", environment)):
+        network = table.get("network_mode")
+        if network is not None and network not in NO_NETWORK:
+            problems.append(
+                f"{where}: [{section}] network_mode {network!r}: sandboxes have no network "
+                "(only 'no-network' is honoured)"
+            )
+        if table.get("allowed_hosts"):
+            problems.append(
+                f"{where}: [{section}] allowed_hosts: sandboxes have no network, no host can "
+                "be allowed"
+            )
+    internet = environment.get("allow_internet")
+    if internet is not None and internet is not False:
+        problems.append(
+            f"{where}: [environment] allow_internet = {internet!r}: sandboxes have no network "
+            "(write false, or drop the key)"
+        )
+    for section, table in (("agent", agent), ("verifier", verifier)):
+        user = table.get("user")
+        if user is None or (user in SANDBOX_USERS and not isinstance(user, bool)):
+            continue
+        why = (
+            "sandboxes never run as root"
+            if user in ("root", 0)
+            else "the sandbox runs as uid 1000 only (write 1000, or drop the key)"
+        )
+        problems.append(f"{where}: [{section}] user = {user!r}: {why}")
+    for key, why in (
+        ("storage_mb", "no per-sandbox disk limit here"),
+        ("build_timeout_sec", "`rollout tasks build` builds the image before the batch"),
+    ):
+        value = environment.get(key)
+        if value is not None:
+            _seconds(value, f"[environment] {key}", where, problems)  # still a number
+            warnings.append(f"{where}: [environment] {key} = {value!r} not enforced: {why}")
+
+
+def _seconds(value: Any, label: str, where: str, problems: list[str]) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        problems.append(f"{where}: {label} must be a positive number, got {value!r}")
+        return 1
+    return math.ceil(value)
+
+
+def _requirements(environment: dict[str, Any], where: str, problems: list[str]) -> dict[str, int]:
+    """[environment] cpus and memory_mb as the task states them (unstated: nothing asked, the
+    batch's limits stand)."""
+    wanted: dict[str, int] = {}
+    for key in ("cpus", "memory_mb"):
+        value = environment.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e7:
+            problems.append(f"{where}: [environment] {key} must be a positive number")
+            continue
+        wanted[key] = math.ceil(value)
+    return wanted
 
 
 def _time_limit(value: Any, where: str, problems: list[str]) -> int:

@@ -267,7 +267,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
     if not 1 <= episode_timeout <= max(deadline, 1):
         problems.append(
             f"episode_timeout_seconds must be within 1..deadline_seconds ({deadline}), "
-            f"got {episode_timeout}"
+            f"got {episode_timeout} (rollout run: raise --deadline or lower --episode-timeout)"
         )
 
     resources = _parse_resources(data.get("resources", {}), problems)
@@ -354,6 +354,24 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         problems.append(
             "agent_env is for the local backend: on Kubernetes the image holds the agent"
         )
+    workdirs: dict[str, set[str]] = {}
+    for task in tasks:
+        if isinstance(task.get("workdir"), str):
+            image = task.get("image") or data.get("image") or DEFAULT_IMAGE
+            workdirs.setdefault(str(image), set()).add(task["workdir"])
+    if backend == "kubernetes":
+        # One Pod shape per image: its workspace volume and working directory are one path.
+        for image, paths in sorted(workdirs.items()):
+            if len(paths) > 1:
+                problems.append(
+                    f"tasks in image {image!r} ask for different workdirs {sorted(paths)}: on "
+                    "Kubernetes one batch runs one workdir per image; submit them apart"
+                )
+        if workdirs and data.get("warm_pool"):
+            problems.append(
+                "warm_pool cannot go with a task's workdir on Kubernetes (a pool's Pods work "
+                "in /workspace)"
+            )
 
     placement = _parse_placement(data, problems)
     raw_policy = data.get("policy")
@@ -392,7 +410,9 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
         if isinstance(limit, int) and limit >= episode_timeout:
             problems.append(
                 f"task {task.get('id')!r}: time_limit_seconds {limit} must be below "
-                f"episode_timeout_seconds ({episode_timeout}), which also covers setup and tests"
+                f"episode_timeout_seconds ({episode_timeout}), which also covers setup and tests "
+                "(rollout run: raise --episode-timeout, or lower the task's limit: Harbor's "
+                "[agent] timeout_sec)"
             )
 
     if problems:
@@ -528,10 +548,18 @@ TASK_FIELDS = {
     "grade": "same (default): the tests run where the agent ran; fresh: in a new sandbox that "
     "receives only the workspace the agent left",
     "time_limit_seconds": "the agent loop's time limit",
+    "test_timeout_seconds": "the test command's own time limit (default 60)",
+    "workdir": "absolute path: where the agent and the tests run (default: the backend's "
+    "workspace, /workspace or the image's WORKDIR)",
     "max_steps": "the agent loop's step limit",
     "image": "the image the task needs (kubernetes)",
     "description": "free text for people (not shown to the policy)",
 }
+# The runner's own test time limit (episode.py TESTS_TIMEOUT_SECONDS) when a task sets none.
+DEFAULT_TEST_TIMEOUT_SECONDS = 60
+_WORKDIR = re.compile(r"^/[A-Za-z0-9_.-]{1,100}(/[A-Za-z0-9_.-]{1,100}){0,15}$")
+# Folders the sandbox itself mounts: a workspace there would hide or be hidden by them.
+_RESERVED_DIRS = frozenset({"proc", "dev", "sys", "sandbox", "tmp", "logs", "tests", "solution"})
 _TASK_ID = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
 _FILE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
 
@@ -670,10 +698,22 @@ def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
         for name, default, top in (
             ("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS, MAX_DEADLINE_SECONDS),
             ("max_steps", DEFAULT_MAX_STEPS, MAX_STEPS),
+            ("test_timeout_seconds", DEFAULT_TEST_TIMEOUT_SECONDS, MAX_DEADLINE_SECONDS),
         ):
             number = task.get(name, default)
             if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= top:
                 problems.append(f"task {tid!r}: {name} must be an integer within 1..{top}")
+        workdir = task.get("workdir")
+        if workdir is not None and (
+            not isinstance(workdir, str)
+            or not _WORKDIR.match(workdir)
+            or workdir.split("/")[1] in _RESERVED_DIRS
+            or any(part in (".", "..") for part in workdir.split("/"))
+        ):
+            problems.append(
+                f"task {tid!r}: workdir {workdir!r} must be an absolute path of letters, digits, "
+                f"'_', '.', '-', outside {sorted(_RESERVED_DIRS)}"
+            )
         image = task.get("image")
         if image is not None and (not isinstance(image, str) or not _IMAGE.match(image)):
             problems.append(f"task {tid!r}: image {image!r} is not a valid image reference")

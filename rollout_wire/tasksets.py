@@ -9,6 +9,7 @@ bugs, one of them needing several steps); it is what the tests and the demo use.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,12 @@ def agent_view(task: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in task.items() if name not in hidden}
 
 
-def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any]]:
+def load_task_set(
+    ref: str, only: list[str] | None = None, allow_unknown_keys: bool = False
+) -> list[dict[str, Any]]:
     """The tasks of `ref`: "bundled", a JSON file or a Harbor task folder. `only` keeps these
-    task ids, in order."""
+    task ids, in order; `allow_unknown_keys`: a Harbor task.toml key this project does not
+    know is let through (harbor.scan lists it as a warning) instead of refused."""
     if ref == BUNDLED:
         tasks = bundled_tasks()
     elif Path(ref).is_dir():
@@ -65,7 +69,7 @@ def load_task_set(ref: str, only: list[str] | None = None) -> list[dict[str, Any
                 ]
             )
         # Only the tasks asked for are read: a broken task elsewhere does not block them.
-        tasks = harbor.load_harbor_tasks(ref, only or None)
+        tasks = harbor.load_harbor_tasks(ref, only or None, allow_unknown_keys)
     else:
         path = Path(ref)
         try:
@@ -114,12 +118,13 @@ def rollout_fields(
     infra_retries: int | None = None,
     groups_wanted: int | None = None,
     group_filter: str | None = None,
+    allow_unknown_keys: bool = False,
 ) -> dict[str, Any]:
     """The request fields of a real rollout from command-line style options (both CLIs):
     tasks resolved to data here, at the edge; `parse_spec` checks the rest."""
     fields: dict[str, Any] = {}
     if tasks is not None:
-        fields["tasks"] = load_task_set(tasks, list(only) or None)
+        fields["tasks"] = load_task_set(tasks, list(only) or None, allow_unknown_keys)
     elif only:
         raise InvalidSpec(["--task needs --tasks (the task set to pick from)"])
     if samples is not None:
@@ -140,3 +145,51 @@ def rollout_fields(
     if group_filter is not None:
         fields["group_filter"] = group_filter
     return fields
+
+
+# What an episode needs besides its agent's and its tests' time: the sandbox's start, the
+# task's files, the baseline run, the grader's own start (a second sandbox for `fresh`).
+SETUP_MARGIN_SECONDS = 60
+# What a batch needs besides its episodes: queueing, the last records, the report.
+DEADLINE_MARGIN_SECONDS = 120
+
+
+def episode_seconds(task: Mapping[str, Any]) -> int:
+    """The longest a task's episode can take: its agent's limit, its tests' limit (twice when
+    a baseline run comes first), and the set-up margin."""
+    from rollout_wire.request import DEFAULT_TASK_TIME_LIMIT_SECONDS, DEFAULT_TEST_TIMEOUT_SECONDS
+
+    agent = task.get("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS)
+    tests = task.get("test_timeout_seconds", DEFAULT_TEST_TIMEOUT_SECONDS)
+    agent = agent if isinstance(agent, int) and not isinstance(agent, bool) else 0
+    tests = tests if isinstance(tests, int) and not isinstance(tests, bool) else 0
+    runs = 2 if task.get("baseline", True) and not task.get("tests") else 1
+    return agent + runs * tests + SETUP_MARGIN_SECONDS
+
+
+def task_limits(
+    tasks: list[Mapping[str, Any]],
+    episodes: int,
+    parallelism: int | None,
+    *,
+    episode_timeout: int | None,
+    deadline: int | None,
+) -> tuple[int, int]:
+    """(episode timeout, batch deadline) for a batch of `tasks`: what the user set, else what
+    the tasks state (their slowest episode), and the deadline what `episodes` need in waves of
+    `parallelism` (None: all at once). Never below the fixed defaults; the deadline at most
+    MAX_DEADLINE_SECONDS (parse_spec then refuses an episode timeout above it, by name)."""
+    from rollout_wire.request import (
+        DEFAULT_DEADLINE_SECONDS,
+        DEFAULT_EPISODE_TIMEOUT_SECONDS,
+        MAX_DEADLINE_SECONDS,
+    )
+
+    if episode_timeout is None:
+        slowest = max((episode_seconds(t) for t in tasks), default=0)
+        episode_timeout = max(DEFAULT_EPISODE_TIMEOUT_SECONDS, slowest)
+    if deadline is None:
+        waves = -(-max(episodes, 1) // max(parallelism or episodes, 1))
+        needed = waves * episode_timeout + DEADLINE_MARGIN_SECONDS
+        deadline = min(MAX_DEADLINE_SECONDS, max(DEFAULT_DEADLINE_SECONDS, needed))
+    return episode_timeout, deadline

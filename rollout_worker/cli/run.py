@@ -25,6 +25,7 @@ from rollout_wire.request import (
     DEFAULT_RUNTIME,
 )
 from rollout_wire.states import Cleanup, Records
+from rollout_wire.tasksets import DEADLINE_MARGIN_SECONDS, SETUP_MARGIN_SECONDS, task_limits
 from rollout_wire.urls import redacted
 from rollout_worker.cli.common import (
     CLEANUP_WAIT_SECONDS,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from rollout_wire.request import BatchSpec
     from trainer_stub.client import RolloutClient, Submission
 
+DEFAULT_CPU_LIMIT = "500m"
+DEFAULT_MEMORY = "128Mi"
 # After the report, --output waits this long for the run's records (they follow the report).
 RECORDS_WAIT_SECONDS = 60.0
 
@@ -61,19 +64,38 @@ RECORDS_WAIT_SECONDS = 60.0
     "--deadline",
     "deadline_seconds",
     type=int,
-    default=DEFAULT_DEADLINE_SECONDS,
-    show_default=True,
-    help="Seconds the whole run may take.",
+    default=None,
+    help=f"Seconds the whole run may take. [default: {DEFAULT_DEADLINE_SECONDS}; with --tasks, "
+    "what the batch needs: waves of --parallelism episodes x the episode timeout + "
+    f"{DEADLINE_MARGIN_SECONDS}]",
 )
 @click.option(
     "--episode-timeout",
     "episode_timeout_seconds",
     type=int,
     default=None,
-    help="Seconds one episode may take. [default: min(120, deadline)]",
+    help="Seconds one episode may take. [default: min(120, deadline); with --tasks, the "
+    "slowest task's agent limit + test limit(s) + "
+    f"{SETUP_MARGIN_SECONDS}, at least 120]",
 )
-@click.option("--cpu-limit", default="500m", show_default=True)
-@click.option("--memory-limit", default="128Mi", show_default=True)
+@click.option(
+    "--cpu-limit",
+    default=None,
+    help="CPU limit of each sandbox. [default: 500m, or the largest [environment] cpus of "
+    "the Harbor tasks]",
+)
+@click.option(
+    "--memory-limit",
+    default=None,
+    help="Memory limit of each sandbox. [default: 128Mi, or the largest [environment] "
+    "memory_mb of the Harbor tasks]",
+)
+@click.option(
+    "--allow-unknown-keys",
+    is_flag=True,
+    help="A Harbor task.toml key this project does not know is a warning (listed before the "
+    "run) instead of a refusal.",
+)
 @click.option(
     "--action",
     type=click.Choice(ACTIONS),
@@ -182,10 +204,11 @@ def run(
     backend: str,
     image: str,
     runtime: str,
-    deadline_seconds: int,
+    deadline_seconds: int | None,
     episode_timeout_seconds: int | None,
-    cpu_limit: str,
-    memory_limit: str,
+    cpu_limit: str | None,
+    memory_limit: str | None,
+    allow_unknown_keys: bool,
     action: str,
     output: Path | None,
     keep: bool | None,
@@ -228,9 +251,7 @@ def run(
         "backend": backend,
         "image": image,
         "runtime": runtime,
-        "deadline_seconds": deadline_seconds,
         "action": action,
-        "resources": {"cpu_limit": cpu_limit, "memory_limit": memory_limit},
         "keep_run": keep if keep is not None else (backend == "kubernetes" and bool(output)),
         "capacity_check": capacity_check,
         "image_pull_policy": image_pull_policy,
@@ -243,8 +264,6 @@ def run(
         request["agent"] = agent if agent == "oracle" else {"command": shlex.split(agent)}
     if agent_env is not None:
         request["agent_env"] = agent_env
-    if episode_timeout_seconds is not None:
-        request["episode_timeout_seconds"] = episode_timeout_seconds
     try:
         from rollout_wire.tasksets import parse_sampling, rollout_fields
 
@@ -259,12 +278,23 @@ def run(
             infra_retries=infra_retries,
             groups_wanted=groups_wanted,
             group_filter=group_filter,
+            allow_unknown_keys=allow_unknown_keys,
+        )
+        source = click.get_current_context().get_parameter_source("count")
+        if task_set is not None and source == click.core.ParameterSource.DEFAULT:
+            del request["count"]  # the task set times the samples decides
+        request |= _limits(
+            request,
+            task_set,
+            only_tasks,
+            allow_unknown_keys,
+            deadline_seconds=deadline_seconds,
+            episode_timeout_seconds=episode_timeout_seconds,
+            cpu_limit=cpu_limit,
+            memory_limit=memory_limit,
         )
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
-    source = click.get_current_context().get_parameter_source("count")
-    if task_set is not None and source == click.core.ParameterSource.DEFAULT:
-        del request["count"]  # the task set times the samples decides
     if collectors < 1:
         raise click.UsageError("--collectors must be at least 1")
     try:
@@ -300,7 +330,7 @@ def run(
             # records) waits out an outage up to its limit, then ends here in one line.
             client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
             submission, report = _submit_and_wait(
-                client, spec, output, timeout or deadline_seconds + 300, heartbeat
+                client, spec, output, timeout or spec.deadline_seconds + 300, heartbeat
             )
             if all_in_one and report.get("cleanup") == Cleanup.SCHEDULED:
                 _wait_for_cleanup(submission, heartbeat)
@@ -308,6 +338,70 @@ def run(
             raise click.ClickException(str(exc)) from exc
     _print_report(report, submission, as_json)
     sys.exit(0 if report.get("ok") else 1)
+
+
+def _limits(
+    request: dict[str, Any],
+    task_set: str | None,
+    only: tuple[str, ...],
+    allow_unknown_keys: bool,
+    *,
+    deadline_seconds: int | None,
+    episode_timeout_seconds: int | None,
+    cpu_limit: str | None,
+    memory_limit: str | None,
+) -> dict[str, Any]:
+    """The batch's time and resource limits: a flag the user set wins; else, with --tasks,
+    what the tasks state (their timeouts; Harbor's [environment] cpus and memory_mb), else
+    the fixed defaults. A flag below what a Harbor task states is refused naming both. Harbor
+    keys accepted without being enforced are listed here, before the run."""
+    from rollout_worker.quantities import format_memory, parse_quantity
+
+    fields: dict[str, Any] = {}
+    tasks = request.get("tasks") or []
+    if tasks:
+        episodes = request.get("count") or len(tasks) * int(request.get("samples_per_task", 1))
+        episode_timeout_seconds, deadline_seconds = task_limits(
+            tasks,
+            episodes,
+            request.get("parallelism"),
+            episode_timeout=episode_timeout_seconds,
+            deadline=deadline_seconds,
+        )
+        fields["episode_timeout_seconds"] = episode_timeout_seconds
+    elif episode_timeout_seconds is not None:
+        fields["episode_timeout_seconds"] = episode_timeout_seconds
+    fields["deadline_seconds"] = (
+        deadline_seconds if deadline_seconds is not None else DEFAULT_DEADLINE_SECONDS
+    )
+    wanted_cpus, wanted_memory = 0, 0
+    if task_set is not None and Path(task_set).is_dir():
+        from rollout_wire import harbor
+
+        for mapped in harbor.scan(task_set, list(only) or None, allow_unknown_keys):
+            for warning in mapped.warnings:
+                err(f"warning: {warning}")
+            wanted_cpus = max(wanted_cpus, mapped.requirements.get("cpus", 0))
+            wanted_memory = max(wanted_memory, mapped.requirements.get("memory_mb", 0))
+    problems = []
+    if cpu_limit is None:
+        cpu_limit = str(wanted_cpus) if wanted_cpus else DEFAULT_CPU_LIMIT
+    elif wanted_cpus and parse_quantity(cpu_limit) < wanted_cpus:
+        problems.append(
+            f"--cpu-limit {cpu_limit} is below the {wanted_cpus} CPUs a task states "
+            "([environment] cpus): raise --cpu-limit or leave it out"
+        )
+    if memory_limit is None:
+        memory_limit = format_memory(wanted_memory * 2**20) if wanted_memory else DEFAULT_MEMORY
+    elif wanted_memory and parse_quantity(memory_limit) < wanted_memory * 2**20:
+        problems.append(
+            f"--memory-limit {memory_limit} is below the {wanted_memory} MB a task states "
+            "([environment] memory_mb): raise --memory-limit or leave it out"
+        )
+    if problems:
+        raise InvalidSpec(problems)
+    fields["resources"] = {"cpu_limit": cpu_limit, "memory_limit": memory_limit}
+    return fields
 
 
 def _pair(text: str, option: str) -> tuple[str, str]:

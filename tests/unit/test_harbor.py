@@ -162,22 +162,20 @@ def test_every_unsupported_or_broken_task_is_listed_at_once(tmp_path):
     make_task(tmp_path, "no-tests", tests={"run_tests.py": "print()\n"})
     make_task(tmp_path, "bad-toml", toml="version = \n")
     make_task(tmp_path, "env-vars", toml='[verifier]\nenv = { API_KEY = "k" }\n')
-    make_task(tmp_path, "separate", toml='[verifier]\nenvironment_mode = "separate"\n')
     make_task(tmp_path, "gpus", toml="[environment]\ngpus = 1\n")
     make_task(tmp_path, "bad-timeout", toml='[agent]\ntimeout_sec = "soon"\n')
     os.symlink("app.py", make_task(tmp_path, "link") / "environment" / "alias.py")
     text = refusal(tmp_path)
     for expected in [
         "task 'compose': environment/docker-compose.yaml (several containers) is not supported",
-        "task 'steps': multi-step tasks ([[steps]]) are not supported",
+        "task 'steps': steps in steps/task.toml: multi-step tasks ([[steps]]) are not supported",
         "task 'binary': environment/data.bin is a binary file",
         "task 'latin': environment/notes.txt is a binary file",
         f"task 'huge': environment/big.txt is {MAX_FILE_BYTES + 1} bytes",
         "task 'no-instruction': no instruction.md",
         "task 'no-tests': no tests/test.sh",
         "task 'bad-toml': task.toml is not valid TOML",
-        "task 'env-vars': [verifier] env is not supported",
-        "task 'separate': a separate verifier environment is not supported",
+        "task 'env-vars': [verifier] env in env-vars/task.toml: environment variables are not",
         "task 'gpus': [environment] gpus = 1: GPUs are not supported",
         "task 'bad-timeout': [agent] timeout_sec must be a positive number",
         "task 'link': environment/alias.py is a symbolic link",

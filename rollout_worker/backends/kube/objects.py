@@ -288,6 +288,17 @@ def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
     ]
 
 
+def image_workdir(spec: BatchSpec, image: str) -> tuple[str, bool]:
+    """Where the sandboxes of `image` work (their tasks' `workdir`, Harbor's [environment]
+    workdir, else /workspace), and whether those tasks run in their own image (whose files
+    at that folder are the workspace: no volume hides them). parse_spec allows one workdir
+    per image on Kubernetes."""
+    tasks = [t for t in spec.tasks if (t.get("image") or spec.image) == image]
+    workdirs = {t["workdir"] for t in tasks if t.get("workdir")}
+    own_image = any("image" in t for t in tasks)
+    return (min(workdirs) if workdirs else "/workspace"), own_image
+
+
 def sandbox_pod_spec(
     spec: BatchSpec,
     image: str,
@@ -300,6 +311,7 @@ def sandbox_pod_spec(
     isolation either way (non-root, no capabilities, no token, read-only root). A warm one
     gets its task, and any hidden tests, through its hand-over, never from a stash."""
     res = spec.resources
+    workspace, own_image = image_workdir(spec, image)
     pod_spec: dict[str, Any] = {
         "runtimeClassName": spec.runtime,
         "restartPolicy": "Never",
@@ -322,12 +334,13 @@ def sandbox_pod_spec(
                 "image": image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["python", "-B", f"{PROGRAM_DIR}/{PROGRAM_KEY}"],
+                "workingDir": workspace,
                 "env": [
                     {
                         "name": "EPISODE_ID",
                         "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
                     },
-                    {"name": "ROLLOUT_WORKSPACE", "value": "/workspace"},
+                    {"name": "ROLLOUT_WORKSPACE", "value": workspace},
                     {"name": "ROLLOUT_READY_FILE", "value": READY_FILE},
                     # The container's own cgroup holds every process of the sandbox: the
                     # runner's cost ledger reads it (the local sandbox sums its /proc).
@@ -358,7 +371,7 @@ def sandbox_pod_spec(
                 "terminationMessagePolicy": "File",
                 "volumeMounts": [
                     {"name": "program", "mountPath": PROGRAM_DIR, "readOnly": True},
-                    {"name": "workspace", "mountPath": "/workspace"},
+                    {"name": "workspace", "mountPath": "/workspace" if own_image else workspace},
                     {"name": "tmp", "mountPath": "/tmp"},
                 ],
             }

@@ -130,6 +130,7 @@ def plan_sandbox(
     status_fd: int | None = None,
     tmp: Path | None = None,
     root: ImageRoot | None = None,
+    workdir: str | None = None,
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
@@ -138,6 +139,7 @@ def plan_sandbox(
     sandbox's /tmp instead of a private tmpfs (an episode graded in a second sandbox that must
     find the first one's /tmp as it was left). `root` (bwrap only): the task's image as the
     sandbox's root, its interpreter running the episode, the workspace at the image's WORKDIR.
+    `workdir` (bwrap, no `root`): the task's own path for the workspace instead of /workspace.
     """
     base_env = {
         "EPISODE_ID": episode_id,
@@ -154,6 +156,8 @@ def plan_sandbox(
         return SandboxPlan([python, "-B", str(compiled or program)], env, str(workspace), run_as)
     if isolation != "bwrap":
         raise ValueError(f"unknown isolation {isolation!r}")
+    if workdir and root is not None:
+        raise ValueError("workdir with an image root: give it as the root's workdir")
     argv = [
         "bwrap",
         *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
@@ -175,6 +179,8 @@ def plan_sandbox(
     ]
     workspace_mount = WORKSPACE_MOUNT
     if root is None:
+        # bwrap's own root is a fresh tmpfs: any path can be made the workspace's mount point.
+        workspace_mount = workdir or WORKSPACE_MOUNT
         argv += _system_mounts()
         if not python_prefix.startswith("/usr/"):
             argv += ["--ro-bind", python_prefix, python_prefix]

@@ -292,6 +292,11 @@ class Supervisor:
         started) grades the workspace the agent left, or a copy of it (`fresh`)."""
         workspace = self.dir.workspace(index)
         root = self.image_root(index)
+        # Harbor's [environment] workdir: the folder the agent and its tests run in (in an
+        # image, that folder's own files are the workspace, as for its WORKDIR).
+        workdir = self.spec.tasks[self.spec.episode(index).task_index or 0].get("workdir")
+        if root is not None and workdir:
+            root = replace(root, workdir=workdir)
         if root is not None and root.workdir != "/":
             try:
                 # root.path is on the host: a WORKDIR that is a link (to /, to /etc) is
@@ -339,6 +344,7 @@ class Supervisor:
             mounts=mounts,
             tmp=tmp,
             root=root,
+            workdir=workdir if root is None else None,
         )
         if plan.run_as:
             for folder, _, files in os.walk(workspace):
