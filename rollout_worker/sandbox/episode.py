@@ -145,6 +145,10 @@ COMMAND_TIMEOUT_SECONDS = 30
 # waited on for the whole request timeout (a dropped SYN costs seconds, not a minute; OpenAI's
 # own client uses 5 s too).
 CONNECT_TIMEOUT_SECONDS = 5.0
+# A connection to the policy answered within this long is used again (a new TCP connection
+# costs a round trip and the server a new thread: ~2 ms a call on a Pod network); older, it is
+# closed, since servers close idle ones (uvicorn, under vLLM and SGLang, after 5 s).
+KEEP_ALIVE_SECONDS = 2.0
 TESTS_TIMEOUT_SECONDS = 60
 GROUP_HEADER = "X-Rollout-Group-Id"
 VERSION_HEADER = "X-Policy-Version"
@@ -690,6 +694,8 @@ class Policy:
         # said `tokens: false`.
         self.token_request = TOKEN_REQUEST if config.get("tokens", True) is not False else {}
         self.socket_path = os.environ.get("ROLLOUT_POLICY_SOCKET")
+        self.kept: tuple | None = None  # (connection, when its last answer was read)
+        self.kept_lock = threading.Lock()
         root = os.environ.get("ROLLOUT_POLICY_URL", "http://policy")
         parsed = urllib.parse.urlsplit(root)
         self.scheme, self.netloc = parsed.scheme, parsed.netloc
@@ -731,6 +737,27 @@ class Policy:
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
+    def reuse(self) -> http.client.HTTPConnection:
+        """The kept connection if it is fresh enough, else a new one (one at a time: the
+        recording proxy's threads may ask at once)."""
+        with self.kept_lock:
+            kept, self.kept = self.kept, None
+        if kept is not None:
+            if time.monotonic() - kept[1] < KEEP_ALIVE_SECONDS:
+                return kept[0]
+            kept[0].close()
+        return self.connect()
+
+    def keep(self, conn: http.client.HTTPConnection, response: typing.Any) -> None:
+        """Keep a connection whose answer was read whole, unless the server closes it."""
+        if response.will_close:
+            conn.close()
+            return
+        with self.kept_lock:
+            old, self.kept = self.kept, (conn, time.monotonic())
+        if old is not None:
+            old[0].close()
+
     def send(self, payload: bytes, keep_open: bool = False) -> Answer:
         """POST a chat completions body. Retries connection failures, timeouts, 429 and 5xx;
         returns the first other answer, or the last 429/5xx; raises InfrastructureError when
@@ -743,7 +770,8 @@ class Policy:
                 LEDGER.retried(time.time() - began)
                 began = time.time()
             try:
-                conn = self.connect()
+                # A stream is read by the caller, then closed: never kept.
+                conn = self.connect() if keep_open else self.reuse()
             except OSError as exc:
                 problem = f"policy endpoint unreachable: {type(exc).__name__}: {exc}"
                 continue
@@ -762,7 +790,10 @@ class Policy:
                 failed = "timed out" if isinstance(exc, socket.timeout) else "unreachable"
                 problem = f"policy endpoint {failed}: {type(exc).__name__}: {exc}"
                 continue
-            conn.close()
+            if len(raw) <= MAX_RESPONSE_READ:
+                self.keep(conn, response)
+            else:
+                conn.close()
             if (status == 429 or status >= 500) and attempt < self.retries:
                 problem = f"policy endpoint answered HTTP {status}: {raw[:200]!r}"
                 continue

@@ -162,8 +162,12 @@ def test_the_handover_line_carries_what_a_cold_pod_gets_from_its_spec(tmp_path, 
 
 def test_a_waiting_runner_runs_the_demo_it_is_handed(tmp_path):
     line = warm.handover_line(spec(action="fix"), 0)
+    runner = tmp_path / "program" / "episode.py"  # a file, as backends run it (too long for -c)
+    runner.parent.mkdir()
+    runner.write_text(program())
+    (tmp_path / "ws").mkdir()
     done = subprocess.run(
-        [sys.executable, "-B", "-c", program()],
+        [sys.executable, "-B", str(runner)],
         input=line.decode(),
         capture_output=True,
         text=True,
@@ -172,7 +176,7 @@ def test_a_waiting_runner_runs_the_demo_it_is_handed(tmp_path):
             "PATH": os.environ["PATH"],
             "EPISODE_ID": "warm-x",
             "ROLLOUT_HANDOVER": "stdin",
-            "ROLLOUT_WORKSPACE": str(tmp_path),
+            "ROLLOUT_WORKSPACE": str(tmp_path / "ws"),
         },
     )
     events = [json.loads(x) for x in done.stdout.splitlines()]
