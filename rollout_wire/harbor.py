@@ -2,9 +2,8 @@
 
 A Harbor task (harbor-framework/harbor, task.toml schema 1.x) is a folder:
 
-    task.toml         schema_version (or the older `version`), [task] name/description,
-                      [metadata] (free form), [agent] timeout_sec, [verifier] timeout_sec,
-                      [environment] docker_image, build_timeout_sec, cpus, memory_mb, ...
+    task.toml         schema_version (or the older `version`), [task], [metadata] (free
+                      form), [agent], [verifier], [environment], [solution]: the table below
     instruction.md    what the agent is asked to do
     environment/      the agent's container: a Dockerfile and its build context (or
                       docker-compose.yaml for several containers)
@@ -20,14 +19,46 @@ The mapping (one task per folder):
   = a local name whose tag hashes the environment folder (`rollout tasks build` builds it),
   with no `files` (the image holds the workspace); else the folder's plain files -> `files`;
 - tests/ -> `tests`, run as `bash /tests/test.sh`, reward `file`, no baseline check (Harbor
-  has no rule that the tests fail first);
-- solution/ -> `solution`; `[agent] timeout_sec` -> `time_limit_seconds` (rounded up);
-- [task] description and [metadata] difficulty, category, tags -> `description`.
+  has no rule that the tests fail first); solution/ -> `solution`.
 
-Not carried (no field of ours): resources (the batch's `resources` decide), timeouts of the
-verifier and of the build, users, network settings. Refused with a reason, every task at once:
-docker-compose environments, multi-step tasks, separate verifier environments, GPUs, MCP
-servers, environment variables (the tests would silently run without them), Windows tests.
+Every task.toml key (Harbor's TaskConfig, schema 1.1, and the keys published task sets use)
+is honoured, accepted with a warning, or refused naming the key and the file; a key outside
+this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOWN_KEYS`):
+
+  key                             here
+  schema_version, version, source descriptive: ignored by design
+  [task] name, version, authors   descriptive: ignored by design
+  [task] description, keywords    carried into `description` (for people)
+  [metadata] (free form)          difficulty, category, tags into `description`; rest ignored
+  [agent] timeout_sec             `time_limit_seconds` (rounded up)
+  [verifier] timeout_sec          `test_timeout_seconds`: the test command's own limit
+  [verifier] environment_mode     shared -> `grade: same`, separate -> `grade: fresh`
+  [environment] workdir           `workdir`: the agent's and the tests' working directory
+  [environment] docker_image      `image`
+  [environment] cpus, memory_mb   the batch's --cpu-limit / --memory-limit default to the
+                                  largest stated; a smaller flag is refused (rollout run)
+  [agent|verifier] user           1000 (the sandbox's uid) honoured; root and any other user
+                                  refused (sandboxes run as uid 1000, never root)
+  network_mode ([agent],          "no-network"/"none" honoured (sandboxes have no network);
+  [verifier], [environment])      public/allowlist refused
+  [environment] allow_internet    false honoured; true refused (no network)
+  allowed_hosts (any section)     empty accepted; any host refused (no network)
+  [environment] gpus, gpu_types   0 / empty accepted; GPUs refused
+  [environment] storage_mb        accepted with a warning: no per-sandbox disk limit here
+  [environment] build_timeout_sec accepted with a warning: `rollout tasks build` builds first
+  [environment] mcp_servers       refused unless empty (no MCP servers)
+  [environment] skills_dir        refused (skills are not copied to agents)
+  [environment] healthcheck       refused (not run: the agent would start before it passed)
+  [environment] memory, storage   refused (deprecated: write memory_mb, storage_mb)
+  [environment.env], [verifier.env], [solution.env]
+                                  refused: variables are not carried yet (a resolved secret
+                                  would land in receipts and reports)
+  [verifier.environment]          refused (a separate verifier environment definition)
+  artifacts                       refused (not collected into the records)
+  [[steps]], multi_step_reward_strategy
+                                  refused (multi-step tasks); so is a steps/ folder
+
+Also refused: docker-compose environments (one sandbox per episode) and Windows tests.
 
 A task folder is hostile input: it is read without following any symbolic link (a link could
 carry a host file, /etc/passwd or ~/.ssh, into the statement, Redis and a ConfigMap) and

@@ -147,6 +147,12 @@ class LocalBackend:
                 raise BackendUnavailable(
                     f"task {task['id']!r} runs in its image {image}: that needs bwrap isolation"
                 )
+            if task.get("workdir") and self._isolation() != "bwrap":
+                # Without bwrap the workspace is a host folder: it cannot be put at a path.
+                raise BackendUnavailable(
+                    f"task {task['id']!r} works in {task['workdir']} (its workdir): that needs "
+                    "bwrap isolation"
+                )
             if (
                 image
                 and not task.get("files")
