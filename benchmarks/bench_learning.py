@@ -11,8 +11,9 @@ publishes the new version to the engine and the service (the staleness bound the
 
 Printed: the reward curve (mean reward per step), the drift count (turns whose recorded ids
 differ from what the engine was shown and sampled, checked against the engine's own ledger),
-seconds per step and the share spent sampling (the batch, through sandboxes and tests) and in
-the optimizer, and the load average. `--plot` draws the curve.
+seconds per step and the share spent sampling (sandboxes and the agent), grading (the tests,
+from the episodes' own phases) and in the optimizer, and the load average. `--plot` draws
+the curve.
 
     python -m benchmarks.bench_learning [--steps 36] [--samples 8] [--runs 3] [--plot FILE]
 """
@@ -96,6 +97,14 @@ def _model_spans(mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def grading_fraction(rows: list[dict[str, Any]]) -> float:
+    """The tests' share of the episodes' summed wall (cost.wall phases)."""
+    phases = [(row.get("cost") or {}).get("wall") or {} for row in rows]
+    total = sum(v for wall in phases for v in wall.values() if isinstance(v, (int, float)))
+    tests = sum(wall.get("tests") or 0 for wall in phases)
+    return tests / total if total else 0.0
+
+
 def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -142,6 +151,7 @@ def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
             ledger = server.ledger()
             published = client.policy_version()
             checked = mismatched = 0
+            grading = 0.0
             for batch in rollouts.batches:
                 rows = [
                     row for _, group in client.sampled_groups(batch.batch_id, 60) for row in group
@@ -149,6 +159,7 @@ def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
                 found = [s for row in rows for s in samples_of_row(row) if s.usable]
                 c, m = drift(found, ledger)
                 checked, mismatched = checked + c, mismatched + m
+                grading += batch.seconds * grading_fraction(rows)
         finally:
             client.close()
             server.close()
@@ -162,7 +173,10 @@ def one_run(steps: int, samples: int, seed: int, lr: float) -> dict[str, Any]:
         "last3": round(statistics.fmean(curve[-3:]), 3),
         "wall_seconds": round(wall, 1),
         "seconds_per_step": round(wall / max(1, len(curve)), 2),
-        "sampling_share": round(sampling / wall, 3),
+        # Sampling (a batch's wall) split by its episodes' own phases: the tests' part of
+        # their summed wall is the grading share; the rest, sandbox start and the agent.
+        "sampling_share": round((sampling - grading) / wall, 3),
+        "grading_share": round(grading / wall, 3),
         "optimizer_share": round(1 - sampling / wall, 3),
         "turns_checked": checked,
         "drift_mismatches": mismatched,
@@ -195,7 +209,8 @@ def main() -> None:
     print(
         f"median over {len(results)} runs: reward gain (last 3 - first 3 steps) "
         f"{statistics.median(gains):.3f}, wall {median('wall_seconds')} s, s/step "
-        f"{median('seconds_per_step')}, sampling share {median('sampling_share')}, drift "
+        f"{median('seconds_per_step')}, shares: sampling {median('sampling_share')} grading "
+        f"{median('grading_share')} optimizer {median('optimizer_share')}, drift "
         f"{sum(r['drift_mismatches'] for r in results)} of {turns} turns"
     )
     print(f"load average after: {os.getloadavg()}")

@@ -19,3 +19,6 @@ def test_two_grpo_steps_through_sandboxes_with_no_drift():
     # 2 steps x 2 tasks x 4 samples x 2 turns, each checked against the engine's ledger.
     assert (result["turns_checked"], result["drift_mismatches"]) == (32, 0)
     assert result["published_version"] == "2" and result["engine_version"] == 2
+    # Each step's wall split three ways: the tests ran, so grading has a share of its own.
+    shares = [result[f"{part}_share"] for part in ("sampling", "grading", "optimizer")]
+    assert all(0 < share < 1 for share in shares) and abs(sum(shares) - 1) < 0.01, shares
