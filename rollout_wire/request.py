@@ -367,11 +367,11 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
                     f"tasks in image {image!r} ask for different workdirs {sorted(paths)}: on "
                     "Kubernetes one batch runs one workdir per image; submit them apart"
                 )
-        if workdirs and data.get("warm_pool"):
-            problems.append(
-                "warm_pool cannot go with a task's workdir on Kubernetes (a pool's Pods work "
-                "in /workspace)"
-            )
+    if workdirs and data.get("warm_pool"):
+        # A warm sandbox is started before its task is known: its workspace is /workspace.
+        problems.append(
+            "warm_pool cannot go with a task's workdir (a pool's sandboxes work in /workspace)"
+        )
 
     placement = _parse_placement(data, problems)
     raw_policy = data.get("policy")

@@ -231,9 +231,11 @@ def test_kubernetes_runs_one_workdir_per_image_and_no_warm_pool_with_one(tmp_pat
     assert "ask for different workdirs ['/a', '/b']" in " | ".join(info.value.problems)
     parse_spec(request | {"backend": "local"}, max_episodes=None)  # locally: per episode
     one = [tasks[0]]
-    with pytest.raises(InvalidSpec) as info:
-        parse_spec(request | {"tasks": one, "warm_pool": 1}, max_episodes=None)
-    assert "warm_pool cannot go with a task's workdir" in " | ".join(info.value.problems)
+    for backend in ("kubernetes", "local"):
+        warm = request | {"tasks": one, "warm_pool": 1, "backend": backend}
+        with pytest.raises(InvalidSpec) as info:
+            parse_spec(warm, max_episodes=None)
+        assert "warm_pool cannot go with a task's workdir" in " | ".join(info.value.problems)
 
 
 # -- limits that follow the tasks -------------------------------------------------------------
