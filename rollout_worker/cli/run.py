@@ -380,7 +380,7 @@ def _limits(
 
         for mapped in harbor.scan(task_set, list(only) or None, allow_unknown_keys):
             for warning in mapped.warnings:
-                err(f"warning: {warning}")
+                err(f"warning: {warning}", markup=False, highlight=False)
             wanted_cpus = max(wanted_cpus, mapped.requirements.get("cpus", 0))
             wanted_memory = max(wanted_memory, mapped.requirements.get("memory_mb", 0))
     problems = []

@@ -389,3 +389,9 @@ def test_rollout_run_keeps_the_fixed_defaults_for_tasks_that_state_nothing(tmp_p
     fields = run_limits(tmp_path, 'version = "1.0"\n')
     assert fields["resources"] == {"cpu_limit": "500m", "memory_limit": "128Mi"}
     assert fields["deadline_seconds"] >= DEFAULT_DEADLINE_SECONDS
+
+
+def test_rollout_run_lists_the_keys_it_does_not_enforce_before_the_run(tmp_path, capsys):
+    run_limits(tmp_path, "[environment]\nstorage_mb = 10240\n")
+    printed = " ".join(capsys.readouterr().err.split())
+    assert "warning: task 't': [environment] storage_mb = 10240 not enforced" in printed
