@@ -9,6 +9,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 t=${SECONDS}
 phase() { echo "test.sh: $1 $((SECONDS - t))s" >&2; t=${SECONDS}; }
 ./hack/setup.sh --dev --train
+# The released trainer libraries the adapters are tested against (marker train), beside .venv.
+./hack/trainer-libs.sh
 phase setup
 VENV="${ROLLOUT_VENV:-.venv}"
 [[ "${VENV}" == /* ]] || VENV="$(pwd)/${VENV}"

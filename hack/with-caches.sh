@@ -11,6 +11,7 @@
 #   ROLLOUT_DOCKER_CACHE     DIR/docker     compose binary, base rootfs and wheelhouse
 #   ROLLOUT_DOCKER_DATA_ROOT DIR/docker-data (used only if this run starts dockerd)
 #   PIP_CACHE_DIR            DIR/pip
+#   ROLLOUT_TRAINER_LIBS     DIR/trainer-libs   verl and skyrl (hack/trainer-libs.sh)
 #   ROLLOUT_LOCALKUBE_NODE_ID 1             the real node's machine-wide names (bridge, ports,
 #                                           containerd/kubelet dirs) differ from the default one
 # The project's venv is the clone's own .venv (ROLLOUT_VENV to move it).
@@ -27,5 +28,6 @@ export GOCACHE="${GOCACHE:-${dir}/gocache}"
 export ROLLOUT_DOCKER_CACHE="${ROLLOUT_DOCKER_CACHE:-${dir}/docker}"
 export ROLLOUT_DOCKER_DATA_ROOT="${ROLLOUT_DOCKER_DATA_ROOT:-${dir}/docker-data}"
 export PIP_CACHE_DIR="${PIP_CACHE_DIR:-${dir}/pip}"
+export ROLLOUT_TRAINER_LIBS="${ROLLOUT_TRAINER_LIBS:-${dir}/trainer-libs}"
 export ROLLOUT_LOCALKUBE_NODE_ID="${ROLLOUT_LOCALKUBE_NODE_ID:-1}"
 exec "$@"
