@@ -346,6 +346,14 @@ def test_warm_pods_serve_episodes_with_hidden_tests_that_only_their_runner_holds
         second = client.submit(**fields)
         reports.append(client.wait(second.batch_id, timeout=300))
         assert len(client.receipt(second.batch_id)["run"]["warm"]) == 2
+        # A batch of warm Pods alone completes too (the guide's client_job_complete_seconds).
+        deadline = time.monotonic() + 60
+        while not client.receipt(second.batch_id).get("completed_at"):
+            receipt = client.receipt(second.batch_id)
+            assert time.monotonic() < deadline, {
+                k: receipt.get(k) for k in ("records", "records_error", "run_verdict", "cleanup")
+            }
+            time.sleep(0.5)
         for report in reports:
             rows = {row["task_id"]: row for row in report["pods"]}
             assert {t: r["reward"] for t, r in rows.items()} == {"image-task": 1, "look": 0}

@@ -601,3 +601,19 @@ def test_every_container_and_folder_of_an_episode_has_a_bounded_disk():
                 assert volume["emptyDir"].get("sizeLimit"), volume["name"]
     names = {v["name"] for v in pods[0]["volumes"] if "emptyDir" in v}
     assert names >= {"workspace", "tmp", "agent-logs", "agent-tests", "handoff"}
+
+
+def test_a_warm_pod_whose_containers_all_exited_has_ended_before_its_phase_moves():
+    from rollout_worker.backends.kube.backend import _ended_phase
+
+    def pod(phase, *codes):
+        states = [
+            {"state": {"terminated": {"exitCode": c}} if c is not None else {}} for c in codes
+        ]
+        return {"status": {"phase": phase, "containerStatuses": states}}
+
+    assert _ended_phase(pod("Running", 0)) == "Succeeded"
+    assert _ended_phase(pod("Running", 0, 1)) == "Failed"
+    assert _ended_phase(pod("Running", 0, None)) == "Running"  # one still runs
+    assert _ended_phase(pod("Failed", 0)) == "Failed"  # the kubelet's word stands
+    assert _ended_phase({"status": {"phase": "Pending"}}) == "Pending"

@@ -596,7 +596,7 @@ class KubernetesBackend:
         succeeded; Running while one has not ended or has not been seen)."""
         if not handle.warm:
             return jobs_verdict(jobs)
-        phases = [(p.get("status") or {}).get("phase") for p in warm]
+        phases = [_ended_phase(p) for p in warm]
         ended = [
             ts(s.get("state", {}).get("terminated", {}).get("finishedAt"))
             for p in warm
@@ -880,3 +880,17 @@ def _namespace(handle: RunHandle) -> str:
     if not handle.namespace:
         raise BackendError(f"run of batch {handle.batch_id} names no namespace")
     return handle.namespace
+
+
+def _ended_phase(pod: dict[str, Any]) -> str | None:
+    """A Pod's phase, or the one its containers already decided: the kubelet moves the phase
+    about a second after the last container exits, and a run's records are read at once."""
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    containers = status.get("containerStatuses") or []
+    if phase in ("Succeeded", "Failed") or not containers:
+        return phase
+    ended = [(c.get("state") or {}).get("terminated") or {} for c in containers]
+    if not all(ended):
+        return phase
+    return "Succeeded" if all(e.get("exitCode") == 0 for e in ended) else "Failed"
