@@ -70,3 +70,45 @@ def test_oracle_runs_in_the_tasks_workdir_and_tests_stop_at_the_verifiers_limit(
     # The slow tests were stopped at 3 s: the run did not wait out their 40 s sleep.
     assert 3 <= groups["slow-tests"]["cost"]["wall"]["tests"] < 10
     assert time.monotonic() - started < 40 + 30
+
+
+@pytest.mark.k8s
+@pytest.mark.k8s_real
+def test_the_same_tasks_keep_their_workdir_and_verifier_limit_on_the_real_node(
+    tmp_path, real_node, real_stack
+):
+    tasks = tmp_path / "tasks"
+    make_task(
+        tasks,
+        "custom-workdir",
+        toml='[agent]\ntimeout_sec = 20\n[environment]\nworkdir = "/custom-workdir"\n',
+        environment={"data.txt": "x\n"},
+        tests={"test.sh": WORKDIR_TEST},
+        solution={"solve.sh": "#!/bin/bash\necho done > out.txt\n"},
+    )
+    make_task(
+        tasks,
+        "slow-tests",
+        toml="[agent]\ntimeout_sec = 20\n[verifier]\ntimeout_sec = 3\n",
+        tests={"test.sh": SLOW_TEST},
+        solution={"solve.sh": "#!/bin/bash\ntrue\n"},
+    )
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.cli", "run", "--tasks", str(tasks)),
+            *("--agent", "oracle", "--json", *real_node.run_flags()),
+            *("--capacity-check", "warn", "--redis-url", real_stack.redis_url),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    groups = {g["task_id"]: g for g in report["groups"]}
+    assert {task: g["rewards"] for task, g in groups.items()} == {
+        "custom-workdir": [1],
+        "slow-tests": [0],
+    }, report
+    assert 3 <= groups["slow-tests"]["cost"]["wall"]["tests"] < 10
