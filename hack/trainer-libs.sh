@@ -3,7 +3,8 @@
 # test_trainer_libraries.py), each in its own folder beside the project's venv, not in it:
 #
 #   ${ROLLOUT_TRAINER_LIBS:-<repo>/.cache/trainer-libs}/verl    verl 0.9.1
-#   ${ROLLOUT_TRAINER_LIBS:-<repo>/.cache/trainer-libs}/skyrl   skyrl 0.3.0
+#   ${ROLLOUT_TRAINER_LIBS:-<repo>/.cache/trainer-libs}/skyrl   skyrl 0.3.0 (then the verl one
+#                                                               on PYTHONPATH, for ray)
 #
 # Each is `pip install --no-deps --target` of the library and only the packages its import of
 # the adapters' types needs (pinned below, found by importing them), so the venv's torch and
@@ -33,10 +34,14 @@ VERL=(
   codetiming==1.4.0 cachetools==8.0.2
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 opentelemetry-api==1.45.3
 )
-# skyrl/train/generators/__init__.py imports the gym generator: skyrl_gym, loguru, omegaconf.
+# skyrl/train/generators/__init__.py imports the gym generator: skyrl_gym, loguru, omegaconf
+# (verl's 2.3.0, so the two folders stack); skyrl/train/utils/trainer_utils.py (SkyRL's own
+# validate_generator_output) adds torchdata and jaxtyping, and ray, which the test takes from
+# the verl folder (PYTHONPATH=skyrl:verl) rather than downloading it twice.
 SKYRL=(
   skyrl==0.3.0
-  skyrl-gym==0.4.0 loguru==0.7.3 omegaconf==2.4.0
+  skyrl-gym==0.4.0 loguru==0.7.3 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+  torchdata==0.11.0 jaxtyping==0.3.11 wadler-lindig==0.1.8
 )
 
 install() {

@@ -118,7 +118,8 @@ def test_trl_prompts_must_be_task_ids_asked_equally_often():
         rollouts(["a", "a", "b"])
 
 
-# SkyRL's GeneratorOutput keys (skyrl/train/generators/base.py at a956457).
+# SkyRL's GeneratorOutput keys (skyrl 0.3.0's skyrl/train/generators/base.py: a total TypedDict,
+# every key required; tests/integration/test_trainer_libraries.py checks the real class).
 SKYRL_OUTPUT_KEYS = {
     "prompt_token_ids",
     "response_ids",
@@ -129,7 +130,6 @@ SKYRL_OUTPUT_KEYS = {
     "rollout_logprobs",
     "trajectory_ids",
     "trajectory_generation_times",
-    "trajectory_time_splits",
     "rollout_expert_indices",
     "is_last_step",
     "env_metrics",
@@ -161,7 +161,7 @@ def test_skyrl_output_has_its_documented_keys_and_no_sample_moves_no_baseline(st
         ("b", 0): samples_of_row(row("b", 0, tokens=STEPWISE, reward=1.0)),
     }
     out = generator_output(keys, episodes, ids, step_wise, placeholder_id=7)
-    assert set(out) <= SKYRL_OUTPUT_KEYS
+    assert set(out) == SKYRL_OUTPUT_KEYS
     rows = 5 if step_wise else 4
     assert all(len(out[k]) == rows for k in out if isinstance(out[k], list))
     # The failed sample: masked out, rewarded its group's mean, so no advantage and no shift.
@@ -172,6 +172,7 @@ def test_skyrl_output_has_its_documented_keys_and_no_sample_moves_no_baseline(st
         assert out["rewards"][3:] == [0.0, 1.0] and out["prompt_token_ids"][3] == [1, 4]
     else:
         assert out["prompt_token_ids"][3] == [1, 4, 9] and out["rewards"][3] == 1.0
+        assert out["is_last_step"] is None
 
 
 def test_slime_samples_are_filled_from_the_token_view_and_no_sample_is_dropped():
@@ -200,7 +201,8 @@ def test_slime_samples_are_filled_from_the_token_view_and_no_sample_is_dropped()
     assert (lost.status, lost.remove_sample, lost.reward) == (Status.ABORTED, True, None)
 
 
-# verl's AgentLoopOutput fields (verl/experimental/agent_loop/agent_loop.py at b178a3c).
+# verl's AgentLoopOutput fields (verl 0.9.1's verl/experimental/agent_loop/agent_loop.py; the
+# real pydantic model is checked in tests/integration/test_trainer_libraries.py).
 VERL_OUTPUT_FIELDS = {
     "prompt_ids",
     "response_ids",
@@ -212,6 +214,8 @@ VERL_OUTPUT_FIELDS = {
     "num_turns",
     "metrics",
     "extra_fields",
+    "mm_processor_kwargs",
+    "mm_processor_output",
 }
 
 

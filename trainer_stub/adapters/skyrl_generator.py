@@ -1,6 +1,7 @@
 """SkyRL: a `GeneratorInterface` whose episodes run in the service, written against SkyRL's
-`skyrl/train/generators/base.py` (NovaSky-AI/SkyRL at a956457, 2026-08-21): `generate(
-GeneratorInput) -> GeneratorOutput`, outputs in the input's order.
+`skyrl/train/generators/base.py` (NovaSky-AI/SkyRL at a956457, 2026-08-21) and tested against
+the released `skyrl==0.3.0` (tests/integration/test_trainer_libraries.py, hack/trainer-libs.sh):
+`generate(GeneratorInput) -> GeneratorOutput`, outputs in the input's order.
 
 Each input row names its task in `env_extras[i]["task_id"]` and its sample in
 `trajectory_ids[i].repetition_id` (SkyRL's GRPO repetitions); `generate` submits one batch of
@@ -8,13 +9,19 @@ those tasks x the largest repetition count and maps each episode's token view in
 `prompt_token_ids`, `response_ids`, `loss_masks` (the view's mask), `rollout_logprobs`,
 `rewards`, `stop_reasons`, `trajectory_ids`. With `step_wise=True` a stepwise episode gives one
 row per turn with `is_last_step` (the reward on the last row, 0.0 on the others: SkyRL carries
-the last step's advantage back); otherwise its last turn. SkyRL has no unscored sample, so an
-episode that is no sample (an infrastructure failure, lost, aborted) gets one placeholder id
-with loss mask 0 and its group's mean reward of the valid samples (advantage 0; the mean stays
-what the real samples make it), and `stop_reasons` says `no_sample`.
+the last step's advantage back); otherwise its last turn, and `is_last_step` is None. SkyRL has
+no unscored sample, so an episode that is no sample (an infrastructure failure, lost, aborted)
+gets one placeholder id with loss mask 0 and its group's mean reward of the valid samples
+(advantage 0; the mean stays what the real samples make it), and `stop_reasons` says
+`no_sample`. SkyRL 0.3.0's GeneratorOutput is a total TypedDict: every key it declares is
+given, None where the service has nothing (generation times, expert indices, env metrics,
+vision inputs).
 
-SkyRL is not imported here: the output is a plain dict with the TypedDict's keys, so a
-subclass of SkyRL's GeneratorInterface can return `await adapter.generate(batch)`.
+SkyRL is imported only by `skyrl_generator` (a real `GeneratorInterface` subclass); the output
+is a plain dict with the TypedDict's keys. (skyrl 0.3.0 does not import on Python 3.11 as
+released: `skyrl/tinker/types.py` puts a `typing.TypedDict` in a pydantic model, which pydantic
+refuses before 3.12; `skyrl_generator` makes `typing.TypedDict` typing_extensions' for the
+import when it has to.)
 """
 
 from __future__ import annotations
@@ -105,6 +112,13 @@ def generator_output(
         "rollout_logprobs": [],
         "trajectory_ids": [],
         "rollout_metrics": None,
+        # SkyRL 0.3.0 declares these too (total TypedDict); the service has none of them.
+        "trajectory_generation_times": None,
+        "rollout_expert_indices": None,
+        "is_last_step": None,
+        "env_metrics": None,
+        "pixel_values": None,
+        "image_grid_thw": None,
     }
     last_steps: list[bool] = []
     for number, key in enumerate(keys):
@@ -135,3 +149,37 @@ def generator_output(
     if step_wise:
         out["is_last_step"] = last_steps
     return out
+
+
+def skyrl_generator(
+    client: RolloutClient,
+    request: Mapping[str, Any],
+    *,
+    step_wise: bool = False,
+    timeout: float = 900.0,
+    placeholder_id: int = 0,
+) -> Any:
+    """A real SkyRL `GeneratorInterface` (imports skyrl) over the service: pass it to SkyRL's
+    trainer as its generator."""
+    import typing
+
+    try:
+        from skyrl.train.generators.base import GeneratorInterface
+    except Exception as error:  # skyrl 0.3.0 on Python < 3.12
+        if "typing_extensions.TypedDict" not in str(error):
+            raise
+        import typing_extensions
+
+        real = typing.TypedDict
+        typing.TypedDict = typing_extensions.TypedDict
+        try:
+            from skyrl.train.generators.base import GeneratorInterface
+        finally:
+            typing.TypedDict = real
+
+    class ServiceGenerator(SkyRLGenerator, GeneratorInterface):
+        """SkyRLGenerator as SkyRL's GeneratorInterface."""
+
+    return ServiceGenerator(
+        client, request, step_wise=step_wise, timeout=timeout, placeholder_id=placeholder_id
+    )

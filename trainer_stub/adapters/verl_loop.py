@@ -1,8 +1,10 @@
 """verl: an agent loop whose episode runs in the service, written against
-verl/experimental/agent_loop/agent_loop.py (volcengine/verl at b178a3c, 2026-01-29):
-`@register(name)` on an `AgentLoopBase` subclass, `async run(sampling_params, **kwargs) ->
-AgentLoopOutput(prompt_ids, response_ids, response_mask, response_logprobs, reward_score,
-num_turns, metrics, extra_fields)`.
+verl/experimental/agent_loop/agent_loop.py (volcengine/verl at b178a3c, 2026-01-29) and
+tested against the released `verl==0.9.1` (tests/integration/test_trainer_libraries.py,
+hack/trainer-libs.sh): `@register(name)` on an `AgentLoopBase` subclass, `async
+run(sampling_params, **kwargs) -> AgentLoopOutput(prompt_ids, response_ids, response_mask,
+response_logprobs, reward_score, num_turns, metrics, extra_fields)` (a pydantic model;
+`metrics` an `AgentLoopMetrics`, required).
 
 verl runs one loop per sample: `run` submits that one episode (its task from the dataset row's
 `extra_info["task_id"]`, or a `task_id` column) and waits for its row off the event loop. The
@@ -14,12 +16,18 @@ mask 0, `reward_score` None and `extra_fields["no_sample"]` with the cause; a tr
 such rows before its advantages (not done here). One batch per episode is simple, not cheap:
 batching verl's concurrent loops into one batch per step is not built.
 
-verl is imported only by `register_agent_loop`.
+verl's `register` records the class by its import path (`{"_target_": module.qualname}`) and
+its workers build each loop with `hydra.utils.instantiate` (in Ray worker processes), so the
+loop is this module's `ServiceAgentLoop`, made on first access (verl is imported then, not
+before). Its service is the constructor's `redis_url` and `request_path` (a JSON file; e.g.
+extra keys of an entry in verl's `agent_loop_config_path`) or, in the process that called
+`register_agent_loop`, the client and request given there (one service per process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,22 +72,81 @@ def run_episode(
     return last_turn(found[(task_id, 0)])
 
 
+# The service `register_agent_loop` gave this process: (client, request, timeout).
+_service: tuple[RolloutClient, Mapping[str, Any], float] | None = None
+_loop_class: type | None = None
+
+
 def register_agent_loop(
     name: str, client: RolloutClient, request: Mapping[str, Any], timeout: float = 900.0
 ) -> type:
-    """Register a verl agent loop `name` that runs each sample as an episode of the service."""
+    """Register `ServiceAgentLoop` with verl as `name`, running each sample as an episode of
+    the service `client` serves with `request` (this process's service from now on)."""
+    from verl.experimental.agent_loop.agent_loop import register
+
+    global _service
+    _service = (client, request, timeout)
+    cls = service_agent_loop()
+    register(name)(cls)
+    return cls
+
+
+def service_agent_loop() -> type:
+    """verl's `AgentLoopBase` subclass over the service (imports verl on first call)."""
+    global _loop_class
+    if _loop_class is not None:
+        return _loop_class
     from verl.experimental.agent_loop.agent_loop import (
         AgentLoopBase,
         AgentLoopMetrics,
         AgentLoopOutput,
-        register,
     )
 
-    @register(name)
     class ServiceAgentLoop(AgentLoopBase):
+        """Each sample an episode of the service (see trainer_stub.adapters.verl_loop)."""
+
+        def __init__(
+            self,
+            *args: Any,
+            redis_url: str | None = None,
+            request_path: str | None = None,
+            timeout: float | None = None,
+            **kwargs: Any,
+        ) -> None:
+            super().__init__(*args, **kwargs)
+            self.service = service_of(redis_url, request_path, timeout)
+
         async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+            client, request, wait = self.service
             task_id = str((kwargs.get("extra_info") or {}).get("task_id") or kwargs["task_id"])
-            sample = await asyncio.to_thread(run_episode, client, request, task_id, timeout)
+            sample = await asyncio.to_thread(run_episode, client, request, task_id, wait)
             return AgentLoopOutput(**agent_loop_fields(sample), metrics=AgentLoopMetrics())
 
+    ServiceAgentLoop.__module__ = __name__
+    ServiceAgentLoop.__qualname__ = "ServiceAgentLoop"
+    _loop_class = ServiceAgentLoop
     return ServiceAgentLoop
+
+
+def service_of(
+    redis_url: str | None, request_path: str | None, timeout: float | None
+) -> tuple[RolloutClient, Mapping[str, Any], float]:
+    """The loop's service: from its config's keys, else the one this process registered."""
+    if redis_url and request_path:
+        with open(request_path, encoding="utf-8") as handle:
+            request = json.load(handle)
+        return RolloutClient(redis_url), request, 900.0 if timeout is None else float(timeout)
+    if _service is None:
+        raise RuntimeError(
+            "ServiceAgentLoop has no service: give redis_url and request_path in its agent loop "
+            "config, or call register_agent_loop in this process"
+        )
+    client, request, wait = _service
+    return client, request, wait if timeout is None else float(timeout)
+
+
+def __getattr__(name: str) -> Any:
+    # verl's workers find the registered loop by its path: this module's ServiceAgentLoop.
+    if name == "ServiceAgentLoop":
+        return service_agent_loop()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
