@@ -147,6 +147,26 @@ VERL_WORKER = textwrap.dedent(
         assert "redis_url and request_path" in str(error)
     else:
         raise AssertionError("a loop without a service was built")
+    # An agent_loop_config_path entry: verl instantiates it with its extra keys.
+    import json, os, tempfile
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from trainer_stub.engine import build_tokenizer
+    path = os.path.join(tempfile.mkdtemp(), "request.json")
+    with open(path, "w") as handle:
+        json.dump(REQUEST, handle)
+    entry = OmegaConf.create({"name": "rollout_service", "_target_": cls.__module__ + "." +
+                              cls.__qualname__, "redis_url": "redis://127.0.0.1:1/0",
+                              "request_path": path, "timeout": 30})
+    config = OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {}}, "data": {"apply_chat_template_kwargs": {}}})
+    loop = hydra.utils.instantiate(
+        config=entry, trainer_config=DictConfigWrap(config=config), server_manager=None,
+        tokenizer=build_tokenizer(), processor=None, hf_model_type=None, dataset_cls=None,
+        data_config=DictConfigWrap(config.data), tools=ToolListWrap([]))
+    client, request, wait = loop.service
+    assert type(loop) is cls and request == REQUEST and wait == 30.0
+    assert client.redis_url == "redis://127.0.0.1:1/0"
     print("verl: a fresh process resolves", cls)
     """
 )
