@@ -21,12 +21,11 @@ from rollout_wire.request import (
     ACTIONS,
     BACKENDS,
     DEFAULT_DEADLINE_SECONDS,
-    DEFAULT_IMAGE,
-    DEFAULT_RUNTIME,
 )
 from rollout_wire.states import Cleanup, Records
 from rollout_wire.tasksets import DEADLINE_MARGIN_SECONDS, SETUP_MARGIN_SECONDS, task_limits
 from rollout_wire.urls import redacted
+from rollout_worker.cli import placement
 from rollout_worker.cli.common import (
     CLEANUP_WAIT_SECONDS,
     console,
@@ -51,15 +50,7 @@ RECORDS_WAIT_SECONDS = 60.0
 @options.count("Episodes in the batch.")
 @options.parallelism("Episodes running at once. [default: count]")
 @options.backend(BACKENDS)
-@click.option(
-    "--image", default=DEFAULT_IMAGE, show_default=True, help="Sandbox image (kubernetes backend)."
-)
-@click.option(
-    "--runtime",
-    default=DEFAULT_RUNTIME,
-    show_default=True,
-    help="RuntimeClass (kubernetes backend).",
-)
+@placement.options
 @click.option(
     "--deadline",
     "deadline_seconds",
@@ -115,31 +106,6 @@ RECORDS_WAIT_SECONDS = 60.0
     default=None,
     help="Keep the run after the report, for `rollout cleanup --output`. "
     "[default: keep on kubernetes when --output is given, else delete]",
-)
-@click.option(
-    "--capacity-check",
-    type=click.Choice(["error", "warn", "off"]),
-    default="error",
-    show_default=True,
-    help="What to do when the cluster lacks room (kubernetes).",
-)
-@click.option(
-    "--node-selector",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Node label the sandboxes require (kubernetes; repeatable).",
-)
-@click.option(
-    "--toleration",
-    multiple=True,
-    metavar="KEY[=VALUE]:EFFECT",
-    help="Taint the sandboxes tolerate (kubernetes; repeatable).",
-)
-@click.option(
-    "--image-pull-policy",
-    type=click.Choice(["IfNotPresent", "Never", "Always"]),
-    default="IfNotPresent",
-    show_default=True,
 )
 @click.option(
     "--all-in-one",
@@ -202,8 +168,7 @@ def run(
     count: int,
     parallelism: int | None,
     backend: str,
-    image: str,
-    runtime: str,
+    placement: dict[str, Any],
     deadline_seconds: int | None,
     episode_timeout_seconds: int | None,
     cpu_limit: str | None,
@@ -212,10 +177,6 @@ def run(
     action: str,
     output: Path | None,
     keep: bool | None,
-    capacity_check: str,
-    node_selector: tuple[str, ...],
-    toleration: tuple[str, ...],
-    image_pull_policy: str,
     all_in_one: bool,
     collectors: int,
     timeout: float | None,
@@ -249,14 +210,9 @@ def run(
         "count": count,
         "parallelism": parallelism,
         "backend": backend,
-        "image": image,
-        "runtime": runtime,
         "action": action,
         "keep_run": keep if keep is not None else (backend == "kubernetes" and bool(output)),
-        "capacity_check": capacity_check,
-        "image_pull_policy": image_pull_policy,
-        "node_selector": dict(_pair(item, "--node-selector") for item in node_selector),
-        "tolerations": [_toleration(item) for item in toleration],
+        **placement,
     }
     if warm_pool:
         request["warm_pool"] = warm_pool
@@ -402,27 +358,6 @@ def _limits(
         raise InvalidSpec(problems)
     fields["resources"] = {"cpu_limit": cpu_limit, "memory_limit": memory_limit}
     return fields
-
-
-def _pair(text: str, option: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise click.UsageError(f"{option} {text!r} must look like KEY=VALUE")
-    return key, value
-
-
-def _toleration(text: str) -> dict[str, str]:
-    """'key=value:NoSchedule' -> Equal, 'key:NoSchedule' -> Exists."""
-    target, sep, effect = text.rpartition(":")
-    if not sep or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute") or not target:
-        raise click.UsageError(
-            f"--toleration {text!r} must look like KEY[=VALUE]:EFFECT with "
-            "EFFECT NoSchedule, PreferNoSchedule or NoExecute"
-        )
-    key, eq, value = target.partition("=")
-    if eq:
-        return {"key": key, "operator": "Equal", "value": value, "effect": effect}
-    return {"key": key, "operator": "Exists", "effect": effect}
 
 
 def _submit_and_wait(

@@ -31,6 +31,7 @@ import click
 
 from rollout_wire.errors import InvalidSpec
 from rollout_worker.backends.local.sandbox import MOUNT_POINTS, WORKDIR_SUFFIX, rootfs_dirname
+from rollout_worker.cli import placement
 from rollout_worker.cli.common import load_settings, redis_option
 
 # -- the commands (pure) -----------------------------------------------------------------------
@@ -659,6 +660,7 @@ def build_images(
     default=None,
     help="Seconds one episode may take. [default: the longest task's limit + 60, at least 120]",
 )
+@placement.options
 @redis_option
 def check(
     folder: Path,
@@ -671,6 +673,7 @@ def check(
     node_import: bool,
     episode_timeout_seconds: int | None,
     redis_url: str | None,
+    placement: dict[str, Any],
 ) -> None:
     """Check a Harbor task set before training on it: build what needs building, run every
     task's oracle (solution/solve.sh, which must score 1) and with --nop an agent that does
@@ -720,6 +723,7 @@ def check(
         "backend": backend,
         "episode_timeout_seconds": episode_timeout,
         "deadline_seconds": deadline,
+        **placement,
     }
     if oracle_list := verdict.oracle_tasks(runnable):
         requests["oracle"] = common | {"tasks": oracle_list}

@@ -134,3 +134,23 @@ def test_build_names_the_base_image_docker_could_not_get_and_how_to_provide_it(d
         "registry.invalid reachable (`docker login registry.invalid` if it asks)"
     )
     assert len(lines) == 2  # no build log
+
+
+@pytest.mark.k8s
+@pytest.mark.k8s_real
+def test_check_judges_the_same_task_set_on_the_real_node(docker, real_node, real_stack):
+    # The image task built and put on the node, the rest in the node's Python image; every
+    # oracle and nop in real Pods through the workers at --redis-url.
+    flags = [f for f in real_node.run_flags() if f not in ("--backend", "kubernetes")]
+    done = rollout(
+        *("tasks", "check", str(HARBOR), "--nop", "--backend", "kubernetes", "--node-import"),
+        *(*flags, "--capacity-check", "warn", "--redis-url", real_stack.redis_url),
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = table_rows(done.stdout)
+    for good in ("add-numbers", "image-task"):
+        assert rows[good][1:3] == ["1", "0"] and rows[good][4:] == ["ok"], rows[good]
+    assert rows["wrong-oracle"][1:3] == ["0", "0"] and rows["wrong-oracle"][4] == "FAIL"
+    assert rows["partial-credit"][1:3] == ["1", "0.5"]
+    assert rows["no-solution"][1:3] == ["no oracle", "0"]
