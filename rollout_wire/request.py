@@ -342,32 +342,19 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
     ):
         problems.append(f"agent_env must be an absolute directory path, got {agent_env!r}")
         agent_env = None
-    own_image = [t.get("id") for t in tasks if t.get("image")]
-    if backend == "kubernetes" and own_image and any(t.get("grade") == "fresh" for t in tasks):
+    own_fresh = [t.get("id") for t in tasks if t.get("image") and t.get("grade") == "fresh"]
+    if backend == "kubernetes" and own_fresh:
         # A fresh grader is a second container of the Pod, which would not share the folders
         # of a task's own image where its agent worked.
         problems.append(
-            "grade: fresh on Kubernetes needs every task of the batch in the batch's image: "
-            f"{own_image[:3]} run in their own; submit those in a batch graded `same`"
+            "grade: fresh on Kubernetes needs a task in the batch's image: "
+            f"{own_fresh[:3]} run in their own; grade those `same`"
         )
     if agent_env is not None and backend == "kubernetes":
         problems.append(
             "agent_env is for the local backend: on Kubernetes the image holds the agent"
         )
-    workdirs: dict[str, set[str]] = {}
-    for task in tasks:
-        if isinstance(task.get("workdir"), str):
-            image = task.get("image") or data.get("image") or DEFAULT_IMAGE
-            workdirs.setdefault(str(image), set()).add(task["workdir"])
-    if backend == "kubernetes":
-        # One Pod shape per image: its workspace volume and working directory are one path.
-        for image, paths in sorted(workdirs.items()):
-            if len(paths) > 1:
-                problems.append(
-                    f"tasks in image {image!r} ask for different workdirs {sorted(paths)}: on "
-                    "Kubernetes one batch runs one workdir per image; submit them apart"
-                )
-    if workdirs and data.get("warm_pool"):
+    if data.get("warm_pool") and any(isinstance(t.get("workdir"), str) for t in tasks):
         # A warm sandbox is started before its task is known: its workspace is /workspace.
         problems.append(
             "warm_pool cannot go with a task's workdir (a pool's sandboxes work in /workspace)"

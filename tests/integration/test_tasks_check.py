@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.workers]
 ROOT = Path(__file__).resolve().parents[2]
 HARBOR = ROOT / "tests" / "data" / "harbor"
 BASE_IMAGE = "rollout.local/python:3-bookworm"  # image-task's FROM (the fixtures' README)
+GOOD = ("add-numbers", "image-task", "workdir-task", "separate-grader")
 
 
 def rollout(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -74,7 +75,8 @@ def test_check_runs_every_oracle_and_nop_and_fails_the_task_set_with_each_cause(
     seconds = time.monotonic() - started
     assert done.returncode == 1, done.stdout + done.stderr
     rows = table_rows(done.stdout)
-    for good in ("add-numbers", "image-task"):  # files only, and a task in its own image
+    # Files only, a task in its own image, and a task per honoured key of task.toml.
+    for good in GOOD:
         assert rows[good][1:3] == ["1", "0"] and rows[good][4:] == ["ok"], rows[good]
     assert rows["wrong-oracle"][1:3] == ["0", "0"]
     assert rows["wrong-oracle"][4:] == [
@@ -89,7 +91,7 @@ def test_check_runs_every_oracle_and_nop_and_fails_the_task_set_with_each_cause(
     # Other fixtures may join the folder: only these are named here.
     failed = summary.partition(" failed (")[2].partition(")")[0].split(", ")
     assert {"no-solution", "partial-credit", "wrong-oracle"} <= set(failed), summary
-    assert not {"add-numbers", "image-task"} & set(failed), summary
+    assert not set(GOOD) & set(failed), summary
     assert "image-task: rootfs " in done.stderr  # built and exported for the local backend
     # About 10 s here (Docker build cached, rootfs exported once); bounded loosely so a busy
     # machine does not fail it, tightly enough to catch one batch per task.
@@ -147,9 +149,9 @@ def test_check_judges_the_same_task_set_on_the_real_node(docker, real_node, real
         *(*flags, "--capacity-check", "warn", "--redis-url", real_stack.redis_url),
         timeout=600,
     )
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 1 and done.stdout, done.stdout + done.stderr
     rows = table_rows(done.stdout)
-    for good in ("add-numbers", "image-task"):
+    for good in GOOD:
         assert rows[good][1:3] == ["1", "0"] and rows[good][4:] == ["ok"], rows[good]
     assert rows["wrong-oracle"][1:3] == ["0", "0"] and rows["wrong-oracle"][4] == "FAIL"
     assert rows["partial-credit"][1:3] == ["1", "0.5"]

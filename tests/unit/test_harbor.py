@@ -84,6 +84,8 @@ def test_the_fixture_folder_maps_each_harbor_task_to_one_of_ours():
         "image-task",
         "no-solution",
         "partial-credit",
+        "separate-grader",
+        "workdir-task",
         "wrong-oracle",
     ]
     for task in tasks.values():
@@ -227,6 +229,8 @@ def test_a_harbor_folder_is_a_task_set_and_only_picks_tasks_in_its_order(tmp_pat
         "image-task",
         "no-solution",
         "partial-credit",
+        "separate-grader",
+        "workdir-task",
         "wrong-oracle",
     ]
     picked = load_task_set(str(FIXTURES), ["partial-credit", "add-numbers"])
@@ -419,6 +423,8 @@ def test_show_prints_one_line_per_task_or_the_tasks_as_json():
         "image-task",
         "no-solution",
         "partial-credit",
+        "separate-grader",
+        "workdir-task",
         "wrong-oracle",
     ]
     assert "1 file " in rows["add-numbers"] and rows["add-numbers"].endswith("yes       30s")

@@ -220,16 +220,34 @@ def test_the_honoured_fields_are_a_valid_batch_and_checked_there(tmp_path):
     assert "workdir '/proc/x'" in text and "test_timeout_seconds must be" in text
 
 
-def test_kubernetes_runs_one_workdir_per_image_and_no_warm_pool_with_one(tmp_path):
+def test_kubernetes_runs_one_job_per_workdir_and_no_warm_pool_with_one(tmp_path):
+    from rollout_worker.backends.kube.objects import job_manifest, job_parts
+
     base = {"statement": "s", "test_command": ["true"], "reward": "file", "baseline": False}
     base |= {"files": {}}
     base |= {"tests": {"test.sh": "true\n"}, "solution": {"solve.sh": "true\n"}}
-    tasks = [base | {"id": "a", "workdir": "/a"}, base | {"id": "b", "workdir": "/b"}]
+    tasks = [
+        base | {"id": "a", "workdir": "/a"},
+        base | {"id": "b", "workdir": "/b"},
+        base | {"id": "c"},
+    ]
     request = {"tasks": tasks, "agent": "oracle", "backend": "kubernetes"}
-    with pytest.raises(InvalidSpec) as info:
-        parse_spec(request, max_episodes=None)
-    assert "ask for different workdirs ['/a', '/b']" in " | ".join(info.value.problems)
-    parse_spec(request | {"backend": "local"}, max_episodes=None)  # locally: per episode
+    spec = parse_spec(request, max_episodes=None)
+    # Tasks of one image in different working directories: one Job each, each its own.
+    parts = job_parts(spec)
+    assert [(p.first, p.count, p.workdir) for p in parts] == [
+        (0, 1, "/a"),
+        (1, 1, "/b"),
+        (2, 1, None),
+    ]
+    dirs = [
+        job_manifest(spec, ttl_seconds_after_finished=60, part=part)["spec"]["template"]["spec"]
+        for part in parts
+    ]
+    working = [
+        next(c for c in d["containers"] if c["name"] == "episode").get("workingDir") for d in dirs
+    ]
+    assert working[:2] == ["/a", "/b"] and working[2] in (None, "/workspace")
     one = [tasks[0]]
     for backend in ("kubernetes", "local"):
         warm = request | {"tasks": one, "warm_pool": 1, "backend": backend}

@@ -547,9 +547,17 @@ def test_grade_fresh_on_kubernetes_grades_in_a_second_container_over_the_workspa
     assert {"/tmp", "/logs", "/solution"} <= shared
     # A task in its own image keeps its folders in that image's root: refused by name.
     own_image = visible | {"image": "rollout.local/task:1"}
-    with pytest.raises(InvalidSpec, match="grade: fresh on Kubernetes needs every task"):
+    with pytest.raises(InvalidSpec, match="grade: fresh on Kubernetes needs a task in"):
         real_spec([own_image])
     assert not grades_apart(real_spec([own_image | {"grade": "same"}]))
+    # Beside one graded `same`, a fresh task in the batch's image still grades apart: each
+    # Job (one per image) is decided on its own tasks.
+    mixed = real_spec([visible | {"id": "fresh"}, own_image | {"id": "own", "grade": "same"}])
+    parts = {part.image: part for part in job_parts(mixed)}
+    for image, apart in ((mixed.image, True), ("rollout.local/task:1", False)):
+        manifest = job_manifest(mixed, ttl_seconds_after_finished=60, part=parts[image])
+        names = [c["name"] for c in manifest["spec"]["template"]["spec"].get("initContainers", [])]
+        assert names == (["agent"] if apart else []), (image, names)
 
 
 def test_an_agent_container_that_failed_ends_the_episode_and_both_logs_are_read():

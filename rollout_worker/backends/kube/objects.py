@@ -92,24 +92,33 @@ def tasks_text(spec: BatchSpec) -> str | None:
     return orjson.dumps(spec.tasks or [demo_task()]).decode()
 
 
-def grades_apart(spec: BatchSpec) -> bool:
-    """Whether the batch's agents and graders run in separate containers: tasks with hidden
-    tests (`tests`) or `grade: fresh`, none of which runs in its own image (whose folders,
-    where such an agent works, a second container would not share). The agent then runs in
-    an init container that is given each task without its tests, and the Pod's container
-    grades after it, over the same workspace, /tmp and /logs (`same`) or over the workspace
-    alone, the rest emptied first (`fresh`)."""
-    apart = any(t.get("tests") or t.get("grade") == "fresh" for t in spec.tasks)
-    return apart and not any(t.get("image") for t in spec.tasks)
+def tasks_of(spec: BatchSpec, image: str | None) -> list[dict[str, Any]]:
+    """The tasks whose episodes run `image` (every task when None): one Job's, decided alike."""
+    if image is None:
+        return list(spec.tasks)
+    return [t for t in spec.tasks if (t.get("image") or spec.image) == image]
 
 
-def stashes_tests(spec: BatchSpec) -> bool:
+def grades_apart(spec: BatchSpec, image: str | None = None) -> bool:
+    """Whether the agents and graders of `image`'s episodes (of the whole batch when None)
+    run in separate containers: tasks with hidden tests (`tests`) or `grade: fresh`, none of
+    which runs in its own image (whose folders, where such an agent works, a second container
+    would not share). The agent then runs in an init container that is given each task
+    without its tests, and the Pod's container grades after it, over the same workspace, /tmp
+    and /logs (`same`) or over the workspace alone, the rest emptied first (`fresh`)."""
+    tasks = tasks_of(spec, image)
+    apart = any(t.get("tests") or t.get("grade") == "fresh" for t in tasks)
+    return apart and not any(t.get("image") for t in tasks)
+
+
+def stashes_tests(spec: BatchSpec, image: str | None = None) -> bool:
     """Whether the batch's hidden tests reach a runner that grades in its agent's container (a
     task in its own image, whose folders a second container would not share): an init
     container copies the tasks with their tests to a memory folder of the Pod, the container
     mounts the tasks without them, and its runner reads that copy and removes it before any
     agent process exists (HIDDEN_TASKS_ENV in the episode program)."""
-    return not grades_apart(spec) and any(t.get("tests") for t in spec.tasks)
+    tasks = tasks_of(spec, image)
+    return not grades_apart(spec, image) and any(t.get("tests") for t in tasks)
 
 
 def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
@@ -117,7 +126,8 @@ def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
     tasks = tasks_text(spec)
     if tasks is not None:
         data[TASKS_KEY] = tasks
-    if grades_apart(spec) or stashes_tests(spec):
+    images = {t.get("image") or spec.image for t in spec.tasks}
+    if any(grades_apart(spec, i) or stashes_tests(spec, i) for i in images):
         data[AGENT_TASKS_KEY] = orjson.dumps([agent_view(t) for t in spec.tasks]).decode()
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
     if size > CONFIGMAP_MAX_BYTES:
@@ -186,16 +196,16 @@ def agent_env(spec: BatchSpec) -> list[dict[str, Any]]:
     ]
 
 
-def pod_failure_policy(spec: BatchSpec) -> dict[str, Any]:
+def pod_failure_policy(spec: BatchSpec, image: str | None = None) -> dict[str, Any]:
     """Which failed Pods use up the episode's retry budget (`backoffLimitPerIndex`): the
     runner's infrastructure exit code and disruptions (eviction, preemption, node loss). Any
     other failure (an episode error, a deadline) fails its index at once: retrying it would
     only sample the policy again until one attempt looks good. The init container (the
     agent's when the batch grades apart, the tests' stash) by the same rules."""
     names = [CONTAINER_NAME]
-    if grades_apart(spec):
+    if grades_apart(spec, image):
         names = [AGENT_CONTAINER, CONTAINER_NAME]
-    elif stashes_tests(spec):
+    elif stashes_tests(spec, image):
         names = [STASH_CONTAINER, CONTAINER_NAME]
     count = [
         {
@@ -247,34 +257,36 @@ def ready_probe(spec: BatchSpec) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class JobPart:
-    """One Job of a batch: the episodes [first, first + count) that run one image."""
+    """One Job of a batch: the episodes [first, first + count) that run one image in one
+    working directory (their tasks' `workdir`; None: /workspace)."""
 
     name: str
     image: str
     first: int
     count: int
     parallelism: int
+    workdir: str | None = None
 
 
 def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
-    """One Job per image and run of cold episodes, in episode order (parse_spec keeps a batch's
-    tasks grouped by image, so each image's episodes are one range; the `warm` episodes, taken
-    from a pool, cut ranges). The batch's parallelism is shared among them in proportion to
-    their episodes, at least 1 each: with more parts than `parallelism`, up to one sandbox per
-    part runs at a time."""
-    ranges: list[tuple[str, int, int]] = []
-    previous: tuple[str, int] | None = None  # (image, index) of the last cold episode
+    """One Job per image, working directory and run of cold episodes, in episode order
+    (parse_spec keeps a batch's tasks grouped by image, so each image's episodes are one range
+    unless their workdirs differ; the `warm` episodes, taken from a pool, cut ranges). The
+    batch's parallelism is shared among them in proportion to their episodes, at least 1
+    each: with more parts than `parallelism`, up to one sandbox per part runs at a time."""
+    ranges: list[tuple[tuple[str, str | None], int, int]] = []
+    previous: tuple[tuple[str, str | None], int] | None = None  # the last cold episode's
     for index in range(spec.count):
         if index in warm:
             continue
         episode = spec.episode(index)
         task = spec.tasks[episode.task_index] if episode.task_index is not None else {}
-        image = task.get("image") or spec.image
-        if ranges and previous == (image, index - 1):
-            ranges[-1] = (image, ranges[-1][1], ranges[-1][2] + 1)
+        shape = (task.get("image") or spec.image, task.get("workdir"))
+        if ranges and previous == (shape, index - 1):
+            ranges[-1] = (shape, ranges[-1][1], ranges[-1][2] + 1)
         else:
-            ranges.append((image, index, 1))
-        previous = (image, index)
+            ranges.append((shape, index, 1))
+        previous = (shape, index)
     cold = sum(count for _, _, count in ranges)
     shares = [max(1, min(count, spec.parallelism * count // cold)) for _, _, count in ranges]
     spare = spec.parallelism - sum(shares)
@@ -283,20 +295,24 @@ def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
         shares[number] += extra
         spare -= extra
     return [
-        JobPart(JOB_NAME if number == 0 else f"{JOB_NAME}-{number}", image, first, count, share)
-        for number, ((image, first, count), share) in enumerate(zip(ranges, shares, strict=True))
+        JobPart(
+            JOB_NAME if number == 0 else f"{JOB_NAME}-{number}",
+            image,
+            first,
+            count,
+            share,
+            workdir,
+        )
+        for number, (((image, workdir), first, count), share) in enumerate(
+            zip(ranges, shares, strict=True)
+        )
     ]
 
 
-def image_workdir(spec: BatchSpec, image: str) -> tuple[str, bool]:
-    """Where the sandboxes of `image` work (their tasks' `workdir`, Harbor's [environment]
-    workdir, else /workspace), and whether those tasks run in their own image (whose files
-    at that folder are the workspace: no volume hides them). parse_spec allows one workdir
-    per image on Kubernetes."""
-    tasks = [t for t in spec.tasks if (t.get("image") or spec.image) == image]
-    workdirs = {t["workdir"] for t in tasks if t.get("workdir")}
-    own_image = any("image" in t for t in tasks)
-    return (min(workdirs) if workdirs else "/workspace"), own_image
+def runs_own_image(spec: BatchSpec, image: str) -> bool:
+    """Whether the tasks of `image` run in their own image (whose files at their workdir are
+    the workspace: no volume hides them)."""
+    return any(t.get("image") == image for t in spec.tasks)
 
 
 def sandbox_pod_spec(
@@ -306,12 +322,14 @@ def sandbox_pod_spec(
     active_deadline: int,
     *,
     warm: bool = False,
+    workdir: str | None = None,
 ) -> dict[str, Any]:
     """The Pod spec of one sandbox, cold (a Job's template) or warm (a pool Pod): the same
     isolation either way (non-root, no capabilities, no token, read-only root). A warm one
-    gets its task, and any hidden tests, through its hand-over, never from a stash."""
+    gets its task, and any hidden tests, through its hand-over, never from a stash. `workdir`:
+    where its episodes work (their tasks' Harbor [environment] workdir), else /workspace."""
     res = spec.resources
-    workspace, own_image = image_workdir(spec, image)
+    workspace, own_image = workdir or "/workspace", runs_own_image(spec, image)
     pod_spec: dict[str, Any] = {
         "runtimeClassName": spec.runtime,
         "restartPolicy": "Never",
@@ -391,9 +409,9 @@ def sandbox_pod_spec(
             pod_spec["volumes"].append(
                 {"name": name, "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}}
             )
-    if grades_apart(spec):
+    if grades_apart(spec, image):
         _grade_apart(pod_spec)
-    elif stashes_tests(spec) and not warm:
+    elif stashes_tests(spec, image) and not warm:
         _stash_tests(pod_spec)
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
@@ -497,7 +515,9 @@ def job_manifest(
         {"name": "ROLLOUT_INDEX_OFFSET", "value": str(part.first)},
         *agent_env(spec),
     ]
-    pod_spec = sandbox_pod_spec(spec, part.image, env, spec.episode_timeout_seconds)
+    pod_spec = sandbox_pod_spec(
+        spec, part.image, env, spec.episode_timeout_seconds, workdir=part.workdir
+    )
     pod_spec["containers"][0]["startupProbe"] = ready_probe(spec)
     job: dict[str, Any] = {
         "apiVersion": "batch/v1",
@@ -530,7 +550,7 @@ def job_manifest(
         },
     }
     if spec.infra_retries:
-        job["spec"]["podFailurePolicy"] = pod_failure_policy(spec)
+        job["spec"]["podFailurePolicy"] = pod_failure_policy(spec, part.image)
     return job
 
 
