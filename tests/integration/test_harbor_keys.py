@@ -34,8 +34,8 @@ echo 1 > /logs/verifier/reward.txt
 """
 
 
-def test_oracle_runs_in_the_tasks_workdir_and_tests_stop_at_the_verifiers_limit(tmp_path):
-    tasks = tmp_path / "tasks"
+def key_tasks(tasks):
+    """A task in a workdir of its own, and one whose tests outlast its verifier's limit."""
     make_task(
         tasks,
         "custom-workdir",
@@ -51,6 +51,11 @@ def test_oracle_runs_in_the_tasks_workdir_and_tests_stop_at_the_verifiers_limit(
         tests={"test.sh": SLOW_TEST},
         solution={"solve.sh": "#!/bin/bash\ntrue\n"},
     )
+    return tasks
+
+
+def test_oracle_runs_in_the_tasks_workdir_and_tests_stop_at_the_verifiers_limit(tmp_path):
+    tasks = key_tasks(tmp_path / "tasks")
     started = time.monotonic()
     done = subprocess.run(
         [
@@ -77,22 +82,7 @@ def test_oracle_runs_in_the_tasks_workdir_and_tests_stop_at_the_verifiers_limit(
 def test_the_same_tasks_keep_their_workdir_and_verifier_limit_on_the_real_node(
     tmp_path, real_node, real_stack
 ):
-    tasks = tmp_path / "tasks"
-    make_task(
-        tasks,
-        "custom-workdir",
-        toml='[agent]\ntimeout_sec = 20\n[environment]\nworkdir = "/custom-workdir"\n',
-        environment={"data.txt": "x\n"},
-        tests={"test.sh": WORKDIR_TEST},
-        solution={"solve.sh": "#!/bin/bash\necho done > out.txt\n"},
-    )
-    make_task(
-        tasks,
-        "slow-tests",
-        toml="[agent]\ntimeout_sec = 20\n[verifier]\ntimeout_sec = 3\n",
-        tests={"test.sh": SLOW_TEST},
-        solution={"solve.sh": "#!/bin/bash\ntrue\n"},
-    )
+    tasks = key_tasks(tmp_path / "tasks")
     done = subprocess.run(
         [
             *(sys.executable, "-m", "rollout_worker.cli", "run", "--tasks", str(tasks)),

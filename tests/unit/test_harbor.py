@@ -74,20 +74,24 @@ def refusal(path: Path, only: list[str] | None = None) -> str:
     return " | ".join(info.value.problems)
 
 
+# tests/data/harbor's tasks, in folder order (its README says what each is for).
+FIXTURE_IDS = [
+    "add-numbers",
+    "image-task",
+    "no-solution",
+    "partial-credit",
+    "separate-grader",
+    "workdir-task",
+    "wrong-oracle",
+]
+
+
 # -- the mapping -------------------------------------------------------------------------------
 
 
 def test_the_fixture_folder_maps_each_harbor_task_to_one_of_ours():
     tasks = {t["id"]: t for t in load_harbor_tasks(FIXTURES)}
-    assert list(tasks) == [
-        "add-numbers",
-        "image-task",
-        "no-solution",
-        "partial-credit",
-        "separate-grader",
-        "workdir-task",
-        "wrong-oracle",
-    ]
+    assert list(tasks) == FIXTURE_IDS
     for task in tasks.values():
         assert task["test_command"] == ["bash", "/tests/test.sh"]
         assert task["reward"] == "file" and task["baseline"] is False
@@ -224,15 +228,7 @@ def test_the_builder_gets_the_dockerfile_tasks_only():
 
 
 def test_a_harbor_folder_is_a_task_set_and_only_picks_tasks_in_its_order(tmp_path):
-    assert [t["id"] for t in load_task_set(str(FIXTURES))] == [
-        "add-numbers",
-        "image-task",
-        "no-solution",
-        "partial-credit",
-        "separate-grader",
-        "workdir-task",
-        "wrong-oracle",
-    ]
+    assert [t["id"] for t in load_task_set(str(FIXTURES))] == FIXTURE_IDS
     picked = load_task_set(str(FIXTURES), ["partial-credit", "add-numbers"])
     assert [t["id"] for t in picked] == ["partial-credit", "add-numbers"]
     with pytest.raises(InvalidSpec, match=r"no task\(s\) \['nope'\]"):
@@ -418,15 +414,7 @@ def test_show_prints_one_line_per_task_or_the_tasks_as_json():
     lines = result.output.splitlines()
     assert lines[0].split() == ["ID", "STATEMENT", "WORKSPACE", "TESTS", "SOLUTION", "LIMIT"]
     rows = {line.split()[0]: line for line in lines[1:]}
-    assert list(rows) == [
-        "add-numbers",
-        "image-task",
-        "no-solution",
-        "partial-credit",
-        "separate-grader",
-        "workdir-task",
-        "wrong-oracle",
-    ]
+    assert list(rows) == FIXTURE_IDS
     assert "1 file " in rows["add-numbers"] and rows["add-numbers"].endswith("yes       30s")
     assert "image rollout.local/harbor-image-task:" in rows["image-task"]
     assert rows["no-solution"].split()[-2:] == ["no", "20s"]
