@@ -170,7 +170,7 @@ def figures(plain: list[float], proxied: list[float]) -> dict[str, Any]:
     }
 
 
-def real_node_runs(calls: int, runs: int) -> list[dict[str, Any]]:
+def real_node_runs(calls: int, runs: int, cpu_limit: str) -> list[dict[str, Any]]:
     """One batch per run on the real node; each Pod's agent times the pairs itself."""
     from rollout_worker.cli.stack import LocalStack
     from tests.k8s import cluster as kc
@@ -214,6 +214,7 @@ def real_node_runs(calls: int, runs: int) -> list[dict[str, Any]]:
                     tasks=[task],
                     policy={"url": url, "request_timeout_seconds": 30},
                     capacity_check="warn",
+                    resources={"cpu_limit": cpu_limit},
                     episode_timeout_seconds=900,
                     deadline_seconds=1200,
                 )
@@ -245,10 +246,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--server", choices=["scripted", "engine"], default="scripted")
     parser.add_argument("--real-node", action="store_true")
+    # The sandbox's CPU limit on the real node (the batch default, 500m, throttles the
+    # runner's proxy in 100 ms periods: the tail of a busy second).
+    parser.add_argument("--cpu-limit", default="500m")
     args = parser.parse_args()
     os.environ.setdefault("ROLLOUT_TESTS_DIR", tempfile.mkdtemp())
     print(f"load average before: {os.getloadavg()}", flush=True)
-    results = real_node_runs(args.calls, args.runs) if args.real_node else []
+    results = real_node_runs(args.calls, args.runs, args.cpu_limit) if args.real_node else []
     for run in range(0 if args.real_node else args.runs):
         if args.server == "engine":
             from trainer_stub.engine import EngineServer, build_model
