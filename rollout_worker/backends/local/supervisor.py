@@ -190,6 +190,12 @@ class Supervisor:
         """An episode's /tmp, /logs, /tests and /solution, kept beside its workspace."""
         return self.dir.workspace(index).parent / f"{index}.{phase}"
 
+    def task_of(self, index: int) -> dict[str, Any]:
+        """Episode `index`'s task ({} for the guide's demo, which has none)."""
+        if not self.spec.tasks:
+            return {}
+        return self.spec.tasks[self.spec.episode(index).task_index or 0]
+
     def image_root(self, index: int) -> ImageRoot | None:
         """The task's image as the sandbox's root, when the task is only its image (a Harbor
         Dockerfile) and its root filesystem was exported (the backend checked it was)."""
@@ -294,7 +300,7 @@ class Supervisor:
         root = self.image_root(index)
         # Harbor's [environment] workdir: the folder the agent and its tests run in (in an
         # image, that folder's own files are the workspace, as for its WORKDIR).
-        workdir = self.spec.tasks[self.spec.episode(index).task_index or 0].get("workdir")
+        workdir = self.task_of(index).get("workdir")
         if root is not None and workdir:
             root = replace(root, workdir=workdir)
         if root is not None and root.workdir != "/":
@@ -318,7 +324,7 @@ class Supervisor:
         if phase == AGENT_PHASE:
             shutil.rmtree(workspace, ignore_errors=True)
             workspace.mkdir(parents=True)
-        elif self.spec.tasks[self.spec.episode(index).task_index or 0].get("grade") == "fresh":
+        elif self.task_of(index).get("grade") == "fresh":
             agent_left = workspace.with_name(f"{index}.left")
             workspace.rename(agent_left)
             # What the agent left is hostile: copied on the host without following a link
