@@ -384,11 +384,7 @@ def parse_spec(data: Mapping[str, Any], *, max_episodes: int | None) -> BatchSpe
     if agent is not None and not problems:
         tasks = [t if "agent" in t else t | {"agent": agent} for t in tasks]
         if agent == ORACLE:
-            problems += [
-                f"task {t.get('id')!r}: the oracle agent needs solution/solve.sh"
-                for t in tasks
-                if "solve.sh" not in (t.get("solution") or {})
-            ]
+            problems += _oracle_problems(tasks)
     oracle_only = bool(tasks) and all(t.get("agent") == ORACLE for t in tasks)
     if tasks and not isinstance(raw_policy, Mapping) and not oracle_only:
         problems.append("tasks need a policy to act (policy.url); only the demo has a fixed action")
@@ -516,6 +512,8 @@ REWARD_RULES = ("all", "fraction", "file")
 REWARD_FILES = ("/logs/verifier/reward.json", "/logs/verifier/reward.txt")
 GRADES = ("same", "fresh")
 ORACLE = "oracle"
+# What the oracle agent runs, from the task's `solution` (Harbor's solution/solve.sh).
+SOLVE_SCRIPT = "solve.sh"
 # The agent's environment the runner sets itself (an agent's `env` may not override them).
 AGENT_RESERVED_ENV = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "OPENAI_MODEL")
 MAX_AGENT_ARGS = 64
@@ -609,6 +607,15 @@ def countable(argv: list[Any]) -> bool:
     return bool(rest) and str(rest[0]).endswith(".py")
 
 
+def _oracle_problems(tasks: list[Any]) -> list[str]:
+    """A task whose agent is the oracle needs the script the oracle runs."""
+    return [
+        f"task {task.get('id')!r}: the oracle agent needs solution/{SOLVE_SCRIPT}"
+        for task in tasks
+        if task.get("agent") == ORACLE and SOLVE_SCRIPT not in (task.get("solution") or {})
+    ]
+
+
 def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
     """Tasks are data: each one checked here, every problem listed."""
     if value is None:
@@ -660,8 +667,7 @@ def _parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
             _parse_files(tid, "solution", task["solution"], problems)
         if "agent" in task:
             parse_agent(task["agent"], f"task {tid!r}: agent", problems)
-        if task.get("agent") == ORACLE and "solve.sh" not in (task.get("solution") or {}):
-            problems.append(f"task {tid!r}: the oracle agent needs solution/solve.sh")
+        problems += _oracle_problems([task])
         if not isinstance(task.get("baseline", True), bool):
             problems.append(f"task {tid!r}: baseline must be true or false")
         if task.get("grade", "same") not in GRADES:
