@@ -27,9 +27,16 @@ from rollout_wire.tasksets import agent_view, demo_task
 TASKS_FILE = "/tmp/rollout-tasks.json"
 
 
+def task_image(spec: BatchSpec, task: Mapping[str, Any]) -> str:
+    """The image a task's episodes run: its own (a Harbor task's environment), else the
+    batch's. Every backend and pool decides by this one rule."""
+    image: str = task.get("image") or spec.image
+    return image
+
+
 def pool_image(spec: BatchSpec) -> str | None:
     """The one image of a batch's episodes, or None when they use several."""
-    images = {task.get("image") or spec.image for task in spec.tasks} or {spec.image}
+    images = {task_image(spec, task) for task in spec.tasks} or {spec.image}
     return images.pop() if len(images) == 1 else None
 
 
@@ -53,7 +60,7 @@ def pool_key(spec: BatchSpec, program: str, *, grades_within: bool = False) -> s
         "policy": spec.policy.endpoint if spec.policy is not None else None,
         "program": hashlib.sha256(program.encode()).hexdigest(),
     }
-    # What a sandbox's folders depend on (kube objects.sandbox_pod_spec): a writable root for
+    # What a sandbox's folders depend on (kube pod_spec.sandbox_pod_spec): a writable root for
     # tasks whose tests come after the agent, the agent's own folders for agent commands.
     # Only named when present, so the other shapes keep their keys.
     if hidden:

@@ -20,6 +20,7 @@ from kubernetes.client.rest import ApiException
 from rollout_wire.request import parse_spec
 from rollout_wire.rows import EpisodeRow
 from rollout_worker.backends.kube import objects
+from rollout_worker.backends.kube.pod_spec import CONTAINER_NAME
 from rollout_worker.metrics import percentile
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.sandbox import episode_program_text
@@ -154,7 +155,7 @@ def run_batch_on_real_node(
         rows: list[EpisodeRow] = []
         for pod in pods:
             log = cluster.core.read_namespaced_pod_log(
-                pod.metadata.name, namespace, container=objects.CONTAINER_NAME
+                pod.metadata.name, namespace, container=CONTAINER_NAME
             )
             rows.append(validate_episode(_observe(pod), log, origin))
 

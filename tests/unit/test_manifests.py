@@ -310,7 +310,7 @@ def test_earlier_pods_within_the_budget_are_retries_not_restarts():
 
 def test_the_runner_and_the_backends_agree_on_the_infrastructure_exit_code():
     from rollout_worker.observation import EXIT_INFRASTRUCTURE
-    from rollout_worker.sandbox import episode
+    from tests.runner_program import episode
 
     assert episode.EXIT_INFRASTRUCTURE == EXIT_INFRASTRUCTURE
 
@@ -455,7 +455,8 @@ def real_spec(tasks):
 
 
 def test_hidden_tests_never_reach_the_agents_container():
-    from rollout_worker.backends.kube.objects import configmap_manifest, grades_apart
+    from rollout_worker.backends.kube.objects import configmap_manifest
+    from rollout_worker.backends.kube.pod_spec import grades_apart
 
     batch = real_spec([HIDDEN])
     assert grades_apart(batch)
@@ -491,7 +492,7 @@ def test_hidden_tests_never_reach_the_agents_container():
 
 
 def test_hidden_tests_of_a_task_in_its_own_image_reach_only_its_runner():
-    from rollout_worker.backends.kube.objects import grades_apart, stashes_tests
+    from rollout_worker.backends.kube.pod_spec import grades_apart, stashes_tests
 
     batch = real_spec([HIDDEN | {"image": "rollout.local/task:1"}])
     assert not grades_apart(batch) and stashes_tests(batch)
@@ -523,7 +524,7 @@ def test_hidden_tests_of_a_task_in_its_own_image_reach_only_its_runner():
 
 
 def test_grade_fresh_on_kubernetes_grades_in_a_second_container_over_the_workspace_alone():
-    from rollout_worker.backends.kube.objects import grades_apart
+    from rollout_worker.backends.kube.pod_spec import grades_apart
 
     visible = {k: v for k, v in HIDDEN.items() if k != "tests"} | {
         "test_files": {"t.py": "x"},
@@ -593,7 +594,8 @@ def test_an_agent_container_that_failed_ends_the_episode_and_both_logs_are_read(
 def test_every_container_and_folder_of_an_episode_has_a_bounded_disk():
     """An episode cannot fill its node's disk: each container has an ephemeral-storage limit
     and each emptyDir a sizeLimit (the agent's init container and its folders too)."""
-    from rollout_worker.backends.kube.objects import EPISODE_STORAGE_LIMIT, pool_pod_manifest
+    from rollout_worker.backends.kube.objects import pool_pod_manifest
+    from rollout_worker.backends.kube.pod_spec import EPISODE_STORAGE_LIMIT
 
     batch = real_spec([HIDDEN])
     pods = [

@@ -46,7 +46,6 @@ from rollout_worker.backends.base import (
 from rollout_worker.backends.kube import objects, read
 from rollout_worker.backends.kube.namespaces import delete_namespace
 from rollout_worker.backends.kube.objects import (
-    CONTAINER_NAME,
     JOB_NAME,
     configmap_manifest,
     job_manifest,
@@ -55,6 +54,7 @@ from rollout_worker.backends.kube.objects import (
     namespace_name,
     network_policy_manifest,
 )
+from rollout_worker.backends.kube.pod_spec import CONTAINER_NAME, grades_apart
 from rollout_worker.backends.kube.pools import Claimed, WarmPools
 from rollout_worker.backends.kube.read import (
     RETRYING,
@@ -735,7 +735,7 @@ class KubernetesBackend:
         # A warm Pod is one container: a batch that grades in a second one starts cold; one
         # whose runner grades in its agent's container (stashes_tests) takes warm Pods, its
         # hidden tests handed over apart from the task.
-        if objects.grades_apart(spec):
+        if grades_apart(spec):
             return None
         return warm.pool_key(spec, self.program, grades_within=True)
 

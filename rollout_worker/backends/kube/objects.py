@@ -8,7 +8,6 @@ batch labels; cleanup refuses anything without them.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -19,36 +18,24 @@ import orjson
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import agent_view, demo_task
-from rollout_worker.backends.warm import pool_image
+from rollout_worker.backends.kube.pod_spec import (
+    AGENT_CONTAINER,
+    AGENT_TASKS_KEY,
+    CONFIGMAP_NAME,
+    CONTAINER_NAME,
+    PROGRAM_DIR,
+    PROGRAM_KEY,
+    STASH_CONTAINER,
+    TASKS_KEY,
+    grades_apart,
+    ready_probe,
+    sandbox_pod_spec,
+    stashes_tests,
+)
+from rollout_worker.backends.warm import pool_image, task_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
 JOB_NAME = "rollout"
-CONFIGMAP_NAME = "episode"
-CONTAINER_NAME = "episode"
-# A batch whose tests the agent must not see runs its agent in an init container of this
-# name; the Pod's one container (CONTAINER_NAME) then only grades (grades_apart).
-AGENT_CONTAINER = "agent"
-AGENT_TASKS_KEY = "tasks-agent.json"
-# A batch whose tests must reach a runner in its agent's own container (stashes_tests): the
-# init container that copies them to STASH_DIR, a memory folder only that container mounts.
-STASH_CONTAINER = "stash"
-STASH_DIR = "/rollout-stash"
-# argv: source, destination, the exit code of a failed copy (infrastructure: retried).
-_STASH_COPY = """import shutil, sys
-try:
-    shutil.copyfile(sys.argv[1], sys.argv[2])
-except OSError as exc:
-    print(exc, file=sys.stderr)
-    sys.exit(int(sys.argv[3]))
-"""
-# Where the agent's runner leaves its baseline counts for the grader (written after every
-# process of the agent's is gone; validation checks the grader used what the log says).
-HANDOFF_DIR = "/handoff"
-PROGRAM_DIR = "/demo"
-# The runner's `ready` marker, on the Pod's own /tmp (see ready_probe).
-READY_FILE = "/tmp/rollout-ready"
-PROGRAM_KEY = "episode.py"
-TASKS_KEY = "tasks.json"
 # The API server refuses an object above 1 MiB (etcd's request limit is 1.5 MiB, the ConfigMap
 # data limit 1 MiB); parse_spec keeps tasks below 900 KiB, this is the last check.
 CONFIGMAP_MAX_BYTES = 1024 * 1024
@@ -57,16 +44,6 @@ FIRST_INDEX_LABEL = "rollout.dev/first-index"
 # Set by the Job controller on the Pods of a Job with backoffLimitPerIndex: how many Pods of
 # this index failed before this one.
 FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
-SANDBOX_UID = 1000
-# An episode's share of its node's disk (its workspace and other folders, a writable root,
-# its logs): past the limit the kubelet evicts the Pod instead of the node filling up. Each
-# folder on disk has it as its sizeLimit too. Not a batch field yet (Resources has none).
-# Requested at 0: a request would keep Pods off nodes that report no ephemeral-storage
-# (KWOK's), and it is the limit that protects the node.
-EPISODE_STORAGE_LIMIT = "1Gi"
-EPISODE_STORAGE_REQUEST = "0"
-# The writable folders an agent's episode has besides its workspace and /tmp.
-AGENT_DIRS = {"agent-logs": "/logs", "agent-tests": "/tests", "agent-solution": "/solution"}
 
 
 def namespace_name(batch_id: str) -> str:
@@ -75,6 +52,16 @@ def namespace_name(batch_id: str) -> str:
 
 def owner_labels(spec: BatchSpec) -> dict[str, str]:
     return {k.LABEL_OWNER: k.LABEL_OWNER_VALUE, k.LABEL_BATCH: spec.batch_id}
+
+
+def batch_selector(batch_id: str) -> str:
+    """The label selector of a batch's objects (its Jobs and Pods, warm ones included)."""
+    return f"{k.LABEL_BATCH}={batch_id}"
+
+
+def pool_selector(key: str) -> str:
+    """The label selector of one pool's Pods."""
+    return f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}={key}"
 
 
 def namespace_manifest(spec: BatchSpec) -> dict[str, Any]:
@@ -92,41 +79,12 @@ def tasks_text(spec: BatchSpec) -> str | None:
     return orjson.dumps(spec.tasks or [demo_task()]).decode()
 
 
-def tasks_of(spec: BatchSpec, image: str | None) -> list[dict[str, Any]]:
-    """The tasks whose episodes run `image` (every task when None): one Job's, decided alike."""
-    if image is None:
-        return list(spec.tasks)
-    return [t for t in spec.tasks if (t.get("image") or spec.image) == image]
-
-
-def grades_apart(spec: BatchSpec, image: str | None = None) -> bool:
-    """Whether the agents and graders of `image`'s episodes (of the whole batch when None)
-    run in separate containers: tasks with hidden tests (`tests`) or `grade: fresh`, none of
-    which runs in its own image (whose folders, where such an agent works, a second container
-    would not share). The agent then runs in an init container that is given each task
-    without its tests, and the Pod's container grades after it, over the same workspace, /tmp
-    and /logs (`same`) or over the workspace alone, the rest emptied first (`fresh`)."""
-    tasks = tasks_of(spec, image)
-    apart = any(t.get("tests") or t.get("grade") == "fresh" for t in tasks)
-    return apart and not any(t.get("image") for t in tasks)
-
-
-def stashes_tests(spec: BatchSpec, image: str | None = None) -> bool:
-    """Whether the batch's hidden tests reach a runner that grades in its agent's container (a
-    task in its own image, whose folders a second container would not share): an init
-    container copies the tasks with their tests to a memory folder of the Pod, the container
-    mounts the tasks without them, and its runner reads that copy and removes it before any
-    agent process exists (HIDDEN_TASKS_ENV in the episode program)."""
-    tasks = tasks_of(spec, image)
-    return not grades_apart(spec, image) and any(t.get("tests") for t in tasks)
-
-
 def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
     data = {PROGRAM_KEY: program}
     tasks = tasks_text(spec)
     if tasks is not None:
         data[TASKS_KEY] = tasks
-    images = {t.get("image") or spec.image for t in spec.tasks}
+    images = {task_image(spec, t) for t in spec.tasks}
     if any(grades_apart(spec, i) or stashes_tests(spec, i) for i in images):
         data[AGENT_TASKS_KEY] = orjson.dumps([agent_view(t) for t in spec.tasks]).decode()
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
@@ -241,20 +199,6 @@ def pod_failure_policy(spec: BatchSpec, image: str | None = None) -> dict[str, A
     }
 
 
-def ready_probe(spec: BatchSpec) -> dict[str, Any]:
-    """The startup probe that turns the runner's `ready` event into Pod status: the runner
-    creates READY_FILE when it emits the event, and the container counts as started once the
-    kubelet sees the file. Collectors learn of it from the Pod watch they already hold, so
-    progress costs no log read. The probe runs about once a second only until it passes, and
-    its failure threshold outlasts the episode's own deadline, so it never stops an episode."""
-    return {
-        "exec": {"command": ["python", "-S", "-c", f"import os; os.stat({READY_FILE!r})"]},
-        "periodSeconds": 1,
-        "timeoutSeconds": 1,
-        "failureThreshold": spec.episode_timeout_seconds + 10,
-    }
-
-
 @dataclass(frozen=True)
 class JobPart:
     """One Job of a batch: the episodes [first, first + count) that run one image in one
@@ -281,7 +225,7 @@ def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
             continue
         episode = spec.episode(index)
         task = spec.tasks[episode.task_index] if episode.task_index is not None else {}
-        shape = (task.get("image") or spec.image, task.get("workdir"))
+        shape = (task_image(spec, task), task.get("workdir"))
         if ranges and previous == (shape, index - 1):
             ranges[-1] = (shape, ranges[-1][1], ranges[-1][2] + 1)
         else:
@@ -307,199 +251,6 @@ def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
             zip(ranges, shares, strict=True)
         )
     ]
-
-
-def runs_own_image(spec: BatchSpec, image: str) -> bool:
-    """Whether the tasks of `image` run in their own image (whose files at their workdir are
-    the workspace: no volume hides them)."""
-    return any(t.get("image") == image for t in spec.tasks)
-
-
-def sandbox_pod_spec(
-    spec: BatchSpec,
-    image: str,
-    env: list[dict[str, Any]],
-    active_deadline: int,
-    *,
-    warm: bool = False,
-    workdir: str | None = None,
-) -> dict[str, Any]:
-    """The Pod spec of one sandbox, cold (a Job's template) or warm (a pool Pod): the same
-    isolation either way (non-root, no capabilities, no token, read-only root). A warm one
-    gets its task, and any hidden tests, through its hand-over, never from a stash. `workdir`:
-    where its episodes work (their tasks' Harbor [environment] workdir), else /workspace."""
-    res = spec.resources
-    workspace, own_image = workdir or "/workspace", runs_own_image(spec, image)
-    pod_spec: dict[str, Any] = {
-        "runtimeClassName": spec.runtime,
-        "restartPolicy": "Never",
-        # Nothing in a sandbox needs a graceful stop: a deadline or a deletion ends it at once
-        # instead of 30 s later (Python as PID 1 ignores SIGTERM).
-        "terminationGracePeriodSeconds": 1,
-        "activeDeadlineSeconds": active_deadline,
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": {
-            "runAsUser": SANDBOX_UID,
-            "runAsGroup": SANDBOX_UID,
-            "fsGroup": SANDBOX_UID,
-            "runAsNonRoot": True,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "containers": [
-            {
-                "name": CONTAINER_NAME,
-                "image": image,
-                "imagePullPolicy": spec.image_pull_policy,
-                "command": ["python", "-B", f"{PROGRAM_DIR}/{PROGRAM_KEY}"],
-                "workingDir": workspace,
-                "env": [
-                    {
-                        "name": "EPISODE_ID",
-                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
-                    },
-                    {"name": "ROLLOUT_WORKSPACE", "value": workspace},
-                    {"name": "ROLLOUT_READY_FILE", "value": READY_FILE},
-                    # The container's own cgroup holds every process of the sandbox: the
-                    # runner's cost ledger reads it (the local sandbox sums its /proc).
-                    {"name": "ROLLOUT_COST_SOURCE", "value": "cgroup"},
-                    *env,
-                ],
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "capabilities": {"drop": ["ALL"]},
-                    # Harbor-style tasks (tests placed at /tests) act on their image's own
-                    # folders (its WORKDIR, say /app): their root stays writable, to the
-                    # sandbox's user only (non-root, no capabilities).
-                    "readOnlyRootFilesystem": not any("tests" in t for t in spec.tasks),
-                    "seccompProfile": {"type": "RuntimeDefault"},
-                },
-                "resources": {
-                    "requests": {
-                        "cpu": res.cpu_request,
-                        "memory": res.memory_request,
-                        "ephemeral-storage": EPISODE_STORAGE_REQUEST,
-                    },
-                    "limits": {
-                        "cpu": res.cpu_limit,
-                        "memory": res.memory_limit,
-                        "ephemeral-storage": EPISODE_STORAGE_LIMIT,
-                    },
-                },
-                "terminationMessagePolicy": "File",
-                "volumeMounts": [
-                    {"name": "program", "mountPath": PROGRAM_DIR, "readOnly": True},
-                    {"name": "workspace", "mountPath": "/workspace" if own_image else workspace},
-                    {"name": "tmp", "mountPath": "/tmp"},
-                ],
-            }
-        ],
-        "volumes": [
-            {"name": "program", "configMap": {"name": CONFIGMAP_NAME}},
-            {"name": "workspace", "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}},
-            {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
-        ],
-    }
-    if any("agent" in task for task in spec.tasks):
-        # An agent's episode writes outside its workspace: Harbor's /logs/verifier, the tests
-        # placed at /tests after the agent, the oracle's /solution (the root stays read-only).
-        container = pod_spec["containers"][0]
-        for name, path in AGENT_DIRS.items():
-            container["volumeMounts"].append({"name": name, "mountPath": path})
-            pod_spec["volumes"].append(
-                {"name": name, "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}}
-            )
-    if grades_apart(spec, image):
-        _grade_apart(pod_spec)
-    elif stashes_tests(spec, image) and not warm:
-        _stash_tests(pod_spec)
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
-    return pod_spec
-
-
-def _agent_program_volume() -> dict[str, Any]:
-    """The program folder an agent's container mounts: the program and the tasks without
-    their tests (as TASKS_KEY)."""
-    items = [
-        {"key": PROGRAM_KEY, "path": PROGRAM_KEY},
-        {"key": AGENT_TASKS_KEY, "path": TASKS_KEY},
-    ]
-    return {"name": "agent-program", "configMap": {"name": CONFIGMAP_NAME, "items": items}}
-
-
-def _stash_tests(pod_spec: dict[str, Any]) -> None:
-    """See stashes_tests: the container mounts the tasks without their tests, and an init
-    container (the same image, user and limits) leaves the full tasks file in a memory
-    folder only the container mounts, for its runner to take and remove."""
-    container = pod_spec["containers"][0]
-    stash = copy.deepcopy(container)
-    stash["name"] = STASH_CONTAINER
-    stash["command"] = [
-        "python", "-B", "-I", "-c", _STASH_COPY,
-        f"{PROGRAM_DIR}/{TASKS_KEY}", f"{STASH_DIR}/{TASKS_KEY}", str(EXIT_INFRASTRUCTURE),
-    ]  # fmt: skip
-    stash["env"] = []
-    stash["volumeMounts"] = [
-        {"name": "program", "mountPath": PROGRAM_DIR, "readOnly": True},
-        {"name": "stash", "mountPath": STASH_DIR},
-    ]
-    stash.pop("terminationMessagePolicy", None)
-    container["volumeMounts"] = [
-        {"name": "agent-program", "mountPath": PROGRAM_DIR, "readOnly": True}
-        if m["name"] == "program"
-        else m
-        for m in container["volumeMounts"]
-    ] + [{"name": "stash", "mountPath": STASH_DIR}]
-    container["env"] = [
-        *container["env"],
-        {"name": "ROLLOUT_HIDDEN_TASKS_FILE", "value": f"{STASH_DIR}/{TASKS_KEY}"},
-    ]
-    pod_spec["volumes"] += [
-        _agent_program_volume(),
-        {"name": "stash", "emptyDir": {"medium": "Memory", "sizeLimit": "2Mi"}},
-    ]
-    pod_spec["initContainers"] = [stash]
-
-
-def _grade_apart(pod_spec: dict[str, Any]) -> None:
-    """The agent as an init container that never sees the tests: its program folder holds
-    the tasks without them and it mounts no /tests; its runner ends with grade_pending. The
-    kubelet starts the Pod's container only after it exited 0 (every process of the agent
-    gone with it), and that container grades over the same workspace, /tmp and /logs (a
-    `fresh` grader empties all but the workspace first: ROLLOUT_SHARED_DIRS)."""
-    grader = pod_spec["containers"][0]
-    agent = copy.deepcopy(grader)
-    agent["name"] = AGENT_CONTAINER
-    handoff = {"name": "handoff", "mountPath": HANDOFF_DIR}
-    agent["volumeMounts"] = [
-        {"name": "agent-program", "mountPath": PROGRAM_DIR, "readOnly": True},
-        *(m for m in grader["volumeMounts"] if m["name"] not in ("program", "agent-tests")),
-        handoff,
-    ]
-    agent["env"] = [
-        *agent["env"],
-        {"name": "ROLLOUT_GRADER", "value": "sandbox"},
-        {"name": "ROLLOUT_HANDOFF_DIR", "value": HANDOFF_DIR},
-    ]
-    # What the grader shares with the agent's container besides the workspace: a `fresh`
-    # grader empties them before anything else (the Pod's /dev/shm is shared too).
-    both = {m["name"] for m in agent["volumeMounts"]} - {"workspace", "handoff"}
-    shared = [m["mountPath"] for m in grader["volumeMounts"] if m["name"] in both]
-    grader["env"] = [
-        *grader["env"],
-        {"name": "ROLLOUT_PHASE", "value": "grade"},
-        {"name": "ROLLOUT_HANDOFF_DIR", "value": HANDOFF_DIR},
-        {"name": "ROLLOUT_SHARED_DIRS", "value": ":".join([*shared, "/dev/shm"])},
-    ]
-    grader["volumeMounts"] = [*grader["volumeMounts"], handoff | {"readOnly": True}]
-    pod_spec["volumes"] += [
-        _agent_program_volume(),
-        {"name": "handoff", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
-    ]
-    pod_spec["initContainers"] = [agent]
 
 
 def job_manifest(

@@ -37,7 +37,7 @@ from rollout_worker.backends import warm
 from rollout_worker.backends.base import ReceiptUpdate
 from rollout_worker.backends.kube import objects, read
 from rollout_worker.backends.kube.namespaces import delete_namespace
-from rollout_worker.backends.kube.objects import CONTAINER_NAME
+from rollout_worker.backends.kube.pod_spec import CONTAINER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class WarmPools:
             )
 
     def pods(self, key: str, selector: str = "") -> list[dict[str, Any]]:
-        labels = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}={key}"
+        labels = objects.pool_selector(key)
         try:
             found = self._call(
                 "list pool pods",

@@ -15,13 +15,12 @@ from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.backends.kube.objects import (
-    AGENT_CONTAINER,
-    CONTAINER_NAME,
     FIRST_INDEX_LABEL,
     INDEX_LABEL,
     JOB_NAME,
     POOL_STATE_IDLE,
 )
+from rollout_worker.backends.kube.pod_spec import AGENT_CONTAINER, CONTAINER_NAME
 from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
 from rollout_worker.quantities import format_memory, parse_quantity
 
