@@ -149,17 +149,46 @@ def plan_sandbox(
         "LANG": "C.UTF-8",
     } | dict(extra_env or {})
     compiled = None if root is not None else current_bytecode(program)
+    run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
     if isolation == "none":
         env = base_env | {"ROLLOUT_WORKSPACE": str(workspace), "HOME": str(workspace)}
         env |= {m.env: str(m.host) for m in mounts if m.env}
-        run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
         return SandboxPlan([python, "-B", str(compiled or program)], env, str(workspace), run_as)
     if isolation != "bwrap":
         raise ValueError(f"unknown isolation {isolation!r}")
     if workdir and root is not None:
         raise ValueError("workdir with an image root: give it as the root's workdir")
+    if root is None:
+        # bwrap's own root is a fresh tmpfs: any path can be made the workspace's mount point.
+        workspace_mount = workdir or WORKSPACE_MOUNT
+        root_args = _host_root(python_prefix)
+    else:
+        workspace_mount = root.workdir if root.workdir != "/" else WORKSPACE_MOUNT
+        root_args = _image_root(root)
+        python = root.python
+    env = base_env | {"ROLLOUT_WORKSPACE": workspace_mount, "HOME": workspace_mount}
+    # --unshare-all gives the sandbox its own PID namespace (and /proc): every process the
+    # runner sees there is the episode's, so its cost ledger sums them all.
+    env["ROLLOUT_COST_SOURCE"] = "proc"
+    env |= {m.env: m.target for m in mounts if m.env}
     argv = [
         "bwrap",
+        *_namespaces(status_fd),
+        *root_args,
+        *_scratch(tmp),
+        *_episode_mounts(program, compiled, workspace, workspace_mount, mounts),
+        "--chdir",
+        workspace_mount,
+        "--clearenv",
+        *(arg for key, value in env.items() for arg in ("--setenv", key, value)),
+        *("--", python, "-B", COMPILED_MOUNT if compiled else PROGRAM_MOUNT),
+    ]
+    return SandboxPlan(argv, {}, str(workspace), run_as)
+
+
+def _namespaces(status_fd: int | None) -> list[str]:
+    """Its own namespaces, session and identity: uid 1000 without capabilities."""
+    return [
         *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
         "--unshare-all",
         # The runner is the sandbox's PID 1, as in a Pod's container: the kernel then drops
@@ -177,65 +206,60 @@ def plan_sandbox(
         "--gid",
         str(SANDBOX_GID),
     ]
-    workspace_mount = WORKSPACE_MOUNT
-    if root is None:
-        # bwrap's own root is a fresh tmpfs: any path can be made the workspace's mount point.
-        workspace_mount = workdir or WORKSPACE_MOUNT
-        argv += _system_mounts()
-        if not python_prefix.startswith("/usr/"):
-            argv += ["--ro-bind", python_prefix, python_prefix]
-    else:
-        # /sandbox as a tmpfs: the program and task files are mounted on it (a file mount
-        # point cannot be made inside the read-only root).
-        argv += ["--ro-bind", str(root.path), "/"]
-        argv += ["--size", str(SANDBOX_DIR_SIZE_LIMIT), "--tmpfs", "/sandbox"]
-        python = root.python
-        if root.workdir != "/":
-            workspace_mount = root.workdir
-    argv += [
-        # /proc, /dev and /tmp first: a bind below /tmp (an agent env kept there) must come
-        # after the tmpfs, or the tmpfs hides it.
-        "--proc",
-        "/proc",
+
+
+def _host_root(python_prefix: str) -> list[str]:
+    """The host's system, read-only, and the interpreter's prefix when it lives elsewhere."""
+    args = _system_mounts()
+    if not python_prefix.startswith("/usr/"):
+        args += ["--ro-bind", python_prefix, python_prefix]
+    return args
+
+
+def _image_root(root: ImageRoot) -> list[str]:
+    """A task image's root, read-only. /sandbox as a tmpfs: the program and task files are
+    mounted on it (a file mount point cannot be made inside the read-only root)."""
+    return [
+        *("--ro-bind", str(root.path), "/"),
+        *("--size", str(SANDBOX_DIR_SIZE_LIMIT), "--tmpfs", "/sandbox"),
+    ]
+
+
+def _scratch(tmp: Path | None) -> list[str]:
+    """/proc, /dev and /tmp, each tmpfs sized. First: a bind below /tmp (an agent env kept
+    there) must come after the tmpfs, or the tmpfs hides it."""
+    return [
+        *("--proc", "/proc"),
         # /dev/shm sized (/dev itself stays writable: the Kubernetes stand-ins bind a file at
         # /dev/termination-log there).
-        "--dev",
-        "/dev",
-        "--size",
-        str(SHM_SIZE_LIMIT),
-        "--tmpfs",
-        "/dev/shm",
+        *("--dev", "/dev"),
+        *("--size", str(SHM_SIZE_LIMIT), "--tmpfs", "/dev/shm"),
         *(
             ["--bind", str(tmp), "/tmp"]
             if tmp is not None
             else ["--size", str(TMP_SIZE_LIMIT), "--tmpfs", "/tmp"]
         ),
-        "--ro-bind",
-        str(program),
-        PROGRAM_MOUNT,
+    ]
+
+
+def _episode_mounts(
+    program: Path,
+    compiled: Path | None,
+    workspace: Path,
+    workspace_mount: str,
+    mounts: Sequence[Mount],
+) -> list[str]:
+    """The runner (and its bytecode), the workspace, then the episode's own mounts."""
+    return [
+        *("--ro-bind", str(program), PROGRAM_MOUNT),
         *(["--ro-bind", str(compiled), COMPILED_MOUNT] if compiled else []),
-        "--bind",
-        str(workspace),
-        workspace_mount,
+        *("--bind", str(workspace), workspace_mount),
         *(
             arg
             for m in mounts
             for arg in ("--bind" if m.writable else "--ro-bind", str(m.host), m.target)
         ),
-        "--chdir",
-        workspace_mount,
-        "--clearenv",
     ]
-    env = base_env | {"ROLLOUT_WORKSPACE": workspace_mount, "HOME": workspace_mount}
-    # --unshare-all gives the sandbox its own PID namespace (and /proc): every process the
-    # runner sees there is the episode's, so its cost ledger sums them all.
-    env["ROLLOUT_COST_SOURCE"] = "proc"
-    env |= {m.env: m.target for m in mounts if m.env}
-    for key, value in env.items():
-        argv += ["--setenv", key, value]
-    argv += ["--", python, "-B", COMPILED_MOUNT if compiled else PROGRAM_MOUNT]
-    run_as = (SANDBOX_UID, SANDBOX_GID) if running_as_root else None
-    return SandboxPlan(argv, {}, str(workspace), run_as)
 
 
 def rlimits(memory_bytes: int, cpu_seconds: int) -> Any:
