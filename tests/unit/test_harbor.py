@@ -26,7 +26,9 @@ from rollout_wire.harbor import (
 )
 from rollout_wire.request import REWARD_FILES, parse_spec
 from rollout_wire.tasksets import load_task_set
-from rollout_worker.cli import tasks as cli_tasks
+from rollout_worker.cli import base_images as cli_base
+from rollout_worker.cli import image_build as cli_build
+from rollout_worker.cli import image_commands as cli_argv
 from rollout_worker.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,18 +306,18 @@ def test_the_fixture_tests_fail_first_and_the_solution_passes_them(tmp_path, tas
 
 
 def test_the_containerd_socket_is_the_one_hack_localkube_names():
-    assert cli_tasks.containerd_socket({}) == "/run/rollout-containerd/containerd.sock"
-    assert cli_tasks.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "0"}) == (
+    assert cli_argv.containerd_socket({}) == "/run/rollout-containerd/containerd.sock"
+    assert cli_argv.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "0"}) == (
         "/run/rollout-containerd/containerd.sock"
     )
-    assert cli_tasks.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "3"}) == (
+    assert cli_argv.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "3"}) == (
         "/run/rollout-containerd-3/containerd.sock"
     )
-    assert cli_tasks.containerd_socket({"ROLLOUT_NODE_CONTAINERD_STATE": "/srv/ctd"}) == (
+    assert cli_argv.containerd_socket({"ROLLOUT_NODE_CONTAINERD_STATE": "/srv/ctd"}) == (
         "/srv/ctd/containerd.sock"
     )
     with pytest.raises(ValueError, match=r"0\.\.200"):
-        cli_tasks.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "x"})
+        cli_argv.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "x"})
     # The scripts say the same (a change there must change the function).
     node_sh = (ROOT / "hack" / "localkube" / "node.sh").read_text()
     assert (
@@ -329,28 +331,28 @@ def test_the_containerd_socket_is_the_one_hack_localkube_names():
 
 def test_the_build_import_push_and_rootfs_commands():
     image = "rollout.local/harbor-t:0123456789ab"
-    assert cli_tasks.build_argv(image, Path("/x/env")) == ["docker", "build", "-t", image, "/x/env"]
-    assert cli_tasks.node_import_argvs(image, "/run/c.sock") == (
+    assert cli_argv.build_argv(image, Path("/x/env")) == ["docker", "build", "-t", image, "/x/env"]
+    assert cli_argv.node_import_argvs(image, "/run/c.sock") == (
         ["docker", "save", image],
         ["ctr", "--address", "/run/c.sock", "--namespace", "k8s.io", "images", "import", "-"],
     )
-    target = cli_tasks.pushed_name(image, "registry.example.com:5000/team/")
+    target = cli_argv.pushed_name(image, "registry.example.com:5000/team/")
     assert target == "registry.example.com:5000/team/harbor-t:0123456789ab"
-    assert cli_tasks.push_argvs(image, target) == [
+    assert cli_argv.push_argvs(image, target) == [
         ["docker", "tag", image, target],
         ["docker", "push", target],
     ]
     for bad in ("https://registry.example.com", "", "/", "a b"):
         with pytest.raises(ValueError, match="without a scheme"):
-            cli_tasks.check_registry(bad)
-    assert cli_tasks.rootfs_dirname(image) == "rollout.local_harbor-t_0123456789ab"
-    assert cli_tasks.create_argv(image)[:3] == ["docker", "create", image]
-    export, extract = cli_tasks.export_argvs("c0ffee", Path("/r/img"))
+            cli_argv.check_registry(bad)
+    assert cli_argv.rootfs_dirname(image) == "rollout.local_harbor-t_0123456789ab"
+    assert cli_argv.create_argv(image)[:3] == ["docker", "create", image]
+    export, extract = cli_argv.export_argvs("c0ffee", Path("/r/img"))
     assert export == ["docker", "export", "c0ffee"]
     assert extract[:6] == ["tar", "-x", "-f", "-", "-C", "/r/img"]
     assert "--exclude=dev/*" in extract
-    assert cli_tasks.remove_argv("c0ffee") == ["docker", "rm", "-f", "c0ffee"]
-    assert cli_tasks.image_id_argv(image)[-1] == image
+    assert cli_argv.remove_argv("c0ffee") == ["docker", "rm", "-f", "c0ffee"]
+    assert cli_argv.image_id_argv(image)[-1] == image
 
 
 def test_a_plan_runs_each_image_through_build_then_import_push_and_rootfs():
@@ -358,7 +360,7 @@ def test_a_plan_runs_each_image_through_build_then_import_push_and_rootfs():
         ("rollout.local/harbor-a:1", "a", Path("/a")),
         ("rollout.local/harbor-b:2", "b", Path("/b")),
     ]
-    steps = cli_tasks.plan(images, node_socket="/s.sock", registry="reg:5000", rootfs=Path("/r"))
+    steps = cli_argv.plan(images, node_socket="/s.sock", registry="reg:5000", rootfs=Path("/r"))
     assert [(s.task_id, s.argv[1]) for s in steps][:7] == [
         ("a", "build"),
         ("a", "save"),
@@ -373,7 +375,7 @@ def test_a_plan_runs_each_image_through_build_then_import_push_and_rootfs():
         "docker save rollout.local/harbor-a:1 | ctr --address /s.sock --namespace k8s.io images "
         "import -"
     )
-    only_build = cli_tasks.plan(images, node_socket=None, registry=None, rootfs=None)
+    only_build = cli_argv.plan(images, node_socket=None, registry=None, rootfs=None)
     assert [s.argv[1] for s in only_build] == ["build", "build"]
 
 
@@ -385,8 +387,8 @@ def test_the_base_images_of_a_dockerfile_and_how_a_missing_one_is_recognised():
         "from deps AS final\n"
         "FROM busybox\n"
     )
-    assert cli_tasks.dockerfile_bases(dockerfile) == ["rollout.local/python:3-bookworm", "busybox"]
-    assert cli_tasks.dockerfile_bases((FIXTURES / "image-task/environment/Dockerfile").read_text())
+    assert cli_base.dockerfile_bases(dockerfile) == ["rollout.local/python:3-bookworm", "busybox"]
+    assert cli_base.dockerfile_bases((FIXTURES / "image-task/environment/Dockerfile").read_text())
     for output in [
         "ERROR: failed to solve: rollout.local/python:3-bookworm: failed to resolve source "
         "metadata for rollout.local/python:3-bookworm: failed to do request: Head "
@@ -395,10 +397,10 @@ def test_the_base_images_of_a_dockerfile_and_how_a_missing_one_is_recognised():
         "pull access denied for nosuch, repository does not exist or may require 'docker login'",
         "Error response from daemon: manifest for busybox:nope not found: manifest unknown",
     ]:
-        assert cli_tasks.missing_base(output)
-    assert not cli_tasks.missing_base("RUN pip install x: exit code: 1")
-    assert cli_tasks.last_line("step 1\n\nERROR: boom\n\n") == "ERROR: boom"
-    assert cli_tasks.last_line("") == "(no output)"
+        assert cli_base.missing_base(output)
+    assert not cli_base.missing_base("RUN pip install x: exit code: 1")
+    assert cli_argv.last_line("step 1\n\nERROR: boom\n\n") == "ERROR: boom"
+    assert cli_argv.last_line("") == "(no output)"
 
 
 # -- `rollout tasks`: the commands ---------------------------------------------------------------
@@ -458,7 +460,7 @@ def test_build_dry_run_prints_the_commands_and_runs_nothing(tmp_path):
 def test_build_fails_in_one_line_without_docker_and_has_nothing_to_do_without_dockerfiles(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(cli_tasks.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cli_build.shutil, "which", lambda name: None)
     result = CliRunner().invoke(cli, ["tasks", "build", str(FIXTURES)])
     assert result.exit_code == 1
     assert result.output.splitlines() == [

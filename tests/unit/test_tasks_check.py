@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import load_task_set
+from rollout_worker.cli import base_images as cli_base
 from rollout_worker.cli import check
 from rollout_worker.cli import tasks as cli_tasks
 from rollout_worker.cli.check import Outcome, TaskCheck
@@ -237,21 +238,21 @@ def test_the_bases_of_multi_stage_arg_and_platform_dockerfiles():
         "FROM scratch\n"
         "FROM ${UNSET}\n"
     )
-    assert cli_tasks.dockerfile_bases(dockerfile) == [
+    assert cli_base.dockerfile_bases(dockerfile) == [
         "debian:12",
         "reg.example:5000/tools:7",
         "busybox:1.36",
         "${UNSET}",
     ]
-    assert cli_tasks.substitute_args("${A:+set}-${B:-b}-$A", {"A": "a"}) == "set-b-a"
+    assert cli_base.substitute_args("${A:+set}-${B:-b}-$A", {"A": "a"}) == "set-b-a"
 
 
 def test_the_message_for_a_base_it_cannot_get_names_it_and_how_to_provide_it():
-    assert cli_tasks.registry_of("python:3.12") == "docker.io"
-    assert cli_tasks.registry_of("library/python") == "docker.io"
-    assert cli_tasks.registry_of("ghcr.io/a/b:1") == "ghcr.io"
-    assert cli_tasks.registry_of("localhost/a") == "localhost"
-    message = cli_tasks.missing_base_message(
+    assert cli_base.registry_of("python:3.12") == "docker.io"
+    assert cli_base.registry_of("library/python") == "docker.io"
+    assert cli_base.registry_of("ghcr.io/a/b:1") == "ghcr.io"
+    assert cli_base.registry_of("localhost/a") == "localhost"
+    message = cli_base.missing_base_message(
         "rollout.local/harbor-t:1",
         ["python:3.12", "ghcr.io/a/b:1", "${UNSET}"],
         ["python:3.12", "ghcr.io/a/b:1", "${UNSET}"],
@@ -269,7 +270,7 @@ def test_the_message_for_a_base_it_cannot_get_names_it_and_how_to_provide_it():
     assert "registry-mirrors" not in lines[2]
     assert "a build arg without a default" in lines[3]
     # Every base local, yet docker went to a registry: the platform is the likely cause.
-    local = cli_tasks.missing_base_message("i:1", ["python:3.12"], [], "no match for platform")
+    local = cli_base.missing_base_message("i:1", ["python:3.12"], [], "no match for platform")
     assert "for another platform?" in local.splitlines()[0]
 
 
