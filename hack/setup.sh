@@ -3,12 +3,13 @@
 # redis-server and bubblewrap from apt, and the package (+ dev tools with --dev) from PyPI into
 # the project's own virtual environment (never the system interpreter):
 #
-#   hack/setup.sh [--dev] [--train]
+#   hack/setup.sh [--dev] [--docs] [--train]
 #
-# --dev adds the test and lint tools; --train the trainer side's libraries (torch, transformers,
-# TRL: several GB, PyPI's x86_64 torch is a CUDA build that runs on the CPU), pinned in
-# pyproject.toml's `train` extra, for the tiny engine, the adapters' tests and the learning
-# benchmark.
+# --dev adds the test and lint tools and the docs site's (hack/test.sh builds the site);
+# --docs those alone (mkdocs and its plugins, pinned in pyproject.toml's `docs` extra); --train
+# the trainer side's libraries (torch, transformers, TRL: several GB, PyPI's x86_64 torch is a
+# CUDA build that runs on the CPU), pinned in pyproject.toml's `train` extra, for the tiny
+# engine, the adapters' tests and the learning benchmark.
 #
 # The environment is ${ROLLOUT_VENV:-<repo>/.venv}, created with `${PYTHON:-python3} -m venv`
 # (python3-venv is installed with apt when Debian's python3 lacks it). The package is installed
@@ -38,9 +39,10 @@ command -v bwrap >/dev/null || need+=(bubblewrap)
 extras=()
 for arg in "$@"; do
   case "${arg}" in
-    --dev) extras+=(dev) ;;
+    --dev) extras+=(dev docs) ;;
+    --docs) extras+=(docs) ;;
     --train) extras+=(train) ;;
-    *) echo "setup: unknown option ${arg} (--dev, --train)" >&2; exit 2 ;;
+    *) echo "setup: unknown option ${arg} (--dev, --docs, --train)" >&2; exit 2 ;;
   esac
 done
 extra=""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: install (into the project's .venv, hack/setup.sh),
-# lint, type-check, start the local Kubernetes (built from source on first use, cached after)
-# and its real node, then run every test. Extra args go to pytest.
+# lint, type-check, build the docs site, start the local Kubernetes (built from source on first
+# use, cached after) and its real node, then run every test. Extra args go to pytest.
 # ruff, mypy, pytest and `rollout` all come from the venv (first on PATH for the tests too).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,6 +21,13 @@ ruff check rollout_wire rollout_worker trainer_stub tests benchmarks
 ruff format --check rollout_wire rollout_worker trainer_stub
 mypy
 phase lint+types
+
+# The docs site, warnings as errors (a broken link or anchor, a page missing from the nav, a
+# docstring the API reference cannot read), built into a temporary folder.
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "${site}"
+rm -rf "${site}"
+phase docs
 
 if [[ -z "${KUBECONFIG:-}" ]]; then
   # Builds kube-apiserver & co. the first time (minutes), then starts in seconds; stopped on
