@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import unicodedata
@@ -113,6 +114,24 @@ def run_blocks(blocks: list[Block], timeout: float) -> list[tuple[Block, int, st
 def test_the_pages_are_found():
     names = {page.name for page in PAGES}
     assert {"README.md", "index.md", "getting-started.md", "api.md"} <= names, names
+
+
+def test_the_parser_reads_marks_fences_and_indented_blocks(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- not run here: it needs a cluster -->\n```sh\nkubectl get pods\n```\n\n"
+        "text\n\n```bash\nrollout --help\n```\n\n"
+        "- item\n\n    <!-- tested: tests/unit/test_docs.py::test_x -->\n"
+        "    ```sh\n    ls\n    ```\n"
+        "```\nno language\n```\n"
+    )
+    found = [(b.line, b.language, b.text, b.mark) for b in fenced_blocks(page)]
+    assert found == [
+        (2, "sh", "kubectl get pods", ("not run here", "it needs a cluster")),
+        (8, "bash", "rollout --help", None),
+        (15, "sh", "ls", ("tested", "tests/unit/test_docs.py::test_x")),
+        (18, "", "no language", None),
+    ]
 
 
 def test_every_fence_names_its_language():
@@ -230,6 +249,10 @@ def test_the_first_batch_runs_as_shown():
     # Each block starts its own Redis and workers (--all-in-one) and a policy server if shown.
     blocks = blocks_run_by(FIRST_BATCH)
     assert blocks, "the pages lost their first batch"
+    # The page's policy server listens on a fixed port: someone else there would answer instead.
+    for port in {int(p) for block in blocks for p in re.findall(r"--port (\d+)", block.text)}:
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken"
     for block, status, output in run_blocks(blocks, timeout=300):
         assert status == 0, f"{block.where}:\n{block.text}\n{output}"
         assert "succeeded" in output, f"{block.where}:\n{output}"
