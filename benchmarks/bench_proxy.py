@@ -36,7 +36,7 @@ from typing import Any
 from rollout_wire.policy import PolicyEndpoint
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.cli.policy_server import running
-from rollout_worker.sandbox import episode
+from tests.runner_program import episode
 
 EPISODE = "bench-proxy-0"
 MESSAGES = [

@@ -1,13 +1,14 @@
-"""Programs that run inside a sandbox (shipped as package data, run by every backend)."""
+"""The program that runs inside a sandbox: written as the `runner` package, shipped as the
+one file `program.build_program` makes of it, run by every backend."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-from importlib import resources
 from pathlib import Path
 
-EPISODE_PROGRAM = "episode.py"
+from rollout_worker.sandbox.program import build_program
+
 # What a compiled program names as its file in tracebacks: where sandboxes mount the source.
 PROGRAM_MOUNT = "/sandbox/episode.py"
 
@@ -18,7 +19,9 @@ _COMPILE = (
 
 
 def episode_program_text() -> str:
-    return resources.files(__name__).joinpath(EPISODE_PROGRAM).read_text(encoding="utf-8")
+    """The program every sandbox runs: the runner package built into one file (built once a
+    process; warm-pool keys and ConfigMaps are made of these bytes)."""
+    return build_program()
 
 
 def compiled_path(source: Path) -> Path:

@@ -51,6 +51,7 @@ from rollout_wire import constants as k
 from rollout_worker.backends.kube.watch import RawWatch
 from rollout_worker.backends.local.sandbox import plan_sandbox
 from rollout_worker.cli.stack import LocalStack
+from rollout_worker.sandbox import episode_program_text
 from tests.k8s import cluster as kc
 
 #: Annotations the harness puts on a batch Pod; kwok-stages.yaml reads them.
@@ -67,8 +68,6 @@ PROGRAM_KEY = "episode.py"
 #: SIGTERM, so the SIGKILL ends it): what a `hang` episode past activeDeadlineSeconds shows.
 KILLED_EXIT = 137
 RUN_TIMEOUT_S = 120
-#: The episode program (the same file the backends ship to every sandbox).
-EPISODE_PROGRAM = kc.REPO_ROOT / "rollout_worker" / "sandbox" / "episode.py"
 
 # -- fates of the seeded mix ------------------------------------------------------------------
 SUCCESS = "success"
@@ -295,7 +294,7 @@ class KwokEpisodes:
         self.sandboxes.chmod(0o711)  # uid 1000 must reach programs and workspaces in it
         program = self.sandboxes / "template" / PROGRAM_KEY
         program.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(EPISODE_PROGRAM, program)
+        program.write_text(episode_program_text())
         for action in ("fix", "none"):
             with tempfile.TemporaryDirectory(dir=self.sandboxes) as scratch:
                 run = run_episode(program, "template", {"ROLLOUT_ACTION": action}, Path(scratch))

@@ -21,9 +21,12 @@ from rollout_wire.trajectory import trajectory_from_log
 from rollout_worker.backends.local.backend import LocalBackend
 from rollout_worker.cli.policy_server import running
 from rollout_worker.report import build_report
-from rollout_worker.sandbox.episode import MAX_OBSERVATION_BYTES, TRUNCATION_MARKER
 from rollout_worker.settings import Settings
 from rollout_worker.validation import validate_episode
+from tests.runner_program import episode
+
+MAX_OBSERVATION_BYTES = episode.MAX_OBSERVATION_BYTES
+TRUNCATION_MARKER = episode.TRUNCATION_MARKER
 
 pytestmark = pytest.mark.slow
 

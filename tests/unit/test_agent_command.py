@@ -21,8 +21,9 @@ import pytest
 from rollout_wire.request import REWARD_FILES
 from rollout_worker.cli.policy_server import running
 from rollout_worker.observation import EpisodeObservation
-from rollout_worker.sandbox import episode, episode_program_text
+from rollout_worker.sandbox import episode_program_text
 from rollout_worker.validation import validate_episode
+from tests.runner_program import episode
 
 EP = "rollout-b1-0"
 BUGGY = "def add(a, b):\n    return a - b\n"

@@ -23,8 +23,8 @@ from rollout_worker.cli.report import render_markdown, summary_tables
 from rollout_worker.metrics import busy_slots, slot_utilisation
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.report import build_report
-from rollout_worker.sandbox import episode
 from rollout_worker.validation import validate_episode
+from tests.runner_program import episode
 from tests.unit.test_agent_command import (
     SCRIPT,
     STREAM_AGENT,
@@ -101,7 +101,7 @@ def test_an_unreadable_proc_leaves_the_cpu_unknown(tmp_path, proc):
 
 PROC_CHECK = """
 import os, subprocess, sys
-from rollout_worker.sandbox import episode
+from tests.runner_program import episode
 # A child that burns CPU and is waited for: its time is in this process's cutime.
 subprocess.run([sys.executable, "-c", "x = 0\\nfor i in range(3_000_000): x += i"], check=True)
 times = os.times()

@@ -19,8 +19,10 @@ import torch
 
 from rollout_wire.byte_template import END, START, decode, render_prompt, text_ids
 from rollout_worker.cli import policy_server
-from rollout_worker.sandbox.episode import assemble_stream
+from tests.runner_program import episode
 from trainer_stub import engine
+
+assemble_stream = episode.assemble_stream
 
 pytestmark = pytest.mark.train
 

@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rollout_wire.tasksets import load_task_set
-from rollout_worker.sandbox import episode
 from tests.red_team import HONEST, TRICKS
+from tests.runner_program import episode
 from tests.unit.test_agent_command import TASK, baseline_of, names, row_of, run_runner
 
 

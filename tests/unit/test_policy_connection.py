@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rollout_worker.sandbox import episode
+from tests.runner_program import episode
 
 
 class Server:

@@ -16,8 +16,9 @@ from rollout_worker.cli import main as cli_main
 from rollout_worker.cli import policy_server as ps
 from rollout_worker.cli.policy_server import ScriptedPolicy, bundled_script, running
 from rollout_worker.observation import EpisodeObservation
-from rollout_worker.sandbox import episode, episode_program_text
+from rollout_worker.sandbox import episode_program_text
 from rollout_worker.validation import validate_episode
+from tests.runner_program import episode
 
 SUBMIT = {"tool": "submit", "arguments": {}}
 TASK = {
@@ -198,7 +199,8 @@ def test_complete_returns_the_version_header(monkeypatch):
         monkeypatch.setenv("ROLLOUT_POLICY_URL", server.url)
         monkeypatch.delenv("ROLLOUT_POLICY_SOCKET", raising=False)
         policy = episode.Policy({"model": "m"}, "ep-1", IDENTITY)
-        parsed, raw, attempts, header = policy.complete([{"role": "user", "content": "go"}])
+        asked = [{"role": "user", "content": "go"}]
+        parsed, raw, attempts, header = policy.complete(asked, episode.TOOLS)
     assert header == "5" and attempts == 1
     assert parsed["metadata"]["weight_version"] == "5" and json.loads(raw) == parsed
 

@@ -19,8 +19,8 @@ from rollout_worker.backends.base import RunHandle
 from rollout_worker.backends.kube import objects, read
 from rollout_worker.backends.kube.objects import job_manifest, job_parts
 from rollout_worker.backends.kube.read import completion_index, observe_pods
-from rollout_worker.sandbox import episode
 from rollout_worker.sandbox import episode_program_text as program
+from tests.runner_program import episode
 
 POLICY = {"url": "http://10.0.0.7:8000", "model": "m"}
 TASKS = [

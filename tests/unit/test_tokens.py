@@ -12,7 +12,7 @@ import pytest
 from rollout_wire.byte_template import END, render_prompt
 from rollout_wire.tokens import token_view
 from rollout_worker.cli.policy_server import completion
-from rollout_worker.sandbox import episode
+from tests.runner_program import episode
 
 ASK = episode.TOKEN_REQUEST
 
@@ -129,7 +129,7 @@ def test_a_batch_that_asks_for_no_ids_sends_no_token_fields_and_says_so():
     assert "return_token_ids" not in sent and refused == []
     sent, refused = episode.agent_request({"messages": []}, {}, "m", asking.token_request)
     assert sent["return_token_ids"] is True and sent["logprobs"] is True and refused == []
-    record, _, _ = quiet.tokens_of(turn([], 1), [])
+    record, _, _ = episode.turn_record(quiet.token_request, turn([], 1), b"", [])
     assert "tokens: false" in record["unavailable"]
 
 

@@ -1,0 +1,254 @@
+"""The test harness: which test commands can be counted, and the part of the program that
+runs them and reports what ran on a pipe only the runner reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import typing
+
+# -- the test harness: what ran, told where the code under test cannot print -------------------
+# Test commands the grader can count: `python [flags] -m unittest|pytest ...` and
+# `python [flags] script.py ...` (a script that calls unittest.main()). They run through the
+# harness (its part of this file, run alone: `harness_source`), which reports what ran on a
+# pipe only the runner reads, each record carrying a key the runner handed over on another
+# pipe (read and closed before any test code is imported). Anything else (a task's own shell
+# script) is graded by its exit status or its reward file, and the row says so (`graded_by`).
+# Interpreter options a test command may carry; the harness passes them on.
+PYTHON_FLAGS = {"-B", "-b", "-bb", "-u", "-O", "-OO", "-q", "-s", "-E"}
+PYTHON_OPTIONS = {"-W", "-X"}  # each followed by a value
+
+
+def harness_plan(argv: list) -> tuple[list, str, list] | None:
+    """(interpreter flags, what runs: "unittest" | "pytest" | a script path, its arguments) of
+    a countable test command; None for any other."""
+    if not argv or argv[0] not in ("python", "python3"):
+        return None
+    flags: list = []
+    rest = list(argv[1:])
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        flag = rest.pop(0)
+        if flag in PYTHON_OPTIONS and rest:
+            flags += [flag, rest.pop(0)]
+        elif flag in PYTHON_FLAGS:
+            flags.append(flag)
+        else:
+            return None
+    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in ("unittest", "pytest"):
+        return flags, rest[1], rest[2:]
+    if rest and rest[0].endswith(".py"):
+        return flags, rest[0], rest[1:]
+    return None
+
+
+# -- harness: begin. The harness's whole source (json, os and sys its only imports; typing
+# appears in annotations alone, never evaluated):
+# the runner writes this part alone to a file and runs it, so a test run starts about as fast
+# as the bare command (this whole program would add its compile and imports: `harness_source`).
+HARNESS_KEY_BYTES = 16
+
+
+def _fingerprint(classes: list) -> dict:
+    """Each class's own attributes, by identity."""
+    return {
+        f"{c.__module__}.{c.__qualname__}.{name}": id(value)
+        for c in classes
+        for name, value in list(vars(c).items())
+    }
+
+
+def _tampering(classes: list, before: dict) -> list:
+    """The attributes of `classes` replaced, added or removed since `before` (sorted)."""
+    now = _fingerprint(classes)
+    return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+
+
+def _unittest_machinery() -> list:
+    """unittest's classes that decide a test's verdict: what the code under test must leave
+    as it found them."""
+    import unittest
+    import unittest.case
+
+    return [
+        unittest.TestCase,
+        unittest.case._Outcome,  # type: ignore[attr-defined]
+        unittest.TestResult,
+        unittest.TextTestResult,
+        unittest.TextTestRunner,
+        unittest.TestSuite,
+        unittest.suite.BaseTestSuite,
+        unittest.TestLoader,
+        unittest.TestProgram,
+    ]
+
+
+def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
+    """A TextTestRunner that reports each test's verdict (by test id) when its run ends, and
+    which of unittest's own machinery the code under test replaced (an assertion made a no-op,
+    TestCase.run or the result's methods rewritten so every test "passes"): checked after
+    every test and at the end, against what it was before any test module was imported."""
+    import unittest
+
+    class Result(unittest.TextTestResult):
+        def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.verdicts: dict = {}
+            self.tampered: set = set()
+
+        def _mark(self, test: typing.Any, verdict: str) -> None:
+            self.tampered.update(_tampering(watched, before))
+            key = test.id()
+            if self.verdicts.get(key) != "failed":  # a failed subtest fails its test for good
+                self.verdicts[key] = verdict
+
+        def addSuccess(self, test: typing.Any) -> None:
+            super().addSuccess(test)
+            self._mark(test, "passed")
+
+        def addExpectedFailure(self, test: typing.Any, err: typing.Any) -> None:
+            super().addExpectedFailure(test, err)
+            self._mark(test, "passed")
+
+        def addFailure(self, test: typing.Any, err: typing.Any) -> None:
+            super().addFailure(test, err)
+            self._mark(test, "failed")
+
+        def addError(self, test: typing.Any, err: typing.Any) -> None:
+            super().addError(test, err)
+            self._mark(test, "failed")
+
+        def addUnexpectedSuccess(self, test: typing.Any) -> None:
+            super().addUnexpectedSuccess(test)
+            self._mark(test, "failed")
+
+        def addSkip(self, test: typing.Any, reason: str) -> None:
+            super().addSkip(test, reason)
+            self._mark(test, "skipped")
+
+        def addSubTest(self, test: typing.Any, subtest: typing.Any, err: typing.Any) -> None:
+            super().addSubTest(test, subtest, err)
+            if err is not None:
+                self.verdicts[test.id()] = "failed"
+
+    class Runner(unittest.TextTestRunner):
+        resultclass = Result
+
+        def run(self, test: typing.Any) -> typing.Any:
+            collected = test.countTestCases()
+            result = super().run(test)
+            verdicts = list(result.verdicts.values())  # type: ignore[attr-defined]
+            tampered = result.tampered | set(_tampering(watched, before))  # type: ignore[attr-defined]
+            report(
+                {
+                    "collected": collected,
+                    "passed": verdicts.count("passed"),
+                    "failed": verdicts.count("failed"),
+                    "skipped": verdicts.count("skipped"),
+                    "tampered": sorted(tampered)[:20],
+                }
+            )
+            return result
+
+    watched = [*_unittest_machinery(), Result, Runner]
+    before = _fingerprint(watched)
+    return Runner
+
+
+def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
+    """A pytest plugin object: what was collected, and each test's verdict (by node id)."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.collected = 0
+            self.verdicts: dict = {}
+
+        def pytest_collection_finish(self, session: typing.Any) -> None:
+            self.collected = len(session.items)
+
+        def pytest_runtest_logreport(self, report: typing.Any) -> None:
+            key = report.nodeid
+            if report.failed:
+                self.verdicts[key] = "failed"
+            elif report.skipped and self.verdicts.get(key) != "failed":
+                self.verdicts[key] = "skipped"
+            elif report.when == "call" and key not in self.verdicts:
+                self.verdicts[key] = "passed"
+
+        def pytest_sessionfinish(self, session: typing.Any) -> None:
+            verdicts = list(self.verdicts.values())
+            report(
+                {
+                    "collected": self.collected,
+                    "passed": verdicts.count("passed"),
+                    "failed": verdicts.count("failed"),
+                    "skipped": verdicts.count("skipped"),
+                }
+            )
+
+    return Recorder()
+
+
+def harness(argv: list) -> int:
+    """`harness.py RESULT_FD KEY_FD WHAT ARGS...`: run the tests, reporting every
+    run's counts and then the end on RESULT_FD, each line carrying the key read from KEY_FD."""
+    result_fd, key_fd, what, args = int(argv[0]), int(argv[1]), argv[2], argv[3:]
+    with os.fdopen(key_fd, "rb") as handle:
+        key = handle.read(HARNESS_KEY_BYTES * 2).decode()
+    channel = os.fdopen(result_fd, "w", buffering=1)
+    runs = []
+
+    def report(counts: dict) -> None:
+        runs.append(counts)
+        channel.write(json.dumps({"key": key, "run": counts}) + "\n")
+
+    import unittest  # the real one, before the workspace is on the path
+
+    runner = _unittest_recorder(report)
+    # As `python -m` or `python script.py` would: the working directory (or the script's
+    # directory) first on the path, never this program's own.
+    sys.path[0] = os.getcwd() if what in ("unittest", "pytest") else os.path.dirname(what)
+    code: object = 0
+    try:
+        if what == "unittest":
+            sys.argv = ["python -m unittest", *args]
+            program = unittest.main(module=None, argv=sys.argv, testRunner=runner, exit=False)
+            code = 0 if program.result.wasSuccessful() else 1
+        elif what == "pytest":
+            sys.argv = ["pytest", *args]
+            import pytest
+
+            code = int(pytest.main(args, plugins=[_pytest_recorder(report)]))
+        else:
+            import runpy
+
+            # What unittest.main() runs by default.
+            unittest.runner.TextTestRunner = runner  # type: ignore[misc,assignment]
+            sys.argv = [what, *args]
+            runpy.run_path(what, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    channel.write(json.dumps({"key": key, "end": True, "runs": len(runs)}) + "\n")
+    channel.close()
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+# -- harness: end
+
+
+HARNESS_BEGIN = "# -- harness: begin"
+HARNESS_END = "# -- harness: end"
+
+
+def harness_source() -> str:
+    """The harness as a program of its own: its part of this file, its imports, its main."""
+    # Run as its compiled bytecode, the program's source lies beside it.
+    source = __file__[:-1] if __file__.endswith(".pyc") else __file__
+    with open(os.path.abspath(source), encoding="utf-8") as handle:
+        text = handle.read()
+    part = text[text.index(HARNESS_BEGIN) : text.index(HARNESS_END)]
+    head = "from __future__ import annotations\nimport json, os, sys\n"
+    return head + part + "\nsys.exit(harness(sys.argv[1:]))\n"

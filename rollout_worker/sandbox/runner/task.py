@@ -1,0 +1,93 @@
+"""The episode's identity and task: from the environment, the tasks file or a warm
+sandbox's hand-over line; the hidden tests taken out of the agent's reach."""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+
+from .errors import InfrastructureError
+
+# A file of the batch's tasks with their hidden tests, for a runner that grades in the
+# container its agent acts in (Kubernetes, a task in its own image): read into memory and
+# removed before any agent process exists (the tasks file holds the tasks without them).
+HIDDEN_TASKS_ENV = "ROLLOUT_HIDDEN_TASKS_FILE"
+
+
+# A warm sandbox's hidden tests, from its hand-over line (never written to a file).
+HANDED_TESTS: dict = {}
+
+
+def take_hidden_tests() -> dict:
+    """{task id: tests}: handed over (a warm sandbox), or from HIDDEN_TASKS_ENV's file, which
+    is gone when this returns (an InfrastructureError when it cannot be removed: the agent
+    must never find it). The runner is not dumpable (harden), so the agent cannot read them
+    from its memory either."""
+    path = os.environ.get(HIDDEN_TASKS_ENV)
+    if not path:
+        return dict(HANDED_TESTS)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tasks = json.load(handle)
+        os.unlink(path)
+    except (OSError, ValueError) as exc:
+        raise InfrastructureError(f"the hidden tests cannot be taken out of reach: {exc}") from None
+    return {t["id"]: t["tests"] for t in tasks if isinstance(t, dict) and t.get("tests")}
+
+
+def load_task(identity: dict, hidden: dict | None = None) -> dict:
+    with open(os.environ["ROLLOUT_TASKS_FILE"]) as handle:
+        tasks = json.load(handle)
+    if isinstance(tasks, dict):
+        tasks = tasks.get("tasks", [])
+    for task in tasks:
+        if task.get("id") == identity["task_id"]:
+            tests = (hidden or {}).get(task["id"])
+            return dict(task, tests=tests) if tests else task
+    raise InfrastructureError(f"task {identity['task_id']!r} is not in the tasks file")
+
+
+def episode_identity() -> dict:
+    attempt = int(os.environ.get("ROLLOUT_ATTEMPT") or 0)
+    if os.environ.get("ROLLOUT_TASK_ID"):
+        return {
+            "task_id": os.environ["ROLLOUT_TASK_ID"],
+            "sample": int(os.environ.get("ROLLOUT_SAMPLE", "0")),
+            "group_id": os.environ["ROLLOUT_GROUP_ID"],
+            "attempt": attempt,
+        }
+    # An Indexed Job: the completion index says which task and sample (the batch's order).
+    with open(os.environ["ROLLOUT_TASKS_FILE"]) as handle:
+        tasks = json.load(handle)
+    samples = int(os.environ.get("ROLLOUT_SAMPLES_PER_TASK", "1"))
+    index = int(os.environ["JOB_COMPLETION_INDEX"]) + int(os.environ.get("ROLLOUT_INDEX_OFFSET", 0))
+    position, sample = divmod(index, samples)
+    task_id = tasks[position]["id"]
+    return {
+        "task_id": task_id,
+        "sample": sample,
+        "group_id": f"{os.environ['ROLLOUT_BATCH_ID']}:{task_id}",
+        "attempt": attempt,
+    }
+
+
+def take_handover(stream: typing.TextIO) -> bool:
+    """A warm sandbox (ROLLOUT_HANDOVER=stdin) was started before its episode existed: it
+    waits here, interpreter and imports done, for the one line that makes it an episode
+    (written through the API server's attach, so the sandbox's network stays closed). The line
+    is JSON: `env` (the variables a cold sandbox gets from its Pod spec) and, for real rollouts,
+    `tasks` (this episode's task as its agent may see it, written to ROLLOUT_TASKS_FILE) and
+    `hidden_tests` (kept in memory: take_hidden_tests). False when stdin closed
+    without a line (the pool was drained): there is no episode to run."""
+    line = stream.readline()
+    if not line.strip():
+        return False
+    handover = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in handover["env"].items()})
+    if "tasks" in handover:
+        with open(os.environ["ROLLOUT_TASKS_FILE"], "w") as handle:
+            json.dump(handover["tasks"], handle)
+    if isinstance(handover.get("hidden_tests"), dict):
+        HANDED_TESTS.update(handover["hidden_tests"])
+    return True
