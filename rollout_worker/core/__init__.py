@@ -9,7 +9,10 @@
 - `pools`: warm pool refill and drain.
 - `feed`: a run fed from its pool, one waiting sandbox per freed slot.
 - `park`: collectors parked until their episode ends, and the waker that sends them again.
-- `worker`: what each Celery task decides (retries, what to send next), for `tasks.py`.
+- `worker`: what each Celery task decides (what to send next), for `tasks.py`.
+- `retry`: when a task runs again: the retry budgets, what a transient backend error makes of
+  each task.
+- `waker`: the threads of a process's wakers and the pool that records a burst of ends.
 
 Unit tests call these with an in-memory store and a stub backend. Every function is safe to
 run again for the same batch (brokers redeliver): the store's writes are first-writer-wins.
@@ -29,6 +32,7 @@ from rollout_worker.core.collect import (
 from rollout_worker.core.feed import FEEDER_INDEX, feed
 from rollout_worker.core.finalize import Finalized, finalize, save_records
 from rollout_worker.core.pools import drain_pools, fill_pool
+from rollout_worker.core.retry import MAX_RETRIES, Again
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
     SWEEP_STALLED_CLEANUP_SECONDS,
@@ -53,9 +57,7 @@ from rollout_worker.core.state import (
     load_receipt,
 )
 from rollout_worker.core.worker import (
-    MAX_RETRIES,
     REDIS_WAIT_SECONDS,
-    Again,
     Park,
     Scheduler,
     Worker,

@@ -142,14 +142,7 @@ def collect(
             # killed by the suspended Job ends Failed), so the episode was cancelled, not failed.
             cancelled = store.has_flag(spec.batch_id, FLAG_CANCEL)
         if cancelled and obs.phase != "Succeeded" and (obs.terminal or stopped):
-            if store.has_flag(spec.batch_id, FLAG_HALT):
-                why = "aborted: the batch halted (too many infrastructure failures in a row)"
-                row = lost_row(index, obs.episode_id, why, obs)
-            elif store.has_flag(spec.batch_id, FLAG_QUOTA):
-                why = f"aborted: the batch had its {spec.groups_wanted} group(s)"
-                row = withdrawn_row(index, obs.episode_id, EpisodeStatus.ABORTED, why, obs)
-            else:
-                row = lost_row(index, obs.episode_id, "cancelled before it finished", obs)
+            row = _stopped_row(store, spec, index, obs)
         elif cancelled and not obs.terminal and in_time():
             backend.resume_run(run)
             raise NotYet(stopping=True)  # the report must not come before the stop
@@ -185,14 +178,24 @@ def collect(
     if spec.tasks and row.task_id is None:
         # A row the sandbox never spoke for (lost, aborted) still names its task and group.
         assigned = spec.episode(index)
-        row.task_id, row.sample, row.group_id = (
-            assigned.task_id,
-            assigned.sample,
-            assigned.group_id,
-        )
+        row.task_id, row.sample, row.group_id = assigned.task_id, assigned.sample, assigned.group_id
     if store.record_episode(spec.batch_id, row, _stored_log(text)):
         _count_for_breaker(store, spec, row)
     return row
+
+
+def _stopped_row(
+    store: BatchStore, spec: BatchSpec, index: int, obs: EpisodeObservation
+) -> EpisodeRow:
+    """The row of an episode the batch stopped before it succeeded: why it stopped (a halt,
+    the quota met, a cancel) decides what the row says."""
+    if store.has_flag(spec.batch_id, FLAG_HALT):
+        why = "aborted: the batch halted (too many infrastructure failures in a row)"
+        return lost_row(index, obs.episode_id, why, obs)
+    if store.has_flag(spec.batch_id, FLAG_QUOTA):
+        why = f"aborted: the batch had its {spec.groups_wanted} group(s)"
+        return withdrawn_row(index, obs.episode_id, EpisodeStatus.ABORTED, why, obs)
+    return lost_row(index, obs.episode_id, "cancelled before it finished", obs)
 
 
 def withdrawn_row(

@@ -5,7 +5,7 @@ requeue itself every block, which cost a long episode one Celery round trip per 
 leaves its own message in Redis and ends (`park`). One waker per batch waits on every parked
 episode at once (`Backend.wait_ended`). The waker is a thread of the collector process that
 parked first (a task would wait behind the whole collect queue), holding a lease in Redis.
-When an episode ends, the waker records it itself (`Worker.finish_parked`: the same collect,
+When an episode ends, the waker records it itself (`Wakers.finish_parked`: the same collect,
 then the task's result stored as its worker would have, so the chord counts it): a message
 sent again would cost a second Celery round trip. It sends the message again (the same task)
 for a burst beyond what it records in a second, and for what it cannot finish there. Where the
@@ -43,7 +43,7 @@ QUIET_RESCAN_SECONDS = 3.0
 # A waker that has not renewed its lease for this long is presumed dead: another may start.
 WAKER_LEASE_SECONDS = 10.0
 # The waker begins recording the ends of one look itself for this long (on a few threads:
-# `Worker.finish_parked`); the rest of a burst is sent again as messages, so that collector
+# `Wakers.finish_parked`); the rest of a burst is sent again as messages, so that collector
 # processes share one too large for a second. A count (16 per look) sent most of a
 # 200-episode burst again, at about 6 ms of Celery round trip each, and delayed their rows.
 FINISH_SECONDS_PER_LOOK = 1.0

@@ -1,7 +1,8 @@
 """What each Celery task decides, without Celery. `tasks.py` turns a Celery call into one call
 here and the answer into a Celery action: a result, a retry (`Again`), or messages sent through
-the `Scheduler` it passes in. Every decision of when to run again, what to send next and which
-backend to use lives here; the retry budgets too (`MAX_RETRIES`, one table for all tasks).
+the `Scheduler` it passes in. Every decision of what to send next and which backend to use
+lives here; when a task runs again is `retry.py`'s (one table for all tasks), the threads of the
+batches' wakers `waker.py`'s.
 """
 
 from __future__ import annotations
@@ -9,11 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from functools import cached_property
 from typing import Any, Protocol
 
 from rollout_wire import constants as k
@@ -34,8 +32,9 @@ from rollout_worker.core.feed import feed
 from rollout_worker.core.finalize import RECORDS_RETRY_EVERY_SECONDS, finalize, save_records
 from rollout_worker.core.groups import publish_group_of, quota_unenforced
 from rollout_worker.core.lease import renewed
-from rollout_worker.core.park import FULL_LOOK_SECONDS, WAKER_LEASE_SECONDS, park, wake
+from rollout_worker.core.park import WAKER_LEASE_SECONDS, park, wake
 from rollout_worker.core.pools import drain_pools, fill_pool
+from rollout_worker.core.retry import Again, retried
 from rollout_worker.core.runs import (
     CLEANUP_RECHECK_SECONDS,
     backend_for_run,
@@ -55,44 +54,15 @@ from rollout_worker.core.state import (
     Receipt,
     load_receipt,
 )
+from rollout_worker.core.waker import Wakers
 from rollout_worker.settings import Settings
 
-# How often each task may run again (None: until its batch's deadline, which bounds it: a
-# collector or watchdog requeues itself for as long as its batch runs, and Celery's default
-# of 3 retries would turn a slow batch into a ChordError).
-SUBMIT_RETRIES = 5
-MAX_RETRIES: dict[str, int | None] = {
-    k.TASK_SUBMIT: SUBMIT_RETRIES,
-    k.TASK_COLLECT: None,
-    # These two run again only when Redis went away under them (see REDIS_WAIT_SECONDS).
-    k.TASK_AGGREGATE: 3,
-    k.TASK_WATCHDOG: None,
-    # x CLEANUP_RECHECK_SECONDS: ten minutes of a namespace terminating.
-    k.TASK_CLEANUP: 300,
-    k.TASK_CANCEL: SUBMIT_RETRIES,
-    k.TASK_SWEEP: 3,
-    # x FILL_RETRY_SECONDS: long enough for a drained pool's namespace to go.
-    k.TASK_FILL_POOL: SUBMIT_RETRIES,
-    k.TASK_FEED: None,  # like a collector: until every episode is claimed or the deadline
-    k.TASK_WAKE: 3,  # it only starts a waker thread: again only when Redis went away
-}
-# A collector whose backend failed transiently pauses this long before it requeues: not with
-# a countdown, because a worker holds ETA messages beyond its prefetch limit, and a pile of
-# them outlives the visibility timeout and is delivered twice.
-TRANSIENT_PAUSE_SECONDS = 1.0
-CANCEL_RETRY_SECONDS = 1.0
 # The claim of the submit copy that sends a batch's chord: renewed every third of it while the
 # copy sends; a copy finding it held looks again every half of it.
 DISPATCH_LEASE_SECONDS = 9.0
-# The waker records a burst of ends on this many threads of its process: each mostly waits
-# on the API server (the Pod's log) and Redis, so one thread recorded about 10 a second.
-FINISH_THREADS = 8
-# A waker thread that failed this many looks in a row (a second apart) ends.
-WAKER_MAX_ERRORS = 60
 # A collector whose fed episode ended looks for its slot's next episode this long (its own
 # Pod's end may reach the pool's watch a moment after the batch's).
 FEED_AFTER_ROW_SECONDS = 1.0
-FILL_RETRY_SECONDS = 5.0
 # A task whose Redis went away mid-run (a restart, a failover) waits this long for it to
 # answer again, then runs again from the start (every task is idempotent). A task that
 # failed instead would be acknowledged, and its batch might never finish.
@@ -101,24 +71,6 @@ REDIS_WAIT_SECONDS = 60.0
 RECEIPT_CACHE_SIZE = 10_000
 log = logging.getLogger(__name__)
 _UNSAFE_ID = re.compile(r"[^a-z0-9-]")
-
-
-class Again(Exception):
-    """Run this task again after `countdown` seconds (after sleeping `pause` in the worker).
-    `cause` is the error that made it so, if any (Celery re-raises it once retries run out).
-    `counted=False`: a wait bounded otherwise, not spent from the task's retry budget."""
-
-    def __init__(
-        self,
-        countdown: float = 0.0,
-        *,
-        pause: float = 0.0,
-        cause: Exception | None = None,
-        counted: bool = True,
-    ) -> None:
-        super().__init__(f"again in {countdown}s")
-        self.countdown, self.pause, self.cause = countdown, pause, cause
-        self.counted = counted
 
 
 class Park(Exception):
@@ -171,6 +123,13 @@ class Worker:
         self.limits = Limits.from_settings(settings)
         self._backends: dict[str, Backend] = {}
         self._receipts: dict[str, Receipt] = {}
+        # Late-bound, so that what each calls can be replaced on this worker (tests do).
+        self.wakers = Wakers(
+            look=lambda batch_id, token, fully: self.wake_once(batch_id, token, look_fully=fully),
+            collect=lambda batch_id, index: self.collect(batch_id, index),
+            resend=lambda message: self.scheduler.resend(message),
+            complete=lambda message, result: self.scheduler.complete(message, result),
+        )
 
     # -- which backend -----------------------------------------------------------------------
     def backend(self, name: str) -> Backend:
@@ -195,17 +154,16 @@ class Worker:
     def submit(self, request: Any, *, message_id: str, attempt: int) -> dict[str, Any]:
         default_id = default_batch_id(message_id)
         try:
-            done = submit(
-                self.store,
-                self.backend,
-                request,
-                default_batch_id=default_id,
-                limits=self.limits,
-                now=time.time(),
-            )
-        except TransientBackendError as exc:
-            if attempt < SUBMIT_RETRIES:
-                raise Again(2**attempt, cause=exc) from exc
+            with retried(k.TASK_SUBMIT, attempt):
+                done = submit(
+                    self.store,
+                    self.backend,
+                    request,
+                    default_batch_id=default_id,
+                    limits=self.limits,
+                    now=time.time(),
+                )
+        except TransientBackendError as exc:  # its retries spent
             batch_id = request.get("batch_id") if isinstance(request, dict) else None
             receipt = load_receipt(self.store, str(batch_id or default_id))
             if receipt is None:
@@ -259,17 +217,16 @@ class Worker:
                 return {"index": index, "recorded": False}
             raise Again()
         try:
-            row = collect(
-                self.store,
-                self.backend(receipt.run.backend),
-                receipt,
-                index,
-                block=self.limits.collect_block_seconds,
-                final=False,
-                limits=self.limits,
-            )
-        except TransientBackendError as exc:
-            raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
+            with retried(k.TASK_COLLECT):
+                row = collect(
+                    self.store,
+                    self.backend(receipt.run.backend),
+                    receipt,
+                    index,
+                    block=self.limits.collect_block_seconds,
+                    final=False,
+                    limits=self.limits,
+                )
         except NotYet as exc:
             if exc.stopping:
                 raise Again() from None
@@ -309,45 +266,14 @@ class Worker:
         token = uuid.uuid4().hex
         if self.store.claim_waker(batch_id, token, WAKER_LEASE_SECONDS):
             if here:
-                self._start_waker(batch_id, token)
+                self.wakers.start(batch_id, token)
             else:
                 self.scheduler.waker(batch_id, token)
 
     def wake(self, batch_id: str, token: str) -> dict[str, Any]:
         """The `wake_batch` task: start the batch's waker in this process."""
-        self._start_waker(batch_id, token)
+        self.wakers.start(batch_id, token)
         return {"batch_id": batch_id, "wake": "started"}
-
-    def _start_waker(self, batch_id: str, token: str) -> None:
-        threading.Thread(
-            target=self._waker, args=(batch_id, token), name=f"waker-{batch_id}", daemon=True
-        ).start()
-
-    def _waker(self, batch_id: str, token: str) -> None:
-        """Look until done. An error pauses it; a pause longer than its lease lets another
-        take over (its next look then sees the lease held and ends); errors that go on end it
-        (its lease lapses, and the watchdog starts another)."""
-        errors = 0
-        # Its first full look a while after it starts: each parked collector has just looked.
-        full_look_at = time.monotonic() + FULL_LOOK_SECONDS
-        while errors < WAKER_MAX_ERRORS:
-            look_fully = time.monotonic() >= full_look_at
-            if look_fully:
-                full_look_at = time.monotonic() + FULL_LOOK_SECONDS
-            try:
-                done = self.wake_once(batch_id, token, look_fully=look_fully)
-            except Again as again:
-                errors = 0
-                time.sleep(again.pause)
-                continue
-            except Exception:  # Redis away, or a bug
-                errors += 1
-                log.exception("waker of %s", batch_id)
-                time.sleep(TRANSIENT_PAUSE_SECONDS)
-                continue
-            log.info("waker of %s: %s", batch_id, done["wake"])
-            return
-        log.error("waker of %s: %d errors in a row, leaving it to another", batch_id, errors)
 
     def wake_once(self, batch_id: str, token: str, *, look_fully: bool = False) -> dict[str, Any]:
         """One look of the batch's waker (`Again`: look again)."""
@@ -355,54 +281,20 @@ class Worker:
         if receipt is None or receipt.run is None:
             return {"batch_id": batch_id, "wake": "no receipt or run for this batch"}
         try:
-            why = wake(
-                self.store,
-                self.backend(receipt.run.backend),
-                receipt,
-                token,
-                self.scheduler.resend,
-                finish=lambda ended, until: self.finish_parked(batch_id, ended, until),
-                limits=self.limits,
-                look_fully=look_fully,
-            )
-        except TransientBackendError as exc:
-            raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
+            with retried(k.TASK_WAKE):
+                why = wake(
+                    self.store,
+                    self.backend(receipt.run.backend),
+                    receipt,
+                    token,
+                    self.scheduler.resend,
+                    finish=lambda ended, until: self.wakers.finish_parked(batch_id, ended, until),
+                    limits=self.limits,
+                    look_fully=look_fully,
+                )
         except NotYet:
             raise Again() from None
         return {"batch_id": batch_id, "wake": why}
-
-    @cached_property
-    def _finishers(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(FINISH_THREADS, thread_name_prefix="finish")
-
-    def finish_parked(self, batch_id: str, ended: list[tuple[int, str]], until: float) -> None:
-        """The waker's collect of parked episodes that ended (index, message), several at once;
-        one not begun by `until` (monotonic) is sent again for a collector."""
-
-        def one(item: tuple[int, str]) -> None:
-            index, message = item
-            if time.monotonic() < until:
-                self._finish_here(batch_id, index, message)
-            else:
-                self.scheduler.resend(message)
-
-        for _ in self._finishers.map(one, ended):  # its errors are the waker's
-            pass
-
-    def _finish_here(self, batch_id: str, index: int, message: str) -> None:
-        """What a parked episode's resent task would do, here. Anything but a row (another
-        copy holds the claim, a transient error) sends the message again for a collector to
-        deal with, as before."""
-        try:
-            result = self.collect(batch_id, index)
-        except Exception as exc:  # Again, Park, Redis or the backend away
-            log.info("waker of %s: #%d sent again (%s)", batch_id, index, exc)
-            self.scheduler.resend(message)
-            return
-        # Not sent again if this fails: its chord part may already count (the rescue records
-        # the batch either way).
-        self.scheduler.complete(message, result)
-        log.info("waker of %s: #%d recorded here", batch_id, index)
 
     def _after_row(self, receipt: Receipt, index: int) -> None:
         """Stream the episode's group if this row completed it; once the quota is met, stop
@@ -483,9 +375,8 @@ class Worker:
         if receipt is None or receipt.run is None:
             return {"batch_id": batch_id, "feed": "no receipt or run for this batch"}
         try:
-            why = self._feed_look(receipt)
-        except TransientBackendError as exc:
-            raise Again(pause=TRANSIENT_PAUSE_SECONDS, cause=exc) from exc
+            with retried(k.TASK_FEED):
+                why = self._feed_look(receipt)
         except NotYet:
             if time.time() > give_up_at(receipt.spec, receipt.run, self.limits):
                 return {"batch_id": batch_id, "feed": "past the batch's deadline"}
@@ -519,19 +410,15 @@ class Worker:
     def cleanup(self, batch_id: str) -> dict[str, Any]:
         """Delete a reported run; while the backend deletes, look again later instead of
         holding a worker slot."""
-        try:
+        with retried(k.TASK_CLEANUP):
             state = cleanup(self.store, self.backend, batch_id)
-        except TransientBackendError as exc:
-            raise Again(CLEANUP_RECHECK_SECONDS, cause=exc) from exc
         if state == Cleanup.DELETING:
             raise Again(CLEANUP_RECHECK_SECONDS)
         return {"batch_id": batch_id, "cleanup": state}
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
-        try:
+        with retried(k.TASK_CANCEL):
             state = cancel(self.store, self.backend, batch_id)
-        except TransientBackendError as exc:
-            raise Again(CANCEL_RETRY_SECONDS, cause=exc) from exc
         return {"batch_id": batch_id, "cancel": state}
 
     def fill_pool(self, batch_id: str) -> dict[str, Any]:
@@ -540,7 +427,7 @@ class Worker:
         receipt = load_receipt(self.store, batch_id)
         if receipt is None:
             return {"batch_id": batch_id, "pool": None, "reason": "no receipt"}
-        try:
+        with retried(k.TASK_FILL_POOL):
             filled = fill_pool(
                 self.store,
                 self.backend(receipt.spec.backend),
@@ -549,8 +436,6 @@ class Worker:
                 idle_seconds=self.settings.warm_pool_idle_seconds,
                 now=time.time(),
             )
-        except TransientBackendError as exc:
-            raise Again(FILL_RETRY_SECONDS, cause=exc) from exc
         return {"batch_id": batch_id, **filled}
 
     def sweep(self, dry_run: bool = False) -> list[dict[str, str]]:

@@ -12,7 +12,7 @@ import pytest
 
 from rollout_worker import core
 from rollout_worker.core import park as park_module
-from rollout_worker.core import worker as worker_module
+from rollout_worker.core import waker as waker_module
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.settings import Settings
 from tests.unit.stubs import MemoryStore, StubBackend, good_log
@@ -25,7 +25,7 @@ def parts():
     w = core.Worker(Settings(collect_block_seconds=0.01), store, sent)
     w._backends.update(local=backend, stub=backend)
     # The waker's thread is not started here: each test runs its looks (`wake_once`) itself.
-    w._start_waker = lambda batch_id, token: sent.wakers.append((batch_id, token))
+    w.wakers.start = lambda batch_id, token: sent.wakers.append((batch_id, token))
     w.submit({"batch_id": "b1", "count": 3}, message_id="m1", attempt=0)
     return w, store, backend, sent
 
@@ -94,14 +94,14 @@ def test_a_burst_the_waker_cannot_begin_recording_in_its_time_goes_back_to_colle
 ):
     w, _, backend, sent = parts
     monkeypatch.setattr(park_module, "FINISH_SECONDS_PER_LOOK", 0.05)
-    monkeypatch.setattr(worker_module, "FINISH_THREADS", 1)
-    finish_here = w._finish_here
+    monkeypatch.setattr(waker_module, "FINISH_THREADS", 1)
+    finish_here = w.wakers.finish_here
 
     def slow_finish(batch_id: str, index: int, message: str) -> None:
         finish_here(batch_id, index, message)
         time.sleep(0.06)  # the first outlasts the look's time to begin recording
 
-    monkeypatch.setattr(w, "_finish_here", slow_finish)
+    monkeypatch.setattr(w.wakers, "finish_here", slow_finish)
     for index in (0, 1):
         w.park(core.Park("b1", index), f"message {index}")
         backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", backend.origin + 0.5))
@@ -115,7 +115,7 @@ def test_a_burst_the_waker_cannot_begin_recording_in_its_time_goes_back_to_colle
 def test_the_waker_records_a_burst_on_several_threads_at_once(parts, monkeypatch):
     w, store, backend, sent = parts
     at_once, running, lock = [], [0], threading.Lock()
-    finish_here = w._finish_here
+    finish_here = w.wakers.finish_here
 
     def counted(batch_id: str, index: int, message: str) -> None:
         with lock:
@@ -126,7 +126,7 @@ def test_the_waker_records_a_burst_on_several_threads_at_once(parts, monkeypatch
         with lock:
             running[0] -= 1
 
-    monkeypatch.setattr(w, "_finish_here", counted)
+    monkeypatch.setattr(w.wakers, "finish_here", counted)
     for index in (0, 1, 2):
         w.park(core.Park("b1", index), f"message {index}")
         backend.ended[index] = ("Succeeded", good_log(f"ep-b1-{index}", backend.origin + 0.5))
@@ -167,7 +167,7 @@ def test_an_end_the_waker_s_watch_misses_is_found_by_its_full_look(parts):
 
 def test_the_waker_thread_looks_fully_once_a_while(parts, monkeypatch):
     w = parts[0]
-    monkeypatch.setattr(worker_module, "FULL_LOOK_SECONDS", 0.0)
+    monkeypatch.setattr(waker_module, "FULL_LOOK_SECONDS", 0.0)
     fully: list[bool] = []
 
     def look(batch_id: str, token: str, *, look_fully: bool = False) -> dict[str, str]:
@@ -177,11 +177,11 @@ def test_the_waker_thread_looks_fully_once_a_while(parts, monkeypatch):
         return {"wake": "nothing parked"}
 
     monkeypatch.setattr(w, "wake_once", look)
-    w._waker("b1", "t1")
+    w.wakers.run("b1", "t1")
     assert fully == [True, True, True]
-    monkeypatch.setattr(worker_module, "FULL_LOOK_SECONDS", 3600.0)
+    monkeypatch.setattr(waker_module, "FULL_LOOK_SECONDS", 3600.0)
     fully.clear()
-    w._waker("b1", "t1")
+    w.wakers.run("b1", "t1")
     assert fully == [False, False, False]
 
 
@@ -230,7 +230,7 @@ def test_the_watchdog_sends_a_task_that_starts_a_new_waker_when_the_last_one_die
     assert len(sent.wakers) == 2 and store.wakers["b1"] == sent_by_watchdog[1]
     # The task starts the waker in the collector process that runs it, with that lease.
     started: list[tuple[str, str]] = []
-    w._start_waker = lambda batch_id, token: started.append((batch_id, token))
+    w.wakers.start = lambda batch_id, token: started.append((batch_id, token))
     assert w.wake(*sent_by_watchdog)["wake"] == "started" and started == [sent_by_watchdog]
 
 
@@ -271,7 +271,7 @@ def test_the_waker_thread_looks_until_nothing_is_parked(parts):
     w.park(core.Park("b1", 0), "message 0")
     ((_, token),) = sent.wakers
     backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 0.5))
-    w._waker("b1", token)  # what the thread runs: returns once done
+    w.wakers.run("b1", token)  # what the thread runs: returns once done
     assert [m for m, _ in sent.completed] == ["message 0"]
 
 
@@ -304,6 +304,6 @@ def test_a_waker_thread_whose_looks_keep_failing_ends_and_leaves_the_lease_to_la
         raise ConnectionError("Redis away")
 
     monkeypatch.setattr(w, "wake_once", broken)
-    monkeypatch.setattr(worker_module, "TRANSIENT_PAUSE_SECONDS", 0)
-    w._waker("b1", "token")  # returns: the thread ends instead of spinning forever
-    assert len(looks) == worker_module.WAKER_MAX_ERRORS
+    monkeypatch.setattr(waker_module, "TRANSIENT_PAUSE_SECONDS", 0)
+    w.wakers.run("b1", "token")  # returns: the thread ends instead of spinning forever
+    assert len(looks) == waker_module.WAKER_MAX_ERRORS

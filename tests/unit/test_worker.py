@@ -14,6 +14,7 @@ from rollout_wire.errors import TransientBackendError
 from rollout_wire.states import FinalizedBy
 from rollout_worker import core
 from rollout_worker.backends.base import Fed as FedLook
+from rollout_worker.core import retry as retry_module
 from rollout_worker.core import worker as worker_module
 from rollout_worker.core.finalize import RECORDS_RETRY_EVERY_SECONDS
 from rollout_worker.settings import Settings
@@ -181,7 +182,7 @@ def test_a_transient_backend_error_pauses_the_collector_before_it_requeues(parts
     monkeypatch.setattr(backend, "wait_episode", broken)
     with pytest.raises(core.Again) as again:
         w.collect("b1", 0)
-    assert again.value.pause == worker_module.TRANSIENT_PAUSE_SECONDS
+    assert again.value.pause == retry_module.TRANSIENT_PAUSE_SECONDS
     assert isinstance(again.value.cause, TransientBackendError)
 
 
