@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_wire.request import BatchSpec
@@ -28,6 +29,33 @@ def dedupe_rows(rows: Iterable[EpisodeRow]) -> dict[int, EpisodeRow]:
     return by_index
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """A batch's rows, read once: what each section of the report counts from."""
+
+    by_index: dict[int, EpisodeRow]
+    ordered: list[EpisodeRow]  # by episode index
+    missing: list[int]  # indexes of the batch no row came for
+    ok_rows: list[EpisodeRow]
+    withdrawn: list[EpisodeRow]  # aborted or stale: neither a failure nor a reward
+
+    @classmethod
+    def of(cls, spec: BatchSpec, rows: Iterable[EpisodeRow]) -> _Rows:
+        by_index = dedupe_rows(rows)
+        ordered = [by_index[i] for i in sorted(by_index)]
+        return cls(
+            by_index=by_index,
+            ordered=ordered,
+            missing=[i for i in range(spec.count) if i not in by_index],
+            ok_rows=[r for r in ordered if r.ok],
+            withdrawn=[r for r in ordered if r.status.withdrawn],
+        )
+
+    @property
+    def reward_sum(self) -> float:
+        return sum(r.reward for r in self.ok_rows)
+
+
 def build_report(
     spec: BatchSpec,
     rows: Iterable[EpisodeRow],
@@ -42,36 +70,50 @@ def build_report(
 ) -> dict[str, Any]:
     """The report of a batch that ran. `finished` is None when the run's records could not be
     read (`batch_errors` then says why). `counted`: the groups that made a quota
-    (`groups_wanted`), in the order they completed."""
-    by_index = dedupe_rows(rows)
+    (`groups_wanted`), in the order they completed.
+
+    Assembled from its sections in the report's key order (a later section never repeats an
+    earlier key, except a run fact named like one: it keeps its place, the later value wins,
+    as in one dict literal)."""
+    read = _Rows.of(spec, rows)
+    groups = build_groups(spec, read.by_index)
+    errors = _errors(spec, read, finished, batch_errors)
+    quota = _quota(spec, read.ordered, groups, counted)
+    return {
+        **_verdict_section(spec, read, errors, warnings, quota),
+        **_episodes_section(spec, read),
+        **_trainer_section(spec, groups, quota),
+        **_capacity_section(spec, read, run),
+        **_request_section(spec),
+        **_identity_section(run, finished),
+        **_timing_section(spec, read, run, finished),
+        "reported_at": reported_at,
+        "finalized_by": finalized_by,
+        "pods": [r.to_dict() for r in read.ordered],
+    }
+
+
+def _errors(
+    spec: BatchSpec, read: _Rows, finished: FinishedRun | None, batch_errors: Sequence[str]
+) -> list[str]:
+    """Why the batch failed, if it did: rows missing or unknown, episodes that failed, a run
+    that ended Failed, an episode that ran what the batch did not assign it."""
     errors = list(batch_errors)
-    missing = [i for i in range(spec.count) if i not in by_index]
-    if missing:
-        errors.append(f"{len(missing)} episode(s) never collected: indexes {missing[:20]}")
-    unexpected = sorted(i for i in by_index if not 0 <= i < spec.count)
+    if read.missing:
+        errors.append(
+            f"{len(read.missing)} episode(s) never collected: indexes {read.missing[:20]}"
+        )
+    unexpected = sorted(i for i in read.by_index if not 0 <= i < spec.count)
     if unexpected:
         errors.append(f"rows for unknown episode indexes {unexpected[:20]}")
-    ordered = [by_index[i] for i in sorted(by_index)]
-    for row in ordered:
+    for row in read.ordered:
         if not (row.ok or row.status.withdrawn):
             errors.append(f"episode {row.index} ({row.pod}) {row.status}: {'; '.join(row.errors)}")
-    aborted = any(r.status == EpisodeStatus.ABORTED for r in by_index.values())
+    aborted = any(r.status == EpisodeStatus.ABORTED for r in read.by_index.values())
     if finished is not None and finished.verdict == "Failed" and not aborted:
         # (Stopping the rest of a batch that had its groups ends the run Failed: no error.)
         errors.append("the run ended Failed (the guide requires the Job to end Complete)")
-
-    ok_rows = [r for r in ordered if r.ok]
-    ready = [r.batch_to_ready_seconds for r in ordered if r.batch_to_ready_seconds is not None]
-    rewards = [r.batch_to_reward_seconds for r in ordered if r.batch_to_reward_seconds is not None]
-    startup = [r.pod_to_ready_seconds for r in ordered if r.pod_to_ready_seconds is not None]
-    nodes: dict[str, int] = {}
-    for row in ordered:
-        if row.node:
-            nodes[row.node] = nodes.get(row.node, 0) + 1
-    completed_at = finished.completed_at if finished else None
-
-    groups = build_groups(spec, by_index)
-    for row in ordered:
+    for row in read.ordered:
         if row.group_id is not None and 0 <= row.index < spec.count:
             expected = spec.episode(row.index)
             if (row.group_id, row.task_id, row.sample) != (
@@ -84,16 +126,19 @@ def build_report(
                     f"(group {row.group_id!r}), the batch assigned {expected.task_id!r} "
                     f"sample {expected.sample} (group {expected.group_id!r})"
                 )
-    withdrawn = [r for r in ordered if r.status.withdrawn]
-    quota = _quota(spec, ordered, groups, counted)
-    reward_sum = sum(r.reward for r in ok_rows)
-    spans = [
-        span
-        for r in ordered
-        if (span := busy_span(r.ready_at, r.finished_at, r.collected_at, r.reward_at)) is not None
-    ]
+    return errors
+
+
+def _verdict_section(
+    spec: BatchSpec,
+    read: _Rows,
+    errors: list[str],
+    warnings: Sequence[str],
+    quota: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Whether the batch did its job, and why not."""
     if quota is None:
-        ok = not errors and len(ok_rows) + len(withdrawn) == spec.count
+        ok = not errors and len(read.ok_rows) + len(read.withdrawn) == spec.count
         status = BatchStatus.SUCCEEDED if ok else BatchStatus.FAILED
     else:
         # The trainer asked for groups, not episodes: the batch did its job when enough
@@ -106,14 +151,21 @@ def build_report(
         "status": status,
         "errors": errors,
         "warnings": list(warnings),
+    }
+
+
+def _episodes_section(spec: BatchSpec, read: _Rows) -> dict[str, Any]:
+    """How the episodes ended, and the retries they took."""
+    ordered, withdrawn, missing = read.ordered, read.withdrawn, read.missing
+    return {
         "episodes": spec.count,
         "collected_episodes": len(ordered),
-        "successful_episodes": len(ok_rows),
+        "successful_episodes": len(read.ok_rows),
         "failed_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.FAILED),
         "lost_episodes": sum(1 for r in ordered if r.status == EpisodeStatus.LOST) + len(missing),
         "aborted_episodes": sum(1 for r in withdrawn if r.status == EpisodeStatus.ABORTED),
         "stale_episodes": sum(1 for r in withdrawn if r.status == EpisodeStatus.STALE),
-        "reward_sum": reward_sum,
+        "reward_sum": read.reward_sum,
         "infrastructure_failures": sum(
             1 for r in ordered if r.failure_kind == FailureKind.INFRASTRUCTURE
         )
@@ -123,30 +175,77 @@ def build_report(
         "infra_retries": spec.infra_retries,
         "retried_episodes": sum(1 for r in ordered if r.retried),
         "retries": sum(len(r.retried) for r in ordered),
+    }
+
+
+def _trainer_section(
+    spec: BatchSpec, groups: list[dict[str, Any]], quota: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What the trainer asked for and gets back: samples per task, policy, groups, quota."""
+    return {
         "samples_per_task": spec.samples_per_task if spec.tasks else spec.count,
         "policy": {"url": spec.policy.url, "model": spec.policy.model} if spec.policy else None,
         "groups": groups,
         "quota": quota,
         "policy_version": spec.policy_version,
+    }
+
+
+def _capacity_section(spec: BatchSpec, read: _Rows, run: RunHandle) -> dict[str, Any]:
+    """How the batch used its slots, and what it cost."""
+    spans = [
+        span
+        for r in read.ordered
+        if (span := busy_span(r.ready_at, r.finished_at, r.collected_at, r.reward_at)) is not None
+    ]
+    return {
         "parallelism": spec.parallelism,
         # Episodes that ran in a sandbox taken from a warm pool (the rest started cold).
-        "warm_episodes": sum(1 for r in ordered if "pool_created_at" in r.timing),
+        "warm_episodes": sum(1 for r in read.ordered if "pool_created_at" in r.timing),
         # Busy slot-seconds (ready -> finished, metrics.busy_span) over parallelism x the
         # batch's wall (the run's origin -> its last episode finishing).
         "slot_utilisation": slot_utilisation(spans, spec.parallelism, run.origin),
-        "cost": cost_figures(ordered, reward_sum),
+        "cost": cost_figures(read.ordered, read.reward_sum),
+    }
+
+
+def _request_section(spec: BatchSpec) -> dict[str, Any]:
+    """What ran: backend, image, runtime, action, labels (as the request gave them)."""
+    return {
         "backend": spec.backend,
         "image": spec.image,
         "runtime": spec.runtime,
         "action": spec.action,
         "labels": dict(spec.labels),
-        # The guide's run identity: where it ran, and an image cache we do not control.
+    }
+
+
+def _identity_section(run: RunHandle, finished: FinishedRun | None) -> dict[str, Any]:
+    """The guide's run identity: where it ran, and an image cache we do not control."""
+    return {
         "context": run.context,
         "namespace": run.namespace,
         "cache_state": "uncontrolled",
         "run": run.to_dict(),
         "run_verdict": finished.verdict if finished else "Unknown",
         **{f"run_{name}": value for name, value in (finished.facts if finished else {}).items()},
+    }
+
+
+def _timing_section(
+    spec: BatchSpec, read: _Rows, run: RunHandle, finished: FinishedRun | None
+) -> dict[str, Any]:
+    """When things happened: readiness, rewards, the run's end, phases, nodes and images."""
+    ordered = read.ordered
+    ready = [r.batch_to_ready_seconds for r in ordered if r.batch_to_ready_seconds is not None]
+    rewards = [r.batch_to_reward_seconds for r in ordered if r.batch_to_reward_seconds is not None]
+    startup = [r.pod_to_ready_seconds for r in ordered if r.pod_to_ready_seconds is not None]
+    nodes: dict[str, int] = {}
+    for row in ordered:
+        if row.node:
+            nodes[row.node] = nodes.get(row.node, 0) + 1
+    completed_at = finished.completed_at if finished else None
+    return {
         "batch_to_all_ready_seconds": max(ready) if ready else None,
         "batch_to_all_rewards_seconds": max(rewards) if rewards else None,
         **spread(startup, "pod_to_ready"),
@@ -158,9 +257,6 @@ def build_report(
         "image_ids": sorted({r.image_id for r in ordered if r.image_id}),
         "submitted_at": spec.submitted_at,
         "run_created_at": run.origin,
-        "reported_at": reported_at,
-        "finalized_by": finalized_by,
-        "pods": [r.to_dict() for r in ordered],
     }
 
 
