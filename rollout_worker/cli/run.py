@@ -9,6 +9,7 @@ import contextlib
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from trainer_stub import options
 
 if TYPE_CHECKING:
     from rollout_wire.request import BatchSpec
+    from rollout_worker.settings import Settings
     from trainer_stub.client import RolloutClient, Submission
 
 DEFAULT_CPU_LIMIT = "500m"
@@ -164,94 +166,117 @@ RECORDS_WAIT_SECONDS = 60.0
     "(README: Warm sandboxes).",
 )
 @redis_option
-def run(
-    count: int,
-    parallelism: int | None,
-    backend: str,
-    placement: dict[str, Any],
-    deadline_seconds: int | None,
-    episode_timeout_seconds: int | None,
-    cpu_limit: str | None,
-    memory_limit: str | None,
-    allow_unknown_keys: bool,
-    action: str,
-    output: Path | None,
-    keep: bool | None,
-    all_in_one: bool,
-    collectors: int,
-    timeout: float | None,
-    as_json: bool,
-    task_set: str | None,
-    only_tasks: tuple[str, ...],
-    samples: int | None,
-    policy_url: str | None,
-    model: str | None,
-    sampling: tuple[str, ...],
-    policy_timeout: float | None,
-    infra_retries: int | None,
-    groups_wanted: int | None,
-    group_filter: str | None,
-    agent: str | None,
-    agent_env: str | None,
-    warm_pool: int,
-    redis_url: str | None,
-) -> None:
+def run(**given: Any) -> None:
     """Run one batch of episodes through the pipeline and print its report.
 
     Without --tasks: COUNT episodes of the guide's demo task with its fixed --action. With
     --tasks and --policy-url: every task x --samples, the policy choosing the actions."""
-    from rollout_worker.cli.stack import LocalStack
-    from rollout_worker.quantities import resource_problems
-    from trainer_stub.client import RolloutClient
-    from trainer_stub.records import check_output_dir
+    # Its phases: the flags parsed into a request, checked, run (records written with
+    # --output), then the report printed.
+    flags = RunFlags(**given)
+    settings = load_settings(flags.redis_url)
+    request = _request(flags)
+    spec = _preflight(request, settings, flags)
+    submission, report = _submit_in_stack(spec, settings, flags)
+    _print_report(report, submission, flags.as_json)
+    sys.exit(0 if report.get("ok") else 1)
 
-    settings = load_settings(redis_url)
+
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags of `rollout run`, as click parsed them (one field per option)."""
+
+    count: int
+    parallelism: int | None
+    backend: str
+    placement: dict[str, Any]
+    deadline_seconds: int | None
+    episode_timeout_seconds: int | None
+    cpu_limit: str | None
+    memory_limit: str | None
+    allow_unknown_keys: bool
+    action: str
+    output: Path | None
+    keep: bool | None
+    all_in_one: bool
+    collectors: int
+    timeout: float | None
+    as_json: bool
+    task_set: str | None
+    only_tasks: tuple[str, ...]
+    samples: int | None
+    policy_url: str | None
+    model: str | None
+    sampling: tuple[str, ...]
+    policy_timeout: float | None
+    infra_retries: int | None
+    groups_wanted: int | None
+    group_filter: str | None
+    agent: str | None
+    agent_env: str | None
+    warm_pool: int
+    redis_url: str | None
+
+
+def _request(f: RunFlags) -> dict[str, Any]:
+    """The batch request the flags describe (a usage error when they describe none)."""
+    keep = f.keep if f.keep is not None else (f.backend == "kubernetes" and bool(f.output))
     request: dict[str, Any] = {
-        "count": count,
-        "parallelism": parallelism,
-        "backend": backend,
-        "action": action,
-        "keep_run": keep if keep is not None else (backend == "kubernetes" and bool(output)),
-        **placement,
+        "count": f.count,
+        "parallelism": f.parallelism,
+        "backend": f.backend,
+        "action": f.action,
+        "keep_run": keep,
+        **f.placement,
     }
-    if warm_pool:
-        request["warm_pool"] = warm_pool
-    if agent is not None:
-        request["agent"] = agent if agent == "oracle" else {"command": shlex.split(agent)}
-    if agent_env is not None:
-        request["agent_env"] = agent_env
+    if f.warm_pool:
+        request["warm_pool"] = f.warm_pool
+    if f.agent is not None:
+        request["agent"] = f.agent if f.agent == "oracle" else {"command": shlex.split(f.agent)}
+    if f.agent_env is not None:
+        request["agent_env"] = f.agent_env
     try:
         from rollout_wire.tasksets import parse_sampling, rollout_fields
 
         request |= rollout_fields(
-            tasks=task_set,
-            only=only_tasks,
-            samples=samples,
-            policy_url=policy_url,
-            model=model,
-            sampling=parse_sampling(sampling),
-            policy_timeout=policy_timeout,
-            infra_retries=infra_retries,
-            groups_wanted=groups_wanted,
-            group_filter=group_filter,
-            allow_unknown_keys=allow_unknown_keys,
+            tasks=f.task_set,
+            only=f.only_tasks,
+            samples=f.samples,
+            policy_url=f.policy_url,
+            model=f.model,
+            sampling=parse_sampling(f.sampling),
+            policy_timeout=f.policy_timeout,
+            infra_retries=f.infra_retries,
+            groups_wanted=f.groups_wanted,
+            group_filter=f.group_filter,
+            allow_unknown_keys=f.allow_unknown_keys,
         )
         source = click.get_current_context().get_parameter_source("count")
-        if task_set is not None and source == click.core.ParameterSource.DEFAULT:
+        if f.task_set is not None and source == click.core.ParameterSource.DEFAULT:
             del request["count"]  # the task set times the samples decides
         request |= _limits(
             request,
-            task_set,
-            only_tasks,
-            allow_unknown_keys,
-            deadline_seconds=deadline_seconds,
-            episode_timeout_seconds=episode_timeout_seconds,
-            cpu_limit=cpu_limit,
-            memory_limit=memory_limit,
+            f.task_set,
+            f.only_tasks,
+            f.allow_unknown_keys,
+            deadline_seconds=f.deadline_seconds,
+            episode_timeout_seconds=f.episode_timeout_seconds,
+            cpu_limit=f.cpu_limit,
+            memory_limit=f.memory_limit,
         )
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
-    if collectors < 1:
+    return request
+
+
+def _preflight(request: dict[str, Any], settings: Settings, flags: RunFlags) -> BatchSpec:
+    """The request parsed into a batch, checked before anything starts: its resources, and an
+    --output directory that must not exist yet."""
+    from rollout_worker.quantities import resource_problems
+    from trainer_stub.client import RolloutClient
+    from trainer_stub.records import check_output_dir
+
+    if flags.collectors < 1:
         raise click.UsageError("--collectors must be at least 1")
     try:
         # The one parse of this request in this process; the workers parse it at their edge.
@@ -259,41 +284,49 @@ def run(
         problems = resource_problems(spec.resources)
         if problems:
             raise InvalidSpec(problems)
-        if output is not None:
-            check_output_dir(output)
+        if flags.output is not None:
+            check_output_dir(flags.output)
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
     except RolloutError as exc:
         raise click.UsageError(str(exc)) from exc
+    return spec
+
+
+def _submit_in_stack(
+    spec: BatchSpec, settings: Settings, flags: RunFlags
+) -> tuple[Submission, dict[str, Any]]:
+    """Send the batch and wait for its report (and its records, with --output), on a private
+    stack with --all-in-one, whose workers then delete the run before it stops."""
+    from rollout_worker.cli.stack import LocalStack
+    from trainer_stub.client import RolloutClient
 
     with contextlib.ExitStack() as stack:
         heartbeat = None
-        if all_in_one:
+        if flags.all_in_one:
             local = stack.enter_context(
                 LocalStack(
-                    collectors=collectors,
-                    extra_env={"ROLLOUT_AGENT_ENVS": agent_env} if agent_env else {},
+                    collectors=flags.collectors,
+                    extra_env={"ROLLOUT_AGENT_ENVS": flags.agent_env} if flags.agent_env else {},
                 )
             )
             settings = settings.with_redis(local.redis_url)
             heartbeat = local.check_alive
             err(
-                f"all-in-one: redis {redacted(local.redis_url)}, 1 control + {collectors} collect "
-                f"workers (logs in {local.dir})"
+                f"all-in-one: redis {redacted(local.redis_url)}, 1 control + {flags.collectors} "
+                f"collect workers (logs in {local.dir})"
             )
         try:
             # Every Redis call of this client (the send, the progress, the receipt mirror, the
             # records) waits out an outage up to its limit, then ends here in one line.
             client = stack.enter_context(contextlib.closing(RolloutClient(settings.redis_url)))
-            submission, report = _submit_and_wait(
-                client, spec, output, timeout or spec.deadline_seconds + 300, heartbeat
-            )
-            if all_in_one and report.get("cleanup") == Cleanup.SCHEDULED:
+            timeout = flags.timeout or spec.deadline_seconds + 300
+            submission, report = _submit_and_wait(client, spec, flags.output, timeout, heartbeat)
+            if flags.all_in_one and report.get("cleanup") == Cleanup.SCHEDULED:
                 _wait_for_cleanup(submission, heartbeat)
         except RolloutError as exc:
             raise click.ClickException(str(exc)) from exc
-    _print_report(report, submission, as_json)
-    sys.exit(0 if report.get("ok") else 1)
+    return submission, report
 
 
 def _limits(
