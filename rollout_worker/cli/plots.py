@@ -12,7 +12,7 @@ cost ledger's CPU-seconds per episode, user and system).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -183,9 +183,30 @@ def _segment(ax: Any, y: float, start: float | None, stop: float | None, **style
 
 
 def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping[str, Any]) -> None:
+    """One row per episode: its phases as bars, its moments as markers, the batch's moments as
+    vertical lines; a legend of what is drawn."""
     n = len(episodes)
-    height = max(1.0, min(8.0, 200 / max(n, 1)))  # segment thickness in points
     marker = max(2.0, min(7.0, 240 / max(n, 1)))
+    _draw_phases(ax, episodes)
+    marked = n <= MAX_MARKED_ROWS  # past that many rows the markers only hide the bars
+    if marked:
+        _draw_moments(ax, episodes, marker)
+    _draw_failures(ax, episodes, marker)
+    marks = _draw_batch_moments(ax, report)
+    ax.set_ylim(n - 0.5, -0.5)  # episode 0 on top
+    if n <= MAX_LABELLED_ROWS:
+        ax.set_yticks(range(n), [str(e.index) for e in episodes], fontsize=7)
+    ax.set_ylabel("episode (index)")
+    ax.set_xlabel("seconds since run start")
+    ax.set_xlim(left=min([0.0, *(e.created for e in episodes if e.created is not None)]))
+    ax.grid(axis="x", alpha=0.3)
+    legend = _timeline_legend(episodes, marked)
+    ax.legend(handles=legend + marks, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+
+
+def _draw_phases(ax: Any, episodes: Sequence[EpisodeTimeline]) -> None:
+    """Each episode's bar: startup, work and tail, or one failed bar."""
+    height = max(1.0, min(8.0, 200 / max(len(episodes), 1)))  # segment thickness in points
     for row, ep in enumerate(episodes):
         if ep.failed:
             _segment(ax, row, ep.created, ep.end, colors=COLORS["failed"], linewidth=height)
@@ -193,16 +214,18 @@ def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping
             _segment(ax, row, ep.created, ep.ready, colors=COLORS["startup"], linewidth=height)
             _segment(ax, row, ep.ready, ep.reward, colors=COLORS["work"], linewidth=height)
             _segment(ax, row, ep.reward, ep.finished, colors=COLORS["tail"], linewidth=height)
-    points = [
+
+
+def _draw_moments(ax: Any, episodes: Sequence[EpisodeTimeline], marker: float) -> None:
+    """A marker per episode moment: created, scheduled, ready, reward."""
+    points: list[tuple[str, str, Callable[[EpisodeTimeline], float | None]]] = [
         ("created", "|", lambda e: e.created),
         ("scheduled", "s", lambda e: e.scheduled),
         ("ready", "o", lambda e: e.ready),
         ("reward", "D", lambda e: e.reward),
     ]
-    if n > MAX_MARKED_ROWS:
-        points = []
     for name, shape, pick in points:
-        xs = [(pick(e), row) for row, e in enumerate(episodes) if pick(e) is not None]
+        xs = [(x, row) for row, e in enumerate(episodes) if (x := pick(e)) is not None]
         if xs:
             ax.plot(
                 [x for x, _ in xs],
@@ -213,6 +236,10 @@ def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping
                 color=COLORS[name],
                 zorder=3,
             )
+
+
+def _draw_failures(ax: Any, episodes: Sequence[EpisodeTimeline], marker: float) -> None:
+    """An X where a failed or lost episode ended."""
     failed = [(e.end, row) for row, e in enumerate(episodes) if e.failed and e.end is not None]
     if failed:
         ax.plot(
@@ -224,6 +251,10 @@ def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping
             color=COLORS["failed"],
             zorder=4,
         )
+
+
+def _draw_batch_moments(ax: Any, report: Mapping[str, Any]) -> list[Line2D]:
+    """The batch's own moments (all ready, all rewards) as vertical lines; their legend keys."""
     marks = []
     moments: tuple[tuple[str, str, Literal[":", "--"]], ...] = (
         ("batch_to_all_ready_seconds", "all ready", ":"),
@@ -236,13 +267,11 @@ def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping
             marks.append(
                 Line2D([], [], color="#636363", linestyle=style, label=f"{label} {value:.2f}s")
             )
-    ax.set_ylim(n - 0.5, -0.5)  # episode 0 on top
-    if n <= MAX_LABELLED_ROWS:
-        ax.set_yticks(range(n), [str(e.index) for e in episodes], fontsize=7)
-    ax.set_ylabel("episode (index)")
-    ax.set_xlabel("seconds since run start")
-    ax.set_xlim(left=min([0.0, *(e.created for e in episodes if e.created is not None)]))
-    ax.grid(axis="x", alpha=0.3)
+    return marks
+
+
+def _timeline_legend(episodes: Sequence[EpisodeTimeline], marked: bool) -> list[Line2D]:
+    """The legend keys of the bars, and of the markers when they were drawn."""
     legend = [
         Line2D([], [], color=COLORS["startup"], linewidth=6, label="created → ready"),
         Line2D([], [], color=COLORS["work"], linewidth=6, label="ready → reward"),
@@ -251,20 +280,20 @@ def _draw_timeline(ax: Any, episodes: Sequence[EpisodeTimeline], report: Mapping
             [], [], color=COLORS["failed"], marker="X", linewidth=3, label="failed / lost episode"
         ),
     ]
-    if points:
+    if marked:
         legend[3:3] = [
             Line2D([], [], color=COLORS["created"], marker="|", linestyle="none", label="created"),
             Line2D([], [], color=COLORS["ready"], marker="o", linestyle="none", label="ready"),
             Line2D([], [], color=COLORS["reward"], marker="D", linestyle="none", label="reward"),
         ]
-    if points and any(e.scheduled is not None for e in episodes):
+    if marked and any(e.scheduled is not None for e in episodes):
         legend.insert(
             4,
             Line2D(
                 [], [], color=COLORS["scheduled"], marker="s", linestyle="none", label="scheduled"
             ),
         )
-    ax.legend(handles=legend + marks, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return legend
 
 
 def _draw_startup(ax: Any, startup: Sequence[float]) -> None:
