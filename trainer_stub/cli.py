@@ -138,6 +138,20 @@ def main(
             group_filter,
         )
         return
+    demo_rounds(redis_url, rounds, count, parallelism, backend, timeout, as_json)
+
+
+def demo_rounds(
+    redis_url: str,
+    rounds: int,
+    count: int,
+    parallelism: int | None,
+    backend: str,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Without --tasks: ROUNDS batches of the guide's demo task submitted at once, followed
+    live, their reports printed; exit status 1 unless every one is ok."""
     client = _client(redis_url)
     try:
         submissions = [
