@@ -221,7 +221,7 @@ def test_a_pod_the_watch_saw_deleted_before_it_ended_is_a_failed_episode():
 
 
 def test_job_index_lists_are_read_as_kubernetes_writes_them():
-    from rollout_worker.backends.kube.read import index_in
+    from rollout_worker.backends.kube.verdicts import index_in
 
     assert index_in("1,3-5,9", 4) and index_in("1,3-5,9", 9) and index_in("0", 0)
     assert not index_in("1,3-5,9", 2) and not index_in("", 0)
@@ -614,7 +614,7 @@ def test_every_container_and_folder_of_an_episode_has_a_bounded_disk():
 
 
 def test_a_warm_pod_whose_containers_all_exited_has_ended_before_its_phase_moves():
-    from rollout_worker.backends.kube.backend import _ended_phase
+    from rollout_worker.backends.kube.verdicts import ended_phase
 
     def pod(phase, *codes):
         states = [
@@ -622,8 +622,8 @@ def test_a_warm_pod_whose_containers_all_exited_has_ended_before_its_phase_moves
         ]
         return {"status": {"phase": phase, "containerStatuses": states}}
 
-    assert _ended_phase(pod("Running", 0)) == "Succeeded"
-    assert _ended_phase(pod("Running", 0, 1)) == "Failed"
-    assert _ended_phase(pod("Running", 0, None)) == "Running"  # one still runs
-    assert _ended_phase(pod("Failed", 0)) == "Failed"  # the kubelet's word stands
-    assert _ended_phase({"status": {"phase": "Pending"}}) == "Pending"
+    assert ended_phase(pod("Running", 0)) == "Succeeded"
+    assert ended_phase(pod("Running", 0, 1)) == "Failed"
+    assert ended_phase(pod("Running", 0, None)) == "Running"  # one still runs
+    assert ended_phase(pod("Failed", 0)) == "Failed"  # the kubelet's word stands
+    assert ended_phase({"status": {"phase": "Pending"}}) == "Pending"

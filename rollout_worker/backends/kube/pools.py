@@ -346,6 +346,27 @@ class WarmPools:
 
         return delete_namespace(self._call, self.core, namespace, "pool namespace", prove, emptied)
 
+    def list_all(self) -> dict[str, dict[str, Any]]:
+        """Pool key -> {namespace, uid, waiting, claimed_running, pods} of every pool namespace
+        of ours (claimed_running: its Running Pods a batch has claimed)."""
+        selector = f"{k.LABEL_OWNER}={k.LABEL_OWNER_VALUE},{k.LABEL_POOL}"
+        found = self._call("list namespaces", self.core.list_namespace, label_selector=selector)
+        pools: dict[str, dict[str, Any]] = {}
+        for ns in found.get("items", []):
+            key = ns["metadata"]["labels"][k.LABEL_POOL]
+            pods = self.pods(key)
+            running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+            pools[key] = {
+                "namespace": ns["metadata"]["name"],
+                "uid": ns["metadata"]["uid"],
+                "waiting": sum(1 for p in pods if read.pool_pod_waiting(p)),
+                "claimed_running": sum(
+                    1 for p in running if k.LABEL_BATCH in (p["metadata"].get("labels") or {})
+                ),
+                "pods": len(pods),
+            }
+        return pools
+
 
 def _claimed(pod: dict[str, Any]) -> Claimed:
     meta = pod["metadata"]

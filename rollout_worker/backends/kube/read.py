@@ -19,6 +19,8 @@ from rollout_worker.backends.kube.objects import (
     INDEX_LABEL,
     JOB_NAME,
     POOL_STATE_IDLE,
+    job_manifest,
+    job_parts,
 )
 from rollout_worker.backends.kube.pod_spec import AGENT_CONTAINER, CONTAINER_NAME
 from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
@@ -142,6 +144,13 @@ NEVER_STARTS = frozenset({"ErrImageNeverPull", "InvalidImageName", "CreateContai
 RETRYING = "retrying"
 
 
+def episode_ended(handle: RunHandle, index: int, pods: Mapping[str, dict[str, Any]]) -> bool:
+    """What the watch shows of episode `index` is its end."""
+    if handle.warm_pod(index) is not None and not pods:
+        return True  # claimed before the run existed, so a synced watch has it: gone
+    return observe_pods(handle, index, pods, final=handle.in_pool(index)).terminal
+
+
 def retryable(pod: Mapping[str, Any], obs: EpisodeObservation) -> bool:
     """Whether a failed Pod uses up its episode's retry budget instead of ending the episode:
     the runner's infrastructure exit code, or a disruption (eviction, preemption, node loss).
@@ -224,6 +233,42 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
     scheduled = conditions.get("PodScheduled")
     started = ts(agent_started or terminated.get("startedAt") or running.get("startedAt"))
     finished = ts(terminated.get("finishedAt"))
+    phase, reason = _pod_phase(pod, state, terminated)
+    return EpisodeObservation(
+        index=index,
+        episode_id=meta["name"],
+        phase=phase,
+        created_at=created,
+        started_at=started,
+        finished_at=finished,
+        node=pod.get("spec", {}).get("nodeName"),
+        image_id=container.get("imageID") or None,
+        exit_code=terminated.get("exitCode"),
+        restart_count=int(container.get("restartCount", 0)),
+        reason=reason,
+        termination_message=terminated.get("message") or None,
+        log_containers=[AGENT_CONTAINER, CONTAINER_NAME] if agent is not None else [],
+        # A warm Pod has no ready probe (it started long before its episode): no signal.
+        ready=phase == "Running" and container.get("started") is True and claimed is None,
+        timing={
+            "scheduled_at": scheduled,
+            "initialized_at": conditions.get("Initialized"),
+            "containers_ready_at": conditions.get("ContainersReady"),
+            "container_started_at": started,
+            "container_finished_at": finished,
+            "scheduling_seconds": _diff(scheduled, pool_created or created),
+            "container_start_seconds": _diff(started, scheduled),
+            **({"pool_created_at": pool_created} if pool_created is not None else {}),
+        },
+    )
+
+
+def _pod_phase(
+    pod: dict[str, Any], state: dict[str, Any], terminated: dict[str, Any]
+) -> tuple[str, str | None]:
+    """The episode's phase and reason from one Pod: its phase, or what its container's end,
+    a container that can never start, or its deletion already decided."""
+    meta, status = pod["metadata"], pod.get("status", {})
     phase = status.get("phase", "Pending")
     # A Pod-level reason (DeadlineExceeded, Evicted) says more than the container's ("Error"
     # after the kill that enforced it).
@@ -254,72 +299,7 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
             phase = "Running"  # terminating: wait for its final state
         else:
             reason = f"{reason or phase}; the Pod was deleted before it ended"
-    return EpisodeObservation(
-        index=index,
-        episode_id=meta["name"],
-        phase=phase,
-        created_at=created,
-        started_at=started,
-        finished_at=finished,
-        node=pod.get("spec", {}).get("nodeName"),
-        image_id=container.get("imageID") or None,
-        exit_code=terminated.get("exitCode"),
-        restart_count=int(container.get("restartCount", 0)),
-        reason=reason,
-        termination_message=terminated.get("message") or None,
-        log_containers=[AGENT_CONTAINER, CONTAINER_NAME] if agent is not None else [],
-        # A warm Pod has no ready probe (it started long before its episode): no signal.
-        ready=phase == "Running" and container.get("started") is True and claimed is None,
-        timing={
-            "scheduled_at": scheduled,
-            "initialized_at": conditions.get("Initialized"),
-            "containers_ready_at": conditions.get("ContainersReady"),
-            "container_started_at": started,
-            "container_finished_at": finished,
-            "scheduling_seconds": _diff(scheduled, pool_created or created),
-            "container_start_seconds": _diff(started, scheduled),
-            **({"pool_created_at": pool_created} if pool_created is not None else {}),
-        },
-    )
-
-
-def job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
-    """(when, "Complete" | "Failed") once the Job has finished, (when, "Suspended") once a
-    cancelled Job stopped its Pods, else (None, "Running")."""
-    conditions = [
-        c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"
-    ]
-    for wanted in (("Complete", "Failed"), ("Suspended",)):
-        for condition in conditions:
-            if condition.get("type") in wanted:
-                return ts(condition.get("lastTransitionTime")), condition["type"]
-    return None, "Running"
-
-
-def jobs_verdict(jobs: list[dict[str, Any]]) -> tuple[float | None, str]:
-    """job_verdict of a run's Jobs together: Running while any runs; Complete when all
-    completed; Suspended when every one not finished is suspended; else Failed."""
-    verdicts = [job_verdict(job) for job in jobs]
-    kinds = {verdict for _, verdict in verdicts}
-    if not verdicts or "Running" in kinds:
-        return None, "Running"
-    when = max((at for at, _ in verdicts if at is not None), default=None)
-    if kinds == {"Complete"}:
-        return when, "Complete"
-    if "Suspended" in kinds:
-        return when, "Suspended"
-    return when, "Failed"
-
-
-def job_of(jobs: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], int] | None:
-    """The Job that runs episode `index`, and the episode's completion index in it."""
-    for job in jobs:
-        spec = job.get("spec") or {}
-        labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
-        first = int(labels.get(FIRST_INDEX_LABEL, 0))
-        if first <= index < first + int(spec.get("completions") or 0):
-            return job, index - first
-    return None
+    return phase, reason
 
 
 def pretty_json(value: Any) -> str:
@@ -352,6 +332,30 @@ def events_text(events: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_records(
+    spec: BatchSpec,
+    handle: RunHandle,
+    jobs: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    ttl_seconds: int,
+) -> dict[str, str]:
+    """A finished run's records: its Pods (`pods`: warm ones first), its events, and each
+    Job as it ended and as it was submitted. The guide's job.json and job-submitted.json are
+    the first Job's; a batch of several images (or warm episodes between cold ones) adds
+    job-<name>.json and job-<name>-submitted.json for the others."""
+    records = {"pods.json": pretty_json(pods), "events.txt": events_text(events)}
+    in_pool = set(range(spec.count)) if handle.fed else {index for index, _, _ in handle.warm}
+    for part in job_parts(spec, in_pool):
+        name = "job" if part.name == JOB_NAME else f"job-{part.name}"
+        job = next((j for j in jobs if j["metadata"]["name"] == part.name), None)
+        if job is not None:
+            records[f"{name}.json"] = pretty_json(job)
+        submitted = job_manifest(spec, ttl_seconds_after_finished=ttl_seconds, part=part)
+        records[f"{name}-submitted.json"] = pretty_json(submitted)
+    return records
+
+
 def completion_index(pod: Mapping[str, Any]) -> int | None:
     """The episode index of a batch Pod: its Job's first index + its completion index, or the
     index its claim gave a warm Pod."""
@@ -365,22 +369,18 @@ def completion_index(pod: Mapping[str, Any]) -> int | None:
         return None
 
 
-def index_in(ranges: str, index: int) -> bool:
-    """Whether `index` is in a Job's index list ("1,3-5,9", as in status.failedIndexes)."""
-    for part in filter(None, ranges.split(",")):
-        low, _, high = part.partition("-")
-        try:
-            if int(low) <= index <= int(high or low):
-                return True
-        except ValueError:
-            continue
-    return False
-
-
 def node_ready(node: Mapping[str, Any]) -> bool:
     return any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in node.get("status", {}).get("conditions", [])
+    )
+
+
+def labelled_ours(obj: dict[str, Any], batch_id: str) -> bool:
+    """Whether an object carries our owner label and this batch's label."""
+    labels = obj["metadata"].get("labels") or {}
+    return bool(
+        labels.get(k.LABEL_OWNER) == k.LABEL_OWNER_VALUE and labels.get(k.LABEL_BATCH) == batch_id
     )
 
 
