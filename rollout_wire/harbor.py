@@ -1,4 +1,4 @@
-"""Harbor task folders as our tasks (`rollout_wire.request.TASK_FIELDS`).
+"""Harbor task folders as our tasks (`rollout_wire.task_spec.TASK_FIELDS`).
 
 A Harbor task (harbor-framework/harbor, task.toml schema 1.x) is a folder:
 
@@ -61,7 +61,7 @@ from rollout_wire.harbor_keys import (
     requirements,
     time_limit,
 )
-from rollout_wire.request import SOLVE_SCRIPT
+from rollout_wire.task_spec import SOLVE_SCRIPT
 
 # Re-exported: the names this module had before the key table and the folder reading moved.
 __all__ = [
@@ -115,7 +115,7 @@ class HarborTask:
 
 
 def task_id_of(name: str) -> str:
-    """A folder name as a task id (request.py's rule: 1-63 of [a-z0-9_.-], alphanumeric ends);
+    """A folder name as a task id (task_spec's rule: 1-63 of [a-z0-9_.-], alphanumeric ends);
     "" when nothing usable is left."""
     text = _NOT_ID.sub("-", name.lower())
     text = text.strip("-_.")[:_MAX_ID]

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_wire.harbor_files import TEST_SCRIPT
-from rollout_wire.request import DEFAULT_TASK_TIME_LIMIT_SECONDS
+from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 

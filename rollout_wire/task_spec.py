@@ -1,0 +1,238 @@
+"""A task of a batch request (`rollout_wire.request`): its fields, and the checks each task
+passes before a batch is accepted. Tasks are data (resolved at the client's edge, e.g. from
+Harbor folders: `rollout_wire.harbor`); every problem of every task is listed at once."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+MAX_DEADLINE_SECONDS = 7 * 24 * 3600
+# A container image reference: [registry[:port]/]path[:tag][@digest], lower-case path parts.
+IMAGE_REFERENCE = re.compile(
+    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[a-f0-9]{64})?$"
+)
+
+# A batch's tasks travel in the request, the receipt and (on Kubernetes) the batch's ConfigMap,
+# whose whole object the API server caps at 1 MiB: the encoded tasks must stay below this.
+MAX_TASKS_BYTES = 900 * 1024
+MAX_TASKS = 1000
+DEFAULT_TASK_TIME_LIMIT_SECONDS = 60
+DEFAULT_MAX_STEPS = 10
+MAX_STEPS = 200
+REWARD_RULES = ("all", "fraction", "file")
+# Where a `file` reward is read from, in this order (Harbor's verifier reads the JSON first):
+# JSON with a numeric `reward` (its other numbers are kept as the row's details), or a number.
+REWARD_FILES = ("/logs/verifier/reward.json", "/logs/verifier/reward.txt")
+GRADES = ("same", "fresh")
+ORACLE = "oracle"
+# What the oracle agent runs, from the task's `solution` (Harbor's solution/solve.sh).
+SOLVE_SCRIPT = "solve.sh"
+# The agent's environment the runner sets itself (an agent's `env` may not override them).
+AGENT_RESERVED_ENV = ("OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_API_KEY", "OPENAI_MODEL")
+MAX_AGENT_ARGS = 64
+TASK_FIELDS = {
+    "id": "lower-case name, unique in the batch",
+    "statement": "the problem shown to the policy",
+    "files": "path -> text: the repository the episode starts from",
+    "test_files": "path -> text: written again just before the final tests (not editable)",
+    "test_command": "argv list; 'python' means the sandbox's interpreter",
+    "reward": "all (1 when every test passes, else 0) | fraction (passed / total) | file "
+    "(what the tests wrote to /logs/verifier/reward.txt or reward.json)",
+    "agent": "the agent to run instead of the built-in loop: {command: argv, env: {name: "
+    "value}}, or 'oracle' (runs the task's solution/solve.sh)",
+    "baseline": "true (default): the tests must fail before the agent acts; false: no check",
+    "tests": "path -> text: placed at /tests only after the agent finished (it never sees them)",
+    "solution": "path -> text: placed at /solution for the oracle agent only",
+    "grade": "same (default): the tests run where the agent ran; fresh: in a new sandbox that "
+    "receives only the workspace the agent left",
+    "time_limit_seconds": "the agent loop's time limit",
+    "test_timeout_seconds": "the test command's own time limit (default 60)",
+    "workdir": "absolute path: where the agent and the tests run (default: the backend's "
+    "workspace, /workspace or the image's WORKDIR)",
+    "max_steps": "the agent loop's step limit",
+    "image": "the image the task needs (kubernetes)",
+    "description": "free text for people (not shown to the policy)",
+}
+# The runner's own test time limit (episode.py TESTS_TIMEOUT_SECONDS) when a task sets none.
+DEFAULT_TEST_TIMEOUT_SECONDS = 60
+_WORKDIR = re.compile(r"^/[A-Za-z0-9_.-]{1,100}(/[A-Za-z0-9_.-]{1,100}){0,15}$")
+# Folders the sandbox itself mounts: a workspace there would hide or be hidden by them.
+_RESERVED_DIRS = frozenset({"proc", "dev", "sys", "sandbox", "tmp", "logs", "tests", "solution"})
+_TASK_ID = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
+_FILE_PATH = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
+
+
+def _parse_files(task_id: object, name: str, files: Any, problems: list[str]) -> None:
+    if not isinstance(files, Mapping) or not all(isinstance(v, str) for v in files.values()):
+        problems.append(f"task {task_id!r}: {name} must map relative paths to text")
+        return
+    for path in files:
+        if not isinstance(path, str) or len(path) > 200 or not _FILE_PATH.match(path):
+            problems.append(
+                f"task {task_id!r}: {name} path {path!r} must be relative, without '..', made "
+                "of letters, digits, '_', '.', '-' and '/'"
+            )
+
+
+def parse_agent(value: Any, where: str, problems: list[str]) -> None:
+    """An agent is "oracle" or {command: [argv...], env: {NAME: value}}."""
+    if value == ORACLE:
+        return
+    if not isinstance(value, Mapping) or set(value) - {"command", "env"}:
+        problems.append(f"{where} must be 'oracle' or an object {{command, env}}")
+        return
+    command = value.get("command")
+    if (
+        not isinstance(command, list)
+        or not 1 <= len(command) <= MAX_AGENT_ARGS
+        or not all(isinstance(a, str) and a and "\0" not in a for a in command)
+    ):
+        problems.append(f"{where}.command must be a list of 1..{MAX_AGENT_ARGS} non-empty strings")
+    env = value.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and _ENV_NAME.match(k) and isinstance(v, str) for k, v in env.items()
+    ):
+        problems.append(f"{where}.env must map variable names to strings")
+    elif reserved := sorted(k for k in env if k in AGENT_RESERVED_ENV or k.startswith("ROLLOUT_")):
+        problems.append(f"{where}.env may not set {reserved}: the runner sets those")
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The test commands the grader's harness counts (rollout_worker/sandbox/episode.py
+# `harness_plan`, which ships alone and cannot import this; a unit test holds the two alike).
+PYTHON_FLAGS = frozenset(("-B", "-b", "-bb", "-u", "-O", "-OO", "-q", "-s", "-E"))
+PYTHON_OPTIONS = frozenset(("-W", "-X"))
+
+
+def countable(argv: list[Any]) -> bool:
+    """Whether the grader can count what a test command ran (else: its exit status alone)."""
+    if not argv or argv[0] not in ("python", "python3"):
+        return False
+    rest = list(argv[1:])
+    while rest and str(rest[0]).startswith("-") and rest[0] != "-m":
+        flag = rest.pop(0)
+        if flag in PYTHON_OPTIONS and rest:
+            rest.pop(0)
+        elif flag not in PYTHON_FLAGS:
+            return False
+    if len(rest) >= 2 and rest[0] == "-m":
+        return rest[1] in ("unittest", "pytest")
+    return bool(rest) and str(rest[0]).endswith(".py")
+
+
+def oracle_problems(tasks: list[Any]) -> list[str]:
+    """A task whose agent is the oracle needs the script the oracle runs."""
+    return [
+        f"task {task.get('id')!r}: the oracle agent needs solution/{SOLVE_SCRIPT}"
+        for task in tasks
+        if task.get("agent") == ORACLE and SOLVE_SCRIPT not in (task.get("solution") or {})
+    ]
+
+
+def parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
+    """Tasks are data: each one checked here, every problem listed; [] when any has one."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        problems.append("tasks must be a list of task objects")
+        return []
+    if len(value) > MAX_TASKS:
+        problems.append(f"{len(value)} tasks exceed the limit of {MAX_TASKS} per batch")
+    size = len(orjson.dumps(value))
+    if size > MAX_TASKS_BYTES:
+        problems.append(
+            f"tasks take {size} bytes encoded, above the {MAX_TASKS_BYTES} bytes a batch may carry "
+            "(they travel in the batch's ConfigMap, which the API server caps at 1 MiB): split "
+            "the task set into several batches or make the tasks smaller"
+        )
+    seen: set[str] = set()
+    before = len(problems)
+    for task in value:
+        _check_task(task, seen, problems)
+    if len(problems) > before:
+        return []
+    return [dict(t) for t in value]
+
+
+def _check_task(task: Mapping[str, Any], seen: set[str], problems: list[str]) -> None:
+    """One task's fields, in the order of its problems; `seen` holds the ids before it."""
+    tid = task.get("id")
+    unknown = sorted(set(task) - set(TASK_FIELDS))
+    if unknown:
+        problems.append(f"task {tid!r}: unknown fields {unknown}; allowed: {sorted(TASK_FIELDS)}")
+    if not isinstance(tid, str) or not _TASK_ID.match(tid):
+        problems.append(f"task id {tid!r} must be 1-63 lower-case letters, digits, '-', '_', '.'")
+    elif tid in seen:
+        problems.append(f"task id {tid!r} appears twice")
+    else:
+        seen.add(tid)
+    if not isinstance(task.get("statement"), str) or not task.get("statement"):
+        problems.append(f"task {tid!r}: statement must be non-empty text")
+    _parse_files(tid, "files", task.get("files"), problems)
+    if "test_files" in task:
+        _parse_files(tid, "test_files", task["test_files"], problems)
+    command = task.get("test_command")
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+        problems.append(f"task {tid!r}: test_command must be a non-empty list of strings")
+    for name in ("tests", "solution"):
+        if name in task:
+            _parse_files(tid, name, task[name], problems)
+    if "agent" in task:
+        parse_agent(task["agent"], f"task {tid!r}: agent", problems)
+    problems += oracle_problems([task])
+    if not isinstance(task.get("baseline", True), bool):
+        problems.append(f"task {tid!r}: baseline must be true or false")
+    if task.get("grade", "same") not in GRADES:
+        problems.append(f"task {tid!r}: grade {task.get('grade')!r} is not one of {list(GRADES)}")
+    _check_reward(task, problems)
+    _check_limits(task, problems)
+    _check_place(task, problems)
+
+
+def _check_reward(task: Mapping[str, Any], problems: list[str]) -> None:
+    tid, command = task.get("id"), task.get("test_command")
+    if task.get("reward", "all") not in REWARD_RULES:
+        problems.append(
+            f"task {tid!r}: reward {task.get('reward')!r} is not one of {list(REWARD_RULES)}"
+        )
+    elif task.get("reward") == "fraction" and isinstance(command, list) and not countable(command):
+        problems.append(
+            f"task {tid!r}: reward fraction needs a test command the grader can count "
+            "(python -m unittest, python -m pytest or python <script>.py): a command's own "
+            "output is no count of what ran"
+        )
+
+
+def _check_limits(task: Mapping[str, Any], problems: list[str]) -> None:
+    for name, default, top in (
+        ("time_limit_seconds", DEFAULT_TASK_TIME_LIMIT_SECONDS, MAX_DEADLINE_SECONDS),
+        ("max_steps", DEFAULT_MAX_STEPS, MAX_STEPS),
+        ("test_timeout_seconds", DEFAULT_TEST_TIMEOUT_SECONDS, MAX_DEADLINE_SECONDS),
+    ):
+        number = task.get(name, default)
+        if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= top:
+            problems.append(f"task {task.get('id')!r}: {name} must be an integer within 1..{top}")
+
+
+def _check_place(task: Mapping[str, Any], problems: list[str]) -> None:
+    """Where the task runs: its workdir and its image."""
+    tid, workdir = task.get("id"), task.get("workdir")
+    if workdir is not None and (
+        not isinstance(workdir, str)
+        or not _WORKDIR.match(workdir)
+        or workdir.split("/")[1] in _RESERVED_DIRS
+        or any(part in (".", "..") for part in workdir.split("/"))
+    ):
+        problems.append(
+            f"task {tid!r}: workdir {workdir!r} must be an absolute path of letters, digits, "
+            f"'_', '.', '-', outside {sorted(_RESERVED_DIRS)}"
+        )
+    image = task.get("image")
+    if image is not None and (not isinstance(image, str) or not IMAGE_REFERENCE.match(image)):
+        problems.append(f"task {tid!r}: image {image!r} is not a valid image reference")
