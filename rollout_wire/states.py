@@ -47,6 +47,29 @@ class Progress(StrEnum):
     REWARDED = "rewarded"
 
 
+class EventKind(StrEnum):
+    """An episode log line's `event`: what the runner (rollout_worker/sandbox, which cannot
+    import this; a unit test holds its names to these) printed. `ready` starts a sandbox's
+    part, one `step` per policy turn or recorded exchange, `agent_exit` after an agent command;
+    a final event ends the sandbox's part (`FINAL_EVENTS`)."""
+
+    READY = "ready"
+    STEP = "step"
+    AGENT_EXIT = "agent_exit"
+    REWARD = "reward"
+    # The agent's sandbox of a `grade: fresh` episode is done: its grader's log follows.
+    GRADE_PENDING = "grade_pending"
+    # In place of the reward: the runner's policy moved past the episode's max_policy_lag.
+    STALE = "stale"
+    ERROR = "error"
+
+
+# The events that end one sandbox's part of an episode; the runner's cost ledger rides on them.
+FINAL_EVENTS = (EventKind.REWARD, EventKind.GRADE_PENDING, EventKind.STALE, EventKind.ERROR)
+# The events that say how an episode ended (a trajectory's `outcome`).
+OUTCOME_EVENTS = (EventKind.REWARD, EventKind.ERROR, EventKind.STALE)
+
+
 class BatchStatus(StrEnum):
     """A report's `status`: how the batch ended (`rejected`: the request was refused before
     anything was created; `error`: the backend could not start the run)."""
