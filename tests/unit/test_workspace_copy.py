@@ -17,8 +17,9 @@ import pytest
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.local import files
 from rollout_worker.backends.local import supervisor as supervisor_module
+from rollout_worker.backends.local.phases import GRADE_PHASE
 from rollout_worker.backends.local.sandbox import ImageRoot
-from rollout_worker.backends.local.supervisor import GRADE_PHASE, Supervisor
+from rollout_worker.backends.local.supervisor import Supervisor
 
 AS_ROOT = os.geteuid() == 0
 # A name that would forge a line of its own in a log that printed it as it is.

@@ -4,6 +4,9 @@ Started detached by the local backend (`python -m rollout_worker.backends.local.
 --daemonize RUN_DIR`); it outlives the Celery task that started it. It holds an exclusive lock
 on the run for its lifetime, so a second start is a no-op, and it skips episodes that already
 have a status, so a restart never runs an episode twice.
+
+Beside it: `output` (a running sandbox and its log), `phases` (an agent's episode graded in a
+second sandbox), `reporter` (progress to Redis), `sandbox` (the bwrap command line).
 """
 
 from __future__ import annotations
@@ -19,19 +22,13 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import orjson
-import redis
-
-from rollout_wire.redis_url import redis_client
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import agent_view, demo_task
-from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.local.files import (
-    LOG_CUT_MARK,
     RunDir,
     TreeCopy,
     copy_tree,
@@ -39,97 +36,27 @@ from rollout_worker.backends.local.files import (
     resolve_in_root,
     write_json_atomic,
 )
+from rollout_worker.backends.local.output import Running, error_cause, read_output
+from rollout_worker.backends.local.phases import (
+    AGENT_PHASE,
+    GRADE_PHASE,
+    baseline_tests,
+    phase_env,
+    state_mounts,
+    state_phase,
+)
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
+from rollout_worker.backends.local.reporter import Reporter
 from rollout_worker.backends.local.sandbox import (
-    SANDBOX_GID,
-    SANDBOX_UID,
     ImageRoot,
     Mount,
+    SandboxPlan,
     plan_sandbox,
     rlimits,
 )
-from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.backends.warm import handover_line
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
-from rollout_worker.store import Store
-
-# The longest partial output line a sandbox may hold before its newline.
-PENDING_LIMIT = 64 * 2**10
-# An agent's episode whose tests it must never see runs in two sandboxes: the agent's, then
-# the grader's (ROLLOUT_PHASE=grade), which gets the tests. `same` grading gives the grader
-# the agent's /tmp, /logs and workspace as they were left; `fresh` only a copy of the
-# workspace.
-AGENT_PHASE = "agent"
-GRADE_PHASE = "grade"
-# The runner's variable for the baseline's counts (sandbox/episode.py BASELINE_TESTS_ENV).
-BASELINE_TESTS_ENV = "ROLLOUT_BASELINE_TESTS"
-
-
-def baseline_tests(line: bytes) -> str:
-    """The `baseline_tests` of a grade_pending line, as JSON ("null" when it has none)."""
-    try:
-        value = orjson.loads(line).get("baseline_tests")
-    except (orjson.JSONDecodeError, AttributeError):
-        return "null"
-    return orjson.dumps(value).decode() if isinstance(value, dict) else "null"
-
-
-# What the runner reads and writes outside its workspace (writable, per episode): folder ->
-# (where the sandbox sees it, the variable naming it when not sandboxed); and its /tmp.
-STATE_DIRS = {
-    "logs": ("/logs", ""),
-    "logs/verifier": ("/logs/verifier", "ROLLOUT_VERIFIER_DIR"),
-    "tests": ("/tests", "ROLLOUT_TESTS_DIR"),
-    "solution": ("/solution", "ROLLOUT_SOLUTION_DIR"),
-    "tmp": ("", ""),
-}
-
-
-@dataclass
-class Running:
-    index: int
-    proc: subprocess.Popen[bytes] | None  # None: a warm sandbox (the pool is its parent)
-    pidfd: int
-    out: int  # read end of the sandbox's stdout
-    log: BinaryIO
-    created_at: float
-    attempt: int
-    deadline: float
-    killed_for: str | None = None
-    pending: bytes = b""
-    done: bool = False
-    written: int = 0  # bytes of its log so far (capped at MAX_LOG_BYTES)
-    warm: Taken | None = None  # taken from a warm pool (local/pool.py)
-    phase: str = AGENT_PHASE  # or GRADE_PHASE: the second sandbox of an agent's episode
-    grade_pending: bool = False  # its runner said: grade me in a second sandbox
-
-    @property
-    def pid(self) -> int:
-        return self.warm.pid if self.warm is not None else self.proc.pid  # type: ignore[union-attr]
-
-
-class Reporter:
-    """Streams episode progress to the trainer and wakes an episode's collector when it ends.
-    Best effort: Redis being away never fails an episode (collectors then read the folder)."""
-
-    def __init__(self, settings: dict[str, Any] | None) -> None:
-        self.batch_id = settings["batch_id"] if settings else None
-        self.store: Store | None = None
-        self.signal: DoneSignal | None = None
-        if settings:
-            client = redis_client(settings["redis_url"], socket_timeout=2, socket_connect_timeout=2)
-            self.store = Store(client, int(settings["ttl"]))
-            self.signal = DoneSignal(client)
-
-    def __call__(self, index: int, state: str) -> None:
-        if self.store is None or self.signal is None or self.batch_id is None:
-            return
-        with contextlib.suppress(redis.RedisError):
-            if state == "done":
-                self.signal.notify(self.batch_id, index)
-            else:
-                self.store.publish_state(self.batch_id, index, state)
 
 
 class Supervisor:
@@ -236,22 +163,10 @@ class Supervisor:
         task = self.spec.tasks[position] if self.spec.tasks else {}
         if "agent" not in task:
             return env, mounts, None
-        if phase == GRADE_PHASE:
-            env["ROLLOUT_PHASE"] = GRADE_PHASE
-            # What the agent's sandbox counted before its agent acted: the grader holds the
-            # tests to it (fewer tests run is no pass).
-            env[BASELINE_TESTS_ENV] = self.baselines.pop(index, "null")
-        elif "tests" in task:
-            env["ROLLOUT_GRADER"] = "sandbox"  # its tests come with the grader's sandbox
-        # Grading `same` finds the agent's /tmp and /logs as they were left; `fresh` none.
-        own = GRADE_PHASE if phase == GRADE_PHASE and task.get("grade") == "fresh" else AGENT_PHASE
-        state = self.state_dir(index, own)
-        for name, (target, env_name) in STATE_DIRS.items():
-            (state / name).mkdir(parents=True, exist_ok=True)
-            if self.as_root:
-                os.chown(state / name, SANDBOX_UID, SANDBOX_GID)
-            if target:
-                mounts.append(Mount(state / name, target, env_name, writable=True))
+        baseline = self.baselines.pop(index, "null") if phase == GRADE_PHASE else None
+        env |= phase_env(task, phase, baseline)
+        state = self.state_dir(index, state_phase(task, phase))
+        mounts += state_mounts(state, self.as_root)
         return env, mounts, state / "tmp"
 
     def attempt(self, index: int) -> int:
@@ -297,10 +212,10 @@ class Supervisor:
         """Start episode `index`'s sandbox; the grading phase (`since`: when the agent's
         started) grades the workspace the agent left, or a copy of it (`fresh`)."""
         workspace = self.dir.workspace(index)
-        root = self.image_root(index)
         # Harbor's [environment] workdir: the folder the agent and its tests run in (in an
         # image, that folder's own files are the workspace, as for its WORKDIR).
         workdir = self.task_of(index).get("workdir")
+        root = self.image_root(index)
         if root is not None and workdir:
             root = replace(root, workdir=workdir)
         if root is not None and root.workdir != "/":
@@ -309,34 +224,15 @@ class Supervisor:
                 # followed inside the image's filesystem only.
                 root = replace(root, workdir=resolve_in_root(root.path, root.workdir))
             except ValueError as exc:
-                print(f"episode {index}: not started: {exc}", flush=True)
-                for own in (AGENT_PHASE, GRADE_PHASE):
-                    shutil.rmtree(self.state_dir(index, own), ignore_errors=True)
-                shutil.rmtree(workspace, ignore_errors=True)
-                self.write_status(
-                    index,
-                    phase="Failed",
-                    reason="StartError",
-                    exit_code=None,
-                    finished_at=time.time(),
-                )
+                self.refuse_start(index, exc)
                 return
-        if phase == AGENT_PHASE:
-            shutil.rmtree(workspace, ignore_errors=True)
-            workspace.mkdir(parents=True)
-        elif self.task_of(index).get("grade") == "fresh":
-            agent_left = workspace.with_name(f"{index}.left")
-            workspace.rename(agent_left)
-            # What the agent left is hostile: copied on the host without following a link
-            # or opening a FIFO, socket or device, and bounded; its grader sees the copy.
-            _note_copy(index, "the agent's workspace", copy_tree(agent_left, workspace))
-            shutil.rmtree(agent_left, ignore_errors=True)
+        self.prepare_workspace(index, phase)
         extra_env, mounts, tmp = self.agent_setup(index, phase)
         if root is not None and phase == AGENT_PHASE and root.workdir != "/":
             # The episode starts from the image's working directory, a copy of its own.
             shutil.rmtree(workspace)
-            workdir = root.path / root.workdir.lstrip("/")
-            _note_copy(index, "the image's WORKDIR", copy_tree(workdir, workspace))
+            image_workdir = root.path / root.workdir.lstrip("/")
+            _note_copy(index, "the image's WORKDIR", copy_tree(image_workdir, workspace))
         plan = plan_sandbox(
             isolation=self.run["isolation"],
             python=self.run["python"],
@@ -357,8 +253,40 @@ class Supervisor:
                 os.chown(folder, *plan.run_as)
                 for name in files:
                     os.chown(os.path.join(folder, name), *plan.run_as, follow_symlinks=False)
+        self.launch(index, phase, plan, time.time() if since is None else since)
+
+    def refuse_start(self, index: int, exc: ValueError) -> None:
+        """End an episode that cannot start: its files go, its end says why (StartError)."""
+        print(f"episode {index}: not started: {exc}", flush=True)
+        for own in (AGENT_PHASE, GRADE_PHASE):
+            shutil.rmtree(self.state_dir(index, own), ignore_errors=True)
+        shutil.rmtree(self.dir.workspace(index), ignore_errors=True)
+        self.write_status(
+            index,
+            phase="Failed",
+            reason="StartError",
+            exit_code=None,
+            finished_at=time.time(),
+        )
+
+    def prepare_workspace(self, index: int, phase: str) -> None:
+        """An agent starts from an empty workspace; a `fresh` grader from a copy of what the
+        agent left (a `same` one from what it left)."""
+        workspace = self.dir.workspace(index)
+        if phase == AGENT_PHASE:
+            shutil.rmtree(workspace, ignore_errors=True)
+            workspace.mkdir(parents=True)
+        elif self.task_of(index).get("grade") == "fresh":
+            agent_left = workspace.with_name(f"{index}.left")
+            workspace.rename(agent_left)
+            # What the agent left is hostile: copied on the host without following a link
+            # or opening a FIFO, socket or device, and bounded; its grader sees the copy.
+            _note_copy(index, "the agent's workspace", copy_tree(agent_left, workspace))
+            shutil.rmtree(agent_left, ignore_errors=True)
+
+    def launch(self, index: int, phase: str, plan: SandboxPlan, created_at: float) -> None:
+        """Start the planned sandbox under its limits, its stdout to the episode's log."""
         self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
-        created_at = time.time() if since is None else since
         # The grader's events follow the agent's in the episode's one log.
         log = (  # closed in finish()
             open(self.dir.log(index), "wb")  # noqa: SIM115
@@ -465,26 +393,9 @@ class Supervisor:
 
     def read_output(self, item: Running) -> bool:
         """Copy what the sandbox printed into its log; stream progress. False at EOF."""
-        try:
-            data = os.read(item.out, 65536)
-        except BlockingIOError:
-            return True
-        if not data:
+        lines = read_output(item)
+        if lines is None:
             return False
-        room = MAX_LOG_BYTES - item.written
-        if room <= 0:
-            return True  # cut already: drain and drop until the stopped sandbox closes
-        if len(data) >= room:  # the limit is reached: cut here, whatever would follow
-            item.log.write(data[:room] + LOG_CUT_MARK % MAX_LOG_BYTES)
-            item.written = MAX_LOG_BYTES
-            self.kill(item, "LogLimitExceeded")
-        else:
-            item.log.write(data)
-            item.written += len(data)
-        item.log.flush()
-        # Only whole short lines can be events: a line longer than this is never one.
-        lines = (item.pending[-PENDING_LIMIT:] + data).split(b"\n")
-        item.pending = lines.pop()[-PENDING_LIMIT:]
         for line in lines:
             if b'"event": "ready"' in line:
                 self.progress(item.index, "ready")
@@ -582,7 +493,7 @@ class Supervisor:
             "episode_id": self.episode_id(index),
             "exit_code": code,
             "reason": "Error",
-            "cause": _error_cause(self.dir.attempt_log(index, attempt)),
+            "cause": error_cause(self.dir.attempt_log(index, attempt)),
             "finished_at": finished_at,
         }
         self.retried.setdefault(index, []).append(summary)
@@ -591,12 +502,6 @@ class Supervisor:
         self.pending.appendleft(index)
         return True
 
-    def kill(self, item: Running, why: str) -> None:
-        if item.killed_for is None:
-            item.killed_for = why
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(item.pid, signal.SIGKILL)
-
     def loop(self) -> None:
         pending = self.todo()
         while pending or self.running:
@@ -604,7 +509,7 @@ class Supervisor:
             if self.stopping or now >= self.run_deadline:
                 why = "Stopped" if self.stopping else "DeadlineExceeded"
                 for item in list(self.running.values()):
-                    self.kill(item, why)
+                    item.kill(why)
                 while pending:
                     self.write_status(
                         pending.popleft(),
@@ -618,7 +523,7 @@ class Supervisor:
                 self.start(pending.popleft())
             for item in list(self.running.values()):
                 if now >= item.deadline:
-                    self.kill(item, "DeadlineExceeded")
+                    item.kill("DeadlineExceeded")
             next_deadline = min([self.run_deadline, *(r.deadline for r in self.running.values())])
             timeout = max(0.0, min(next_deadline - time.time(), 1.0))
             for key, _ in self.selector.select(timeout if self.running else 0):
@@ -642,19 +547,6 @@ def _note_copy(index: int, what: str, copied: TreeCopy) -> None:
     note = copied.summary()
     if note:
         print(f"episode {index}: copying {what}: {note}", flush=True)
-
-
-def _error_cause(log_path: Path) -> str | None:
-    """The cause the runner gave in its (last) error event, if it printed one."""
-    cause = None
-    with contextlib.suppress(OSError), open(log_path, "rb") as log:
-        for line in log:
-            if b'"event": "error"' in line:
-                with contextlib.suppress(orjson.JSONDecodeError):
-                    event = orjson.loads(line)
-                    if isinstance(event, dict) and event.get("cause"):
-                        cause = str(event["cause"])
-    return cause
 
 
 def serve(path: Path) -> int:
