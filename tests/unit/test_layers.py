@@ -159,3 +159,56 @@ def test_the_graph_reader_sees_lazy_imports_and_module_imports():
     graph = import_graph("rollout_worker")
     assert "rollout_worker.tasks" in graph["rollout_worker.celery_app"]  # lazy, in create_app
     assert "rollout_worker.backends.local.backend" in graph["rollout_worker.backends"]
+
+
+# -- sizes: rooms a newcomer can read in one sitting -------------------------------------------
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+PRODUCT = ("rollout_wire", "rollout_worker", "trainer_stub")
+
+
+def oversized(text: str, where: str) -> dict[str, int]:
+    """Lines of the module `text` if past MAX_MODULE_LINES, and of each of its functions past
+    MAX_FUNCTION_LINES (as `where::Qualified.name`, methods and nested functions included)."""
+    found: dict[str, int] = {}
+    if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+        found[where] = lines
+    stack: list[tuple[ast.AST, str]] = [(ast.parse(text), "")]
+    while stack:
+        node, prefix = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            name = getattr(child, "name", None)
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (child.end_lineno or child.lineno) - child.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found[f"{where}::{prefix}{name}"] = length
+            stack.append((child, f"{prefix}{name}." if isinstance(name, str) else prefix))
+    return found
+
+
+def sizes() -> dict[str, int]:
+    found: dict[str, int] = {}
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found |= oversized(path.read_text(), path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_no_module_past_600_lines_and_no_function_past_80():
+    # Split along concepts when one grows past a limit, not in halves (issue 47).
+    assert sizes() == {}
+
+
+def test_the_size_reader_sees_methods_nested_functions_and_long_modules():
+    body = "".join(f"        x = {n}\n" for n in range(MAX_FUNCTION_LINES))
+    text = (
+        "class Room:\n    def long(self):\n"
+        + body
+        + "def outer():\n    def inner():\n"
+        + body
+        + "    return inner\n"
+        + "\n" * MAX_MODULE_LINES
+    )
+    found = oversized(text, "x.py")
+    assert set(found) == {"x.py", "x.py::Room.long", "x.py::outer", "x.py::outer.inner"}
+    assert found["x.py::Room.long"] == MAX_FUNCTION_LINES + 1
