@@ -54,7 +54,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.proc import Meter, Proc, Sampler, SandboxEvidence, Stats, Usage, become_subreaper
+from benchmarks.harness import Figures, Loads, new_parser, require_rounds
+from benchmarks.proc import Meter, Proc, Sampler, SandboxEvidence, Usage, become_subreaper
 from rollout_wire import constants as k
 from rollout_wire.states import Cleanup
 from rollout_worker.cli.policy_server import running
@@ -221,10 +222,8 @@ def furthest_from_one(values: list[float]) -> float:
     return max(values, key=lambda v: abs(v - 1))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> argparse.Namespace:
+    parser = new_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=8, help="episodes per batch")
     parser.add_argument("--parallelism", type=int, default=2)
@@ -232,23 +231,122 @@ def main() -> None:
         "--burn-seconds", type=float, default=1.8, help="CPU-seconds of each episode's loop"
     )
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3 (figures are medians of rounds)")
+    require_rounds(parser, args.rounds)
     if args.count < 1 or args.parallelism < 1 or args.burn_seconds <= 0:
         parser.error("--count and --parallelism must be at least 1, --burn-seconds above 0")
-    loads = [os.getloadavg()]
+    return args
+
+
+def per_episode_ratios(batch: Batch, costs: dict[str, dict[str, Any]]) -> list[float]:
+    """Each row's ledger / its sandbox's inner bwrap(s), by the EPISODE_ID the sampler saw."""
+    per_episode: dict[str, float] = {}
+    for pid, cpu in batch.inner.items():
+        episode = batch.episodes.get(pid)
+        if episode is not None:
+            per_episode[episode] = per_episode.get(episode, 0.0) + cpu
+    matched = [pod for pod in costs if per_episode.get(pod)]
+    return [costs[pod]["cpu_seconds"] / per_episode[pod] for pod in matched]
+
+
+def measure_round(
+    batch: Batch, number: int, count: int, figures: Figures, notes: list[str]
+) -> None:
+    """One round's figures into `figures`, its notes into `notes`, and its line printed."""
+    costs = {row["pod"]: row["cost"] for row in batch.rows}
+    ledger = sum(c["cpu_seconds"] for c in costs.values())
+    reading = sum(c["ledger_cpu_seconds"] for c in costs.values())
+    namespace = sum(batch.inner.values())
+    # Every sandbox's inner bwrap reaped here: the namespaces' CPU, exactly. Otherwise
+    # (a bwrap that reaps its inner process itself) all the bwraps' CPU as Meter counts
+    # it, the outer ones included: what the supervisors reaped less their own CPU.
+    whole = len(batch.inner) >= count
+    outside = namespace if whole else batch.usage.sandboxes
+    if not whole:
+        notes.append(
+            f"round {number + 1}: only {len(batch.inner)} inner bwraps were reaped here: "
+            "outside is all bwrap CPU (Meter's `sandboxes`, outer bwraps included)"
+        )
+    ratios = per_episode_ratios(batch, costs)
+    retried = sum(1 for row in batch.rows if row.get("retried"))
+    if len(ratios) < len(costs) or retried:
+        notes.append(
+            f"round {number + 1}: {len(ratios)} of {len(costs)} rows tied to their "
+            f"sandbox, {retried} retried (a retried attempt's sandbox is in the outside "
+            "figure only)"
+        )
+    outer = batch.usage.sandboxes - namespace  # outer bwraps (the supervisors reaped)
+    ratio = ledger / outside if outside > 0 else float("nan")
+    overhead = reading / ledger
+    worst_overhead = max(c["ledger_cpu_seconds"] / c["cpu_seconds"] for c in costs.values())
+    episode_cpu = statistics.median(c["cpu_seconds"] for c in costs.values())
+    figures.add("batch submit -> report s", batch.wall)
+    figures.add("ledger CPU-s (rows' cpu_seconds)", ledger)
+    figures.add("outside CPU-s (inner bwraps, wait4)", outside)
+    figures.add("ledger / outside", ratio)
+    if ratios:
+        figures.add("per episode: ledger / outside, worst", furthest_from_one(ratios))
+    if batch.usage.sandboxes > 0:
+        figures.add("ledger / all bwrap CPU (outer too)", ledger / batch.usage.sandboxes)
+    figures.add("outer bwraps CPU-s (not in namespace)", outer)
+    figures.add("supervisor CPU-s (own, not episode)", batch.usage.supervisors)
+    figures.add("ledger reading CPU-s", reading)
+    figures.add("ledger overhead %", overhead)
+    figures.add("per episode: worst ledger overhead %", worst_overhead)
+    figures.add("episode cpu_seconds, median", episode_cpu)
+    shown = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
     print(
-        f"{os.cpu_count()} cpus, load average at start {loads[0]}; {args.count} episodes a "
+        f"round {number + 1}: {len(costs)} episodes in {batch.wall:.1f} s; ledger "
+        f"{ledger:.2f} CPU-s, outside {outside:.2f} CPU-s ({len(batch.inner)} sandboxes "
+        f"reaped), ledger/outside {ratio:.3f} (per episode {shown}); overhead "
+        f"{overhead:.4%} (worst episode {worst_overhead:.4%}); episode CPU median "
+        f"{episode_cpu:.2f} s; outer bwraps {outer:.3f} CPU-s; load {os.getloadavg()}",
+        flush=True,
+    )
+
+
+def print_summary(
+    args: argparse.Namespace,
+    figures: Figures,
+    notes: list[str],
+    evidence: list[SandboxEvidence],
+    loads: Loads,
+) -> None:
+    print(
+        f"\n{args.count} episodes a batch, parallelism {args.parallelism}, {args.rounds} rounds: "
+        "median [min-max]"
+    )
+    for line in figures.lines(width=40, digits=3):
+        print(line)
+    for note in notes:
+        print(f"  note: {note}")
+    print(f"  every round ran in bubblewrap; round 1: {evidence[0].describe()}")
+    agreement = figures.median("ledger / outside")
+    overhead = figures.median("ledger overhead %")
+    met = abs(agreement - 1) <= GOAL_AGREEMENT
+    print(
+        f"  goal |ledger / outside - 1| <= {GOAL_AGREEMENT:.2f}: {'met' if met else 'MISSED'} "
+        f"({agreement:.3f}; rounds {min(figures['ledger / outside']):.3f}-"
+        f"{max(figures['ledger / outside']):.3f})"
+    )
+    met = overhead <= GOAL_OVERHEAD
+    print(
+        f"  goal ledger overhead <= {GOAL_OVERHEAD:.2%}: {'met' if met else 'MISSED'} "
+        f"({overhead:.4%})"
+    )
+    print(f"  {loads.line()}")
+
+
+def main() -> None:
+    args = parse_args()
+    loads = Loads()
+    print(
+        f"{os.cpu_count()} cpus, load average at start {loads.start}; {args.count} episodes a "
         f"batch, parallelism {args.parallelism}, a {args.burn_seconds} CPU-s loop each",
         flush=True,
     )
     become_subreaper()  # the supervisors and the inner bwraps come back to us, to be reaped
-    figures: dict[str, list[float]] = {}
+    figures = Figures()
     notes: list[str] = []
-
-    def add(name: str, value: float) -> None:
-        figures.setdefault(name, []).append(value)
-
     evidence: list[SandboxEvidence] = []
     with (
         running(script=SCRIPT) as server,
@@ -265,91 +363,9 @@ def main() -> None:
         for number in range(args.rounds):
             batch = run_batch(stack, client, fields, args.count, args.parallelism)
             evidence.append(batch.evidence)
-            costs = {row["pod"]: row["cost"] for row in batch.rows}
-            ledger = sum(c["cpu_seconds"] for c in costs.values())
-            reading = sum(c["ledger_cpu_seconds"] for c in costs.values())
-            namespace = sum(batch.inner.values())
-            # Every sandbox's inner bwrap reaped here: the namespaces' CPU, exactly. Otherwise
-            # (a bwrap that reaps its inner process itself) all the bwraps' CPU as Meter counts
-            # it, the outer ones included: what the supervisors reaped less their own CPU.
-            whole = len(batch.inner) >= args.count
-            outside = namespace if whole else batch.usage.sandboxes
-            if not whole:
-                notes.append(
-                    f"round {number + 1}: only {len(batch.inner)} inner bwraps were reaped here: "
-                    "outside is all bwrap CPU (Meter's `sandboxes`, outer bwraps included)"
-                )
-            # Per episode: its sandbox's inner bwrap(s), by the EPISODE_ID the sampler saw.
-            per_episode: dict[str, float] = {}
-            for pid, cpu in batch.inner.items():
-                episode = batch.episodes.get(pid)
-                if episode is not None:
-                    per_episode[episode] = per_episode.get(episode, 0.0) + cpu
-            matched = [pod for pod in costs if per_episode.get(pod)]
-            ratios = [costs[pod]["cpu_seconds"] / per_episode[pod] for pod in matched]
-            retried = sum(1 for row in batch.rows if row.get("retried"))
-            if len(matched) < len(costs) or retried:
-                notes.append(
-                    f"round {number + 1}: {len(matched)} of {len(costs)} rows tied to their "
-                    f"sandbox, {retried} retried (a retried attempt's sandbox is in the outside "
-                    "figure only)"
-                )
-            outer = batch.usage.sandboxes - namespace  # outer bwraps (the supervisors reaped)
-            ratio = ledger / outside if outside > 0 else float("nan")
-            overhead = reading / ledger
-            worst_overhead = max(c["ledger_cpu_seconds"] / c["cpu_seconds"] for c in costs.values())
-            episode_cpu = statistics.median(c["cpu_seconds"] for c in costs.values())
-            add("batch submit -> report s", batch.wall)
-            add("ledger CPU-s (rows' cpu_seconds)", ledger)
-            add("outside CPU-s (inner bwraps, wait4)", outside)
-            add("ledger / outside", ratio)
-            if ratios:
-                add("per episode: ledger / outside, worst", furthest_from_one(ratios))
-            if batch.usage.sandboxes > 0:
-                add("ledger / all bwrap CPU (outer too)", ledger / batch.usage.sandboxes)
-            add("outer bwraps CPU-s (not in namespace)", outer)
-            add("supervisor CPU-s (own, not episode)", batch.usage.supervisors)
-            add("ledger reading CPU-s", reading)
-            add("ledger overhead %", overhead)
-            add("per episode: worst ledger overhead %", worst_overhead)
-            add("episode cpu_seconds, median", episode_cpu)
-            shown = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
-            print(
-                f"round {number + 1}: {len(costs)} episodes in {batch.wall:.1f} s; ledger "
-                f"{ledger:.2f} CPU-s, outside {outside:.2f} CPU-s ({len(batch.inner)} sandboxes "
-                f"reaped), ledger/outside {ratio:.3f} (per episode {shown}); overhead "
-                f"{overhead:.4%} (worst episode {worst_overhead:.4%}); episode CPU median "
-                f"{episode_cpu:.2f} s; outer bwraps {outer:.3f} CPU-s; load {os.getloadavg()}",
-                flush=True,
-            )
+            measure_round(batch, number, args.count, figures, notes)
         client.close()
-    loads.append(os.getloadavg())
-    print(
-        f"\n{args.count} episodes a batch, parallelism {args.parallelism}, {args.rounds} rounds: "
-        "median [min-max]"
-    )
-    for name, values in figures.items():
-        if name.endswith("%"):
-            print(f"  {name:40} {Stats(values).fmt(scale=100, digits=3)}")
-        else:
-            print(f"  {name:40} {Stats(values).fmt(digits=3)}")
-    for note in notes:
-        print(f"  note: {note}")
-    print(f"  every round ran in bubblewrap; round 1: {evidence[0].describe()}")
-    agreement = Stats(figures["ledger / outside"]).median
-    overhead = Stats(figures["ledger overhead %"]).median
-    met = abs(agreement - 1) <= GOAL_AGREEMENT
-    print(
-        f"  goal |ledger / outside - 1| <= {GOAL_AGREEMENT:.2f}: {'met' if met else 'MISSED'} "
-        f"({agreement:.3f}; rounds {min(figures['ledger / outside']):.3f}-"
-        f"{max(figures['ledger / outside']):.3f})"
-    )
-    met = overhead <= GOAL_OVERHEAD
-    print(
-        f"  goal ledger overhead <= {GOAL_OVERHEAD:.2%}: {'met' if met else 'MISSED'} "
-        f"({overhead:.4%})"
-    )
-    print(f"  load average at start {loads[0]}, at end {loads[1]}")
+    print_summary(args, figures, notes, evidence, loads.stop())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ controller manager.
 
 from __future__ import annotations
 
-import argparse
 import re
 import ssl
 import statistics
@@ -31,6 +30,7 @@ from typing import Any
 
 from kubernetes import client, watch
 
+from benchmarks.harness import new_parser
 from tests.k8s import cluster as kc
 
 _SAMPLE = re.compile(r"^(rest_client_[a-z_]+)\{([^}]*)\} ([0-9.e+-]+)$")
@@ -184,9 +184,7 @@ def one_run(cluster: kc.Cluster, port: int, count: int, parallelism: int, timeou
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("--count", type=int, default=5000)
     parser.add_argument("--parallelism", type=int, default=500)
     parser.add_argument("--runs", type=int, default=1)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from celery import chord
 
-from benchmarks.proc import Meter, SandboxEvidence, Stats, Usage, become_subreaper
+from benchmarks.harness import Stats, new_parser, worker_roles
+from benchmarks.proc import Meter, SandboxEvidence, Usage, become_subreaper
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.local.backend import LocalBackend
 from rollout_worker.cli.stack import LocalStack
@@ -134,11 +135,10 @@ def noop_chord(stack: LocalStack, workers: NoopWorkers, n: int) -> tuple[float, 
 
 # -- 1b. the pipeline ------------------------------------------------------------------------
 def stack_meter(stack: LocalStack) -> Meter:
-    control = [w.proc.pid for w in stack.workers if w.queue == "control"]
-    collectors = [w.proc.pid for w in stack.workers if w.queue == "collect"]
-    assert control and collectors
+    roles = worker_roles(stack)
+    assert roles["control"] and roles["collectors"]
     redis_pid = stack.redis_proc.pid if stack.redis_proc else None
-    return Meter({"control": control, "collectors": collectors}, redis_pid, str(stack.dir))
+    return Meter(roles, redis_pid, str(stack.dir))
 
 
 def pipeline(
@@ -220,10 +220,8 @@ def line(label: str, stats: Stats, per: int, unit: str, scale: float = 1000.0) -
     print(f"  {label:<44} {stats.fmt():>24}   {per_unit.fmt():>24} {unit}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> argparse.Namespace:
+    parser = new_parser(__doc__)
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--parallelism", type=int, default=10)
     parser.add_argument("--runs", type=int, default=3)
@@ -234,20 +232,29 @@ def main() -> None:
     parser.add_argument("--control-concurrency", type=int, default=shape["control_concurrency"])
     args = parser.parse_args()
     assert args.runs >= 3, "a figure is a median of at least 3 runs"
-    n, p, runs = args.episodes, args.parallelism, args.runs
-    become_subreaper()  # daemonized supervisors come back to us, to be counted
+    return args
+
+
+@dataclasses.dataclass
+class Runs:
+    """Every run's wall seconds and CPU, by what ran."""
+
+    noop_t: list[float] = dataclasses.field(default_factory=list)
+    noop_u: list[Usage] = dataclasses.field(default_factory=list)
+    pipe_t: list[float] = dataclasses.field(default_factory=list)
+    pipe_u: list[Usage] = dataclasses.field(default_factory=list)
+    latency: list[float] = dataclasses.field(default_factory=list)
+    alone_t: list[float] = dataclasses.field(default_factory=list)
+    alone_u: list[Usage] = dataclasses.field(default_factory=list)
+    bare_t: list[float] = dataclasses.field(default_factory=list)
+    bare_cpu: list[float] = dataclasses.field(default_factory=list)
+    evidence: list[SandboxEvidence] = dataclasses.field(default_factory=list)
+
+
+def on_the_stack(args: argparse.Namespace, runs: Runs) -> None:
+    """The no-op chord and the pipeline, on one LocalStack."""
+    n, p = args.episodes, args.parallelism
     env = {"PYTHONPATH": str(ROOT), "ROLLOUT_MAX_BATCH_EPISODES": str(max(n, 1000))}
-    print(
-        f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}; N={n} episodes, "
-        f"parallelism {p}, {runs} runs per figure: median [min-max]"
-    )
-    print(
-        f"workers: control prefork x{args.control_concurrency}, "
-        f"{args.collectors} collectors threads x{args.collect_concurrency} "
-        "(the no-op chord runs on workers of the same shape)"
-    )
-    noop_t, noop_u, pipe_t, pipe_u, latency = [], [], [], [], []
-    evidence: list[SandboxEvidence] = []
     with LocalStack(
         collectors=args.collectors,
         collect_concurrency=args.collect_concurrency,
@@ -258,38 +265,44 @@ def main() -> None:
         os.environ["ROLLOUT_REDIS_URL"] = stack.redis_url  # read by noop_app at import
         with NoopWorkers(stack) as workers:
             noop_chord(stack, workers, 20)  # warm-up, not counted
-            for _ in range(runs):
+            for _ in range(args.runs):
                 elapsed, usage = noop_chord(stack, workers, n)
-                noop_t.append(elapsed)
-                noop_u.append(usage)
+                runs.noop_t.append(elapsed)
+                runs.noop_u.append(usage)
         pipeline(stack, 10, p)  # warm-up, not counted
-        for _ in range(runs):
+        for _ in range(args.runs):
             elapsed, report, usage, seen = pipeline(stack, n, p)
-            pipe_t.append(elapsed)
-            pipe_u.append(usage)
-            evidence.append(seen)
-            latency.append(
+            runs.pipe_t.append(elapsed)
+            runs.pipe_u.append(usage)
+            runs.evidence.append(seen)
+            runs.latency.append(
                 report["reported_at"]
                 - report["run_created_at"]
                 - report["batch_to_all_rewards_seconds"]
             )
-    alone_t, alone_u = [], []
-    for _ in range(runs):
+
+
+def off_the_stack(args: argparse.Namespace, runs: Runs) -> None:
+    """The local backend alone, then a bare process pool."""
+    n, p = args.episodes, args.parallelism
+    for _ in range(args.runs):
         elapsed, usage, seen = backend_alone(n, p)
-        alone_t.append(elapsed)
-        alone_u.append(usage)
-        evidence.append(seen)
-    bare_t, bare_cpu = [], []
-    for _ in range(runs):
+        runs.alone_t.append(elapsed)
+        runs.alone_u.append(usage)
+        runs.evidence.append(seen)
+    for _ in range(args.runs):
         elapsed, cpu = bare_pool(n, p)
-        bare_t.append(elapsed)
-        bare_cpu.append(cpu)
-    for seen in evidence:
-        seen.assert_bwrap()  # every local run really ran in bubblewrap sandboxes
+        runs.bare_t.append(elapsed)
+        runs.bare_cpu.append(cpu)
 
-    def role_cpu(usages: list[Usage], role: str) -> Stats:
-        return Stats([getattr(u, role) for u in usages])
 
+def role_cpu(usages: list[Usage], role: str) -> Stats:
+    return Stats([getattr(u, role) for u in usages])
+
+
+def print_orchestration(n: int, runs: Runs) -> None:
+    noop_t, noop_u, pipe_t, pipe_u = runs.noop_t, runs.noop_u, runs.pipe_t, runs.pipe_u
+    alone_t, alone_u = runs.alone_t, runs.alone_u
     print(f"\n1. orchestration, N={n}{'':<33} {'total s':>24}   {'per item':>24}")
     print(" wall clock")
     line("no-op Celery chord of N tasks", Stats(noop_t), n, "ms/task")
@@ -300,7 +313,9 @@ def main() -> None:
         f"  pipeline - backend alone (medians): {gap * 1000:.2f} ms/episode "
         f"= {gap / (Stats(noop_t).median / n):.2f}x a no-op chord task"
     )
-    print(f"  report latency (last reward -> report published): {Stats(latency).fmt(digits=3)} s")
+    print(
+        f"  report latency (last reward -> report published): {Stats(runs.latency).fmt(digits=3)} s"
+    )
     print(" CPU seconds (user+system)")
     line("no-op chord: control worker + children", role_cpu(noop_u, "control"), n, "ms/task")
     line("no-op chord: collector workers", role_cpu(noop_u, "collectors"), n, "ms/task")
@@ -317,15 +332,18 @@ def main() -> None:
     line("backend alone: sandboxes", role_cpu(alone_u, "sandboxes"), n, "ms/episode")
     line("backend alone: in-process collector", role_cpu(alone_u, "trainer"), n, "ms/episode")
 
+
+def print_sandbox_cost(n: int, p: int, runs: Runs) -> None:
+    alone_t, bare_t, evidence = runs.alone_t, runs.bare_t, runs.evidence
     print(f"\n2. sandbox cost, N={n}, parallelism {p}")
     line("bare process pool (no isolation): wall", Stats(bare_t), n, "ms/episode")
     line("local backend (bwrap + supervisor): wall", Stats(alone_t), n, "ms/episode")
-    line("bare process pool: CPU", Stats(bare_cpu), n, "ms/episode")
-    local_cpu = Stats([u.supervisors + u.sandboxes for u in alone_u])
+    line("bare process pool: CPU", Stats(runs.bare_cpu), n, "ms/episode")
+    local_cpu = Stats([u.supervisors + u.sandboxes for u in runs.alone_u])
     line("local backend: CPU (supervisor + sandboxes)", local_cpu, n, "ms/episode")
     print(
         f"  ratio local/bare (medians): wall {Stats(alone_t).median / Stats(bare_t).median:.2f}x,"
-        f" CPU {local_cpu.median / Stats(bare_cpu).median:.2f}x"
+        f" CPU {local_cpu.median / Stats(runs.bare_cpu).median:.2f}x"
     )
     print(
         f"  every one of the {len(evidence)} local runs (pipeline and backend alone) was seen in "
@@ -334,6 +352,28 @@ def main() -> None:
         "pid/user/net namespaces, uid 1000 inside (host uid "
         f"{sorted(set().union(*(e.host_uids for e in evidence)))})"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    n, p, runs = args.episodes, args.parallelism, args.runs
+    become_subreaper()  # daemonized supervisors come back to us, to be counted
+    print(
+        f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}; N={n} episodes, "
+        f"parallelism {p}, {runs} runs per figure: median [min-max]"
+    )
+    print(
+        f"workers: control prefork x{args.control_concurrency}, "
+        f"{args.collectors} collectors threads x{args.collect_concurrency} "
+        "(the no-op chord runs on workers of the same shape)"
+    )
+    measured = Runs()
+    on_the_stack(args, measured)
+    off_the_stack(args, measured)
+    for seen in measured.evidence:
+        seen.assert_bwrap()  # every local run really ran in bubblewrap sandboxes
+    print_orchestration(n, measured)
+    print_sandbox_cost(n, p, measured)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from typing import Any
 from kubernetes import watch
 
 from benchmarks.guide_script import guide_script
-from benchmarks.proc import Stats
+from benchmarks.harness import cell, new_parser
 from rollout_worker.cli.stack import LocalStack
 from tests.k8s import cluster as kc
 
@@ -190,19 +190,8 @@ def run_ours(node: kc.RealNode, count: int, out: Path, env: dict[str, str]) -> d
     }
 
 
-def cell(values: list[float | None], digits: int = 2) -> str:
-    got = [v for v in values if v is not None]
-    if not got:
-        return "-"
-    if len(got) == 1:
-        return f"{got[0]:.{digits}f} (1 run)"
-    return Stats(got).fmt(digits=digits)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON lines of every run (default: tmp)")

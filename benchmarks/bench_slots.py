@@ -44,8 +44,9 @@ from typing import Any
 
 from benchmarks.bench_tail import ensure_real_node, node_address
 from benchmarks.bench_warm import waiting_pods
-from benchmarks.pod_floor import describe, lowest, measure
-from benchmarks.proc import Stats, machine_busy_seconds, settle
+from benchmarks.harness import Figures, Stats, require_rounds
+from benchmarks.pod_floor import Floor, describe, lowest, measure
+from benchmarks.proc import machine_busy_seconds, settle
 from rollout_wire import constants as k
 from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.kube import objects
@@ -132,7 +133,7 @@ class Side:
             time.sleep(0.5)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=18)
@@ -140,24 +141,118 @@ def main() -> None:
     parser.add_argument("--before", default=BEFORE)
     parser.add_argument("--reports", type=Path, default=None)
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3 (figures are medians of rounds)")
+    require_rounds(parser, args.rounds)
     if args.reports is not None:
         args.reports.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+class Rounds:
+    """The rounds of the three sides, and the figures they gave."""
+
+    def __init__(self, args: argparse.Namespace, floor: Floor, tasks: list[Any]) -> None:
+        self.args, self.floor, self.tasks = args, floor, tasks
+        self.p = args.parallelism
+        self.count = len(tasks) * args.samples
+        self.cores = (os.cpu_count() or 1) - floor.idle_cores
+        self.figures = Figures()
+
+    def round(self, number: int, sides: list[Side]) -> None:
+        walls: dict[str, float] = {}
+        order = sides[number % 3 :] + sides[: number % 3]
+        for side in order:
+            walls[side.name] = self.side(number, side)
+        add = self.figures.add
+        add("after / before", walls["after"] / walls["before"])
+        add("after / local", walls["after"] / walls["local"])
+        cpu = {name: self.figures[f"{name} machine CPU-s per episode"][-1] for name in walls}
+        add("after / before machine CPU", cpu["after"] / cpu["before"])
+
+    def side(self, number: int, side: Side) -> float:
+        """One side's batch of this round; its wall seconds."""
+        p, count, add = self.p, self.count, self.figures.add
+        side.pool_ready(p)
+        print(f"  round {number + 1} {side.name}: load {os.getloadavg()}", flush=True)
+        report, wall, clock = side.batch(
+            p, tasks=self.tasks, samples_per_task=self.args.samples, warm_pool=p
+        )
+        if self.args.reports is not None:
+            path = self.args.reports / f"{side.name}-round{number + 1}.json"
+            path.write_text(json.dumps(report, indent=1))
+            logs = side.client.logs(report["batch_id"])
+            path.with_suffix(".logs.json").write_text(json.dumps(logs, indent=1))
+        warm = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
+        used = utilisation(report, p, clock)
+        cpu = side.machine_cpu(self.floor.idle_cores)
+        add(f"{side.name} machine CPU-s per episode", cpu / count)
+        print(f"  round {number + 1} {side.name}: machine {cpu / count:.2f} CPU-s per episode")
+        if side.name == "after":
+            self.node_bound(number, report, clock, used)
+        add(f"{side.name} submit -> report s", wall)
+        add(f"{side.name} slot utilisation", used)
+        add(f"{side.name} warm episodes", warm)
+        print(
+            f"  round {number + 1} {side.name}: {wall:.1f} s, utilisation "
+            f"{used:.2f}, {warm} of {count} warm",
+            flush=True,
+        )
+        return wall
+
+    def node_bound(self, number: int, report: dict[str, Any], clock: float, used: float) -> None:
+        """The least wall any scheduler could give the "after" batch on this node."""
+        p, count, floor = self.p, self.count, self.floor
+        own = sum((r.get("cost") or {}).get("cpu_seconds") or 0 for r in report["pods"])
+        least = (count * floor.per_pod + own) / self.cores
+        self.figures.add("after: least wall on this node s", least)
+        # Were the batch to end at that bound with its episodes as long as they
+        # were here, its slots would be this busy (slower episodes, busier slots).
+        busy = used * p * (max(r["finished_at"] for r in report["pods"]) - clock)
+        self.figures.add("after: utilisation at that wall", busy / (p * least))
+        print(
+            f"  round {number + 1} after: the node's work {count} x "
+            f"{floor.per_pod:.3f} CPU-s + the episodes' own {own:.1f} CPU-s over "
+            f"{self.cores:.2f} cores: no less than {least:.1f} s",
+            flush=True,
+        )
+
+    def print_summary(self) -> None:
+        figures = self.figures
+        print(
+            f"\n{self.count} episodes, parallelism {self.p}, {self.args.rounds} rounds: "
+            "median [min-max]"
+        )
+        for name, values in figures.values.items():
+            digits = 0 if name.endswith("episodes") else 2
+            print(f"  {name:32} {Stats(values).fmt(digits=digits)}")
+        goals = [
+            ("after / before", GOAL_BEFORE, "<="),
+            ("after / local", GOAL_LOCAL, "<="),
+            ("after slot utilisation", GOAL_UTILISATION, ">="),
+        ]
+        for name, goal, how in goals:
+            median = figures.median(name)
+            met = median <= goal if how == "<=" else median >= goal
+            print(f"  goal {name} {how} {goal:.2f}: {'met' if met else 'MISSED'} ({median:.2f})")
+        least = figures.median("after: least wall on this node s")
+        best = {
+            "after / before": least / figures.median("before submit -> report s"),
+            "after / local": least / figures.median("local submit -> report s"),
+        }
+        for name, ratio in best.items():
+            print(f"  {name} at the node's bound ({least:.1f} s): {ratio:.2f}")
+        print(f"  load average after: {os.getloadavg()}")
+
+
+def main() -> None:
+    args = parse_args()
     cluster, node = ensure_real_node()
     old = worktree(args.before)
     floor = lowest([measure(cluster, node, pods=30) for _ in range(3)])
     print(f"the node's own work (30 bare Pods, lowest of 3 rounds): {describe(floor)}", flush=True)
-    cores = (os.cpu_count() or 1) - floor.idle_cores
-    tasks = bundled_tasks()
-    p = args.parallelism
+    rounds = Rounds(args, floor, bundled_tasks())
+    tasks, p = rounds.tasks, rounds.p
     kube_env = {"KUBECONFIG": str(cluster.kubeconfig)}
     local_root_env = {"ROLLOUT_LOCAL_ISOLATION": "bwrap"}
-    figures: dict[str, list[float]] = {}
-
-    def add(name: str, value: float) -> None:
-        figures.setdefault(name, []).append(value)
-
     with (
         running(host="0.0.0.0", script=bundled_script()) as server,
         LocalStack(
@@ -183,79 +278,12 @@ def main() -> None:
         ]
         for side in sides:  # warm-up (images, imports) and the first fill: not measured
             side.batch(2, tasks=tasks[:2], warm_pool=p)
-        count = len(tasks) * args.samples
-        print(f"{count} episodes ({len(tasks)} tasks x {args.samples}), parallelism {p}")
+        print(f"{rounds.count} episodes ({len(tasks)} tasks x {args.samples}), parallelism {p}")
         for number in range(args.rounds):
-            walls: dict[str, float] = {}
-            order = sides[number % 3 :] + sides[: number % 3]
-            for side in order:
-                side.pool_ready(p)
-                print(f"  round {number + 1} {side.name}: load {os.getloadavg()}", flush=True)
-                report, wall, clock = side.batch(
-                    p, tasks=tasks, samples_per_task=args.samples, warm_pool=p
-                )
-                if args.reports is not None:
-                    path = args.reports / f"{side.name}-round{number + 1}.json"
-                    path.write_text(json.dumps(report, indent=1))
-                    logs = side.client.logs(report["batch_id"])
-                    path.with_suffix(".logs.json").write_text(json.dumps(logs, indent=1))
-                warm = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
-                used = utilisation(report, p, clock)
-                walls[side.name] = wall
-                cpu = side.machine_cpu(floor.idle_cores)
-                add(f"{side.name} machine CPU-s per episode", cpu / count)
-                print(
-                    f"  round {number + 1} {side.name}: machine {cpu / count:.2f} CPU-s per episode"
-                )
-                if side.name == "after":
-                    own = sum((r.get("cost") or {}).get("cpu_seconds") or 0 for r in report["pods"])
-                    least = (count * floor.per_pod + own) / cores
-                    add("after: least wall on this node s", least)
-                    # Were the batch to end at that bound with its episodes as long as they
-                    # were here, its slots would be this busy (slower episodes, busier slots).
-                    busy = used * p * (max(r["finished_at"] for r in report["pods"]) - clock)
-                    add("after: utilisation at that wall", busy / (p * least))
-                    print(
-                        f"  round {number + 1} after: the node's work {count} x "
-                        f"{floor.per_pod:.3f} CPU-s + the episodes' own {own:.1f} CPU-s over "
-                        f"{cores:.2f} cores: no less than {least:.1f} s",
-                        flush=True,
-                    )
-                add(f"{side.name} submit -> report s", wall)
-                add(f"{side.name} slot utilisation", used)
-                add(f"{side.name} warm episodes", warm)
-                print(
-                    f"  round {number + 1} {side.name}: {wall:.1f} s, utilisation "
-                    f"{used:.2f}, {warm} of {count} warm",
-                    flush=True,
-                )
-            add("after / before", walls["after"] / walls["before"])
-            add("after / local", walls["after"] / walls["local"])
-            cpu = {name: figures[f"{name} machine CPU-s per episode"][-1] for name in walls}
-            add("after / before machine CPU", cpu["after"] / cpu["before"])
+            rounds.round(number, sides)
         for side in sides:
             side.client.close()
-    print(f"\n{count} episodes, parallelism {p}, {args.rounds} rounds: median [min-max]")
-    for name, values in figures.items():
-        digits = 0 if name.endswith("episodes") else 2
-        print(f"  {name:32} {Stats(values).fmt(digits=digits)}")
-    goals = [
-        ("after / before", GOAL_BEFORE, "<="),
-        ("after / local", GOAL_LOCAL, "<="),
-        ("after slot utilisation", GOAL_UTILISATION, ">="),
-    ]
-    for name, goal, how in goals:
-        median = Stats(figures[name]).median
-        met = median <= goal if how == "<=" else median >= goal
-        print(f"  goal {name} {how} {goal:.2f}: {'met' if met else 'MISSED'} ({median:.2f})")
-    least = Stats(figures["after: least wall on this node s"]).median
-    best = {
-        "after / before": least / Stats(figures["before submit -> report s"]).median,
-        "after / local": least / Stats(figures["local submit -> report s"]).median,
-    }
-    for name, ratio in best.items():
-        print(f"  {name} at the node's bound ({least:.1f} s): {ratio:.2f}")
-    print(f"  load average after: {os.getloadavg()}")
+    rounds.print_summary()
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -52,7 +51,8 @@ from typing import IO, Any
 
 from kubernetes import client as kube_client
 
-from benchmarks.proc import Stats
+from benchmarks.harness import new_parser
+from benchmarks.tail_table import LABELS, print_table
 from rollout_wire import constants as k
 from rollout_wire.codec import decode_entry
 from rollout_wire.request import DEFAULT_TASK_TIME_LIMIT_SECONDS, BatchSpec, parse_spec
@@ -68,13 +68,9 @@ from trainer_stub.sampling import ContinuousSampler
 SLOW_FRACTION = 0.1
 SLOW_FACTOR = 10.0
 OVER_SAMPLING = 1.25
-GOAL_TIME_TO_K = 0.5  # over-sampled time to K / plain, at most
-GOAL_CONTINUOUS = 1.8  # continuous groups/s / synchronous, at least
-GOAL_GROUP_LATENCY = 0.1  # seconds, median, at most
 SETTLE_SECONDS = 300.0  # a run's cleanup (a namespace's deletion on the real node) takes this
 NEVER_RAN = (BatchStatus.REJECTED, BatchStatus.ERROR, BatchStatus.HALTED)
 BACKENDS = {"local": ["local"], "kubernetes": ["kubernetes"], "both": ["local", "kubernetes"]}
-LABELS = {"local": "local", "kubernetes": "real node"}
 
 
 def copy_id(task_id: str) -> str:
@@ -123,11 +119,6 @@ def group_latencies(client: RolloutClient, batch_id: str) -> list[float]:
             if seen and len(seen) == len(entry.group["indexes"]):
                 found.append((ms - max(seen)) / 1000)
     return found
-
-
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
 class Bench:
@@ -495,103 +486,8 @@ def ensure_real_node() -> tuple[kc.Cluster, kc.RealNode]:
         ) from exc
 
 
-def cell(values: list[float] | None, digits: int = 2) -> str:
-    return Stats(values).fmt(digits=digits) if values else "-"
-
-
-def print_table(
-    benches: dict[str, Bench], args: argparse.Namespace, loads: list[Any]
-) -> dict[str, Any]:
-    """The closing table; returns its figures (for the JSON lines)."""
-    columns = ["local", "kubernetes"]
-    width = 24
-    summary: dict[str, Any] = {}
-
-    def row(
-        label: str, values: dict[str, str], goal: str = "", met: dict[str, bool] | None = None
-    ) -> None:
-        cells = "".join(f"{values.get(c, '-'):>{width}}" for c in columns)
-        met = met or {}
-        shown = ", ".join(
-            ("yes" if met[c] else "no")
-            if len(met) == 1
-            else f"{LABELS[c]} {'yes' if met[c] else 'no'}"
-            for c in columns
-            if c in met
-        )
-        print(f"{label:40}{cells}   {goal:10} {shown}")
-
-    def figure(
-        label: str,
-        name: str,
-        goal: str = "",
-        test: Callable[[float], bool] | None = None,
-        digits: int = 2,
-    ) -> None:
-        values, met = {}, {}
-        for backend, bench in benches.items():
-            got = bench.figures.get(name)
-            if not got:
-                if test is not None and (name != "cont_ratio" or backend == "local"):
-                    met[backend] = False  # asked for, never measured (the quota not met)
-                continue
-            values[backend] = cell(got, digits)
-            summary[f"{backend}.{name}"] = statistics.median(got)
-            if test is not None:
-                met[backend] = summary[f"{backend}.{name}.met"] = test(statistics.median(got))
-        row(label, values, goal, met)
-
-    print(
-        f"\n{args.samples} samples per task, turn {args.turn_seconds} s, {SLOW_FRACTION:.0%} "
-        f"of samples slow x{SLOW_FACTOR:g}; {args.rounds} rounds: median [min-max]"
-    )
-    print(
-        f"{'measure':40}" + "".join(f"{LABELS[c]:>{width}}" for c in columns) + "   goal       met"
-    )
-    row(
-        "parallelism: plain / over-sampled",
-        {
-            b: f"{x.parallelism.get('plain')} / {x.parallelism.get('over')}"
-            for b, x in benches.items()
-        },
-    )
-    figure("plain: submit -> report s", "plain")
-    figure("over-sampled: submit -> K-th group s", "kth")
-    figure("over-sampled: submit -> report s", "over_report")
-    figure(
-        "time to K: over-sampled / plain",
-        "ratio",
-        f"<= {GOAL_TIME_TO_K:.2f}",
-        lambda m: m <= GOAL_TIME_TO_K,
-    )
-    figure("synchronous groups/s", "sync_gps", digits=3)
-    figure("continuous groups/s", "cont_gps", digits=3)
-    figure(
-        "continuous / synchronous",
-        "cont_ratio",
-        f">= {GOAL_CONTINUOUS:.2f}",
-        lambda m: m >= GOAL_CONTINUOUS,
-    )
-    medians, p95s, met = {}, {}, {}
-    for backend, bench in benches.items():
-        got = bench.latencies
-        met[backend] = bool(got) and statistics.median(got) <= GOAL_GROUP_LATENCY
-        summary[f"{backend}.group_latency_median.met"] = met[backend]
-        if got:
-            medians[backend] = f"{statistics.median(got):.3f} ({len(got)} groups)"
-            p95s[backend] = f"{p95(got):.3f}"
-            summary[f"{backend}.group_latency_median"] = statistics.median(got)
-            summary[f"{backend}.group_latency_p95"] = p95(got)
-    row("group entry latency median s", medians, f"<= {GOAL_GROUP_LATENCY:.3f}", met)
-    row("group entry latency p95 s", p95s)
-    print(f"load average at start {loads[0]}, at end {loads[1]} ({os.cpu_count()} cpus)")
-    return summary
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=4, help="samples per task (S)")
     parser.add_argument("--turn-seconds", type=float, default=0.5)
@@ -621,7 +517,7 @@ def main() -> None:
                 real if backend == "kubernetes" else None,
             )
         loads.append(os.getloadavg())
-        summary = print_table(benches, args, loads)
+        summary = print_table(benches, args, loads, SLOW_FRACTION, SLOW_FACTOR)
         log.write(json.dumps({"summary": summary, "args": vars(args), "loadavg": loads}) + "\n")
 
 

@@ -43,7 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.proc import Stats, settle
+from benchmarks.harness import Figures, Stats, p95, percentile, require_rounds
+from benchmarks.proc import settle
 from rollout_wire import constants as k
 from rollout_wire.request import parse_spec
 from rollout_worker.backends import warm as warm_pools
@@ -52,15 +53,6 @@ from rollout_worker.cli.stack import LocalStack
 from rollout_worker.sandbox import episode_program_text
 from tests.k8s import cluster as kc
 from trainer_stub.client import RolloutClient
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def p95(values: list[float]) -> float:
-    return percentile(values, 0.95)
 
 
 def waiting_pods(cluster: kc.Cluster, namespace: str) -> int:
@@ -131,7 +123,7 @@ class LocalTarget:
         return total
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=10)
@@ -143,9 +135,14 @@ def main() -> None:
         "--warm-only", action="store_true", help="no cold or drained batches: the burst alone"
     )
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3 (figures are medians of rounds)")
-    target = KubeTarget() if args.backend == "kubernetes" else LocalTarget()
+    require_rounds(parser, args.rounds)
+    return args
+
+
+def batch_shape(
+    args: argparse.Namespace, target: KubeTarget | LocalTarget
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The batches' fields and the workers' env; the pool namespace of that shape."""
     fields = dict(target.fields)
     if args.cpu_request or args.memory_request:
         fields["resources"] = {
@@ -160,11 +157,89 @@ def main() -> None:
         key = warm_pools.pool_key(spec, episode_program_text())
         assert key is not None
         target.namespace = objects.pool_namespace(key)
-    figures: dict[str, list[float]] = {}
+    return fields, env
 
-    def add(name: str, value: float) -> None:
-        figures.setdefault(name, []).append(value)
 
+class Rounds:
+    """Cold, fill, warm and drained batches on one stack, and the figures they gave."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        target: KubeTarget | LocalTarget,
+        client: RolloutClient,
+        fields: dict[str, Any],
+    ) -> None:
+        self.args, self.target, self.client, self.fields = args, target, client, fields
+        self.figures = Figures()
+
+    def batch(self, **extra: Any) -> tuple[dict, float, float]:
+        return run_batch(self.client, self.fields, **extra)
+
+    def fill(self) -> None:
+        """A one-episode batch that leaves --count waiting behind it; until they wait."""
+        count = self.args.count
+        self.batch(count=1, parallelism=1, warm_pool=count)
+        deadline = time.monotonic() + 180 + 3 * count
+        while self.target.waiting() < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the pool did not fill")
+            time.sleep(0.2)
+
+    def round(self, number: int) -> None:
+        """One round, its pool drained before it."""
+        args, add = self.args, self.figures.add
+        while self.target.waiting():
+            time.sleep(0.2)
+        if not args.warm_only:
+            settle()
+            cold, cold_wall, cold_ready = self.batch(count=args.count, parallelism=args.count)
+        self.fill()
+        # The pool's runners have done their imports: the burst meets a pool at rest.
+        waited = settle()
+        warm, warm_wall, warm_ready = self.batch(count=args.count, parallelism=args.count)
+        handover = [r["timing"].get("handover_seconds") for r in warm["pods"]]
+        if len(handover) != args.count or None in handover:
+            raise RuntimeError("the warm batch did not take every episode from the pool")
+        add("warm claim -> ready p50 ms", statistics.median(handover) * 1000)
+        add("warm claim -> ready p95 ms", p95(handover) * 1000)
+        add("warm claim -> ready p99 ms", percentile(handover, 0.99) * 1000)
+        add("warm submit -> last ready s", warm_ready)
+        add("warm submit -> report s", warm_wall)
+        print(
+            f"round {number + 1}: settled in {waited:.0f} s; warm {warm_wall:.2f} s, "
+            f"claim -> ready ms "
+            f"{sorted(round(h * 1000) for h in handover)}",
+            flush=True,
+        )
+        if args.warm_only:
+            return
+        if isinstance(self.target, KubeTarget):
+            self.drained(cold_ready)
+        pod_ready = [r["pod_to_ready_seconds"] for r in cold["pods"]]
+        add("cold Pod created -> ready p50 ms", statistics.median(pod_ready) * 1000)
+        add("cold Pod created -> ready p95 ms", p95(pod_ready) * 1000)
+        add("cold submit -> last ready s", cold_ready)
+        add("cold submit -> report s", cold_wall)
+        add("warm / cold submit -> report", warm_wall / cold_wall)
+
+    def drained(self, cold_ready: float) -> None:
+        """A batch that finds the pool's namespace empty: it must run cold."""
+        settle()  # as before the cold batch: the warm batch's teardown is not its cost
+        drained, drained_wall, drained_ready = self.batch(
+            count=self.args.count, parallelism=self.args.count
+        )
+        if any("handover_seconds" in r["timing"] for r in drained["pods"]):
+            raise RuntimeError("the drained pool gave a warm Pod")
+        self.figures.add("drained submit -> last ready s", drained_ready)
+        self.figures.add("drained submit -> report s", drained_wall)
+        self.figures.add("drained / cold submit -> last ready", drained_ready / cold_ready)
+
+
+def main() -> None:
+    args = parse_args()
+    target = KubeTarget() if args.backend == "kubernetes" else LocalTarget()
+    fields, env = batch_shape(args, target)
     with LocalStack(collectors=2, extra_env=env) as stack:
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
@@ -178,59 +253,11 @@ def main() -> None:
             "--drain",
         ]
         drain_env = {**os.environ, **env, "ROLLOUT_REDIS_URL": stack.redis_url}
-        run_batch(client, fields, count=2, parallelism=2)  # warm-up, not measured
+        rounds = Rounds(args, target, client, fields)
+        rounds.batch(count=2, parallelism=2)  # warm-up, not measured
         for number in range(args.rounds):
             subprocess.run(drain, env=drain_env, check=True, capture_output=True)
-            while target.waiting():
-                time.sleep(0.2)
-            if not args.warm_only:
-                settle()
-                cold, cold_wall, cold_ready = run_batch(
-                    client, fields, count=args.count, parallelism=args.count
-                )
-            run_batch(client, fields, count=1, parallelism=1, warm_pool=args.count)
-            deadline = time.monotonic() + 180 + 3 * args.count
-            while target.waiting() < args.count:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the pool did not fill")
-                time.sleep(0.2)
-            # The pool's runners have done their imports: the burst meets a pool at rest.
-            waited = settle()
-            warm, warm_wall, warm_ready = run_batch(
-                client, fields, count=args.count, parallelism=args.count
-            )
-            handover = [r["timing"].get("handover_seconds") for r in warm["pods"]]
-            if len(handover) != args.count or None in handover:
-                raise RuntimeError("the warm batch did not take every episode from the pool")
-            add("warm claim -> ready p50 ms", statistics.median(handover) * 1000)
-            add("warm claim -> ready p95 ms", p95(handover) * 1000)
-            add("warm claim -> ready p99 ms", percentile(handover, 0.99) * 1000)
-            add("warm submit -> last ready s", warm_ready)
-            add("warm submit -> report s", warm_wall)
-            print(
-                f"round {number + 1}: settled in {waited:.0f} s; warm {warm_wall:.2f} s, "
-                f"claim -> ready ms "
-                f"{sorted(round(h * 1000) for h in handover)}",
-                flush=True,
-            )
-            if args.warm_only:
-                continue
-            if isinstance(target, KubeTarget):
-                settle()  # as before the cold batch: the warm batch's teardown is not its cost
-                drained, drained_wall, drained_ready = run_batch(
-                    client, fields, count=args.count, parallelism=args.count
-                )
-                if any("handover_seconds" in r["timing"] for r in drained["pods"]):
-                    raise RuntimeError("the drained pool gave a warm Pod")
-                add("drained submit -> last ready s", drained_ready)
-                add("drained submit -> report s", drained_wall)
-                add("drained / cold submit -> last ready", drained_ready / cold_ready)
-            pod_ready = [r["pod_to_ready_seconds"] for r in cold["pods"]]
-            add("cold Pod created -> ready p50 ms", statistics.median(pod_ready) * 1000)
-            add("cold Pod created -> ready p95 ms", p95(pod_ready) * 1000)
-            add("cold submit -> last ready s", cold_ready)
-            add("cold submit -> report s", cold_wall)
-            add("warm / cold submit -> report", warm_wall / cold_wall)
+            rounds.round(number)
         subprocess.run(drain, env=drain_env, check=True, capture_output=True)
         client.close()
     threads = args.handover_threads or "default"
@@ -239,7 +266,7 @@ def main() -> None:
         f"{threads}, resources {fields.get('resources', 'default')}: median [min-max]"
     )
     print(f"  load average after: {os.getloadavg()}")
-    for name, values in figures.items():
+    for name, values in rounds.figures.values.items():
         digits = 0 if name.endswith("ms") else 2
         print(f"  {name:34} {Stats(values).fmt(digits=digits)}")
 

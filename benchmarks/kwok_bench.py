@@ -200,11 +200,6 @@ class MemorySampler(threading.Thread):
         self.redis_peak = max(self.redis_peak, self._redis())
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 # The local cluster's processes (hack/localkube), by the kernel's 15-character command name.
 CLUSTER_PROCESSES = {
     "etcd": "etcd",

@@ -27,6 +27,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from benchmarks.harness import require_rounds
 from benchmarks.proc import TICK, machine_busy_seconds, settle
 from tests.k8s import cluster as kc
 
@@ -169,8 +170,7 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3 (figures are medians of rounds)")
+    require_rounds(parser, args.rounds)
     cluster = kc.ensure_cluster()
     node = kc.ensure_real_node(cluster)
     floors = []

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import statistics
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -333,19 +332,6 @@ class Meter:
         if self.redis_pid is not None:
             pids.add(self.redis_pid)
         return pids
-
-
-@dataclass
-class Stats:
-    values: list[float]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values)
-
-    def fmt(self, scale: float = 1.0, digits: int = 2) -> str:
-        lo, mid, hi = (v * scale for v in (min(self.values), self.median, max(self.values)))
-        return f"{mid:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
 
 
 def machine_busy_seconds() -> float:
