@@ -27,7 +27,7 @@ REPORT_METRICS = (
 )
 
 # An episode's cost ledger (EpisodeRow.cost), as the runner measures it at the end of each of
-# its sandboxes (rollout_worker/sandbox/episode.py) and validation checks it. Seconds and bytes
+# its sandboxes (rollout_worker/sandbox/runner/cost.py) and validation checks it. Seconds and bytes
 # are numbers >= 0, counts integers >= 0; any of them None when unknown.
 COST_SECONDS = (
     "cpu_seconds",  # user + system, every process of the sandbox

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-# The agent runner's exit status for an infrastructure failure (sandbox/episode.py uses the
+# The agent runner's exit status for an infrastructure failure (sandbox/runner/errors.py uses the
 # same number): the only exit status the batch's retry budget (`infra_retries`) runs again.
 EXIT_INFRASTRUCTURE = 4
 
