@@ -83,6 +83,18 @@ class BatchStatus(StrEnum):
     ERROR = "error"
 
 
+class RunVerdict(StrEnum):
+    """How a run ended, as its backend reads it (a report's and a receipt's `run_verdict`): the
+    Kubernetes Job controller's words, which the local backend takes on. `running`: not settled
+    yet; `suspended`: a cancelled Job stopped its Pods; `unknown`: never read."""
+
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+    RUNNING = "Running"
+    SUSPENDED = "Suspended"
+    UNKNOWN = "Unknown"
+
+
 class SubmitStatus(StrEnum):
     """What `submit_batch` answered (its Celery result; the report says how the batch ended)."""
 

@@ -16,6 +16,7 @@ from rollout_wire.states import (
     EpisodeStatus,
     FailureKind,
     GroupStatus,
+    RunVerdict,
 )
 from rollout_worker.backends.base import FinishedRun, RunHandle
 from rollout_worker.metrics import busy_span, phase_breakdown, slot_utilisation, spread
@@ -110,7 +111,7 @@ def _errors(
         if not (row.ok or row.status.withdrawn):
             errors.append(f"episode {row.index} ({row.pod}) {row.status}: {'; '.join(row.errors)}")
     aborted = any(r.status == EpisodeStatus.ABORTED for r in read.by_index.values())
-    if finished is not None and finished.verdict == "Failed" and not aborted:
+    if finished is not None and finished.verdict == RunVerdict.FAILED and not aborted:
         # (Stopping the rest of a batch that had its groups ends the run Failed: no error.)
         errors.append("the run ended Failed (the guide requires the Job to end Complete)")
     for row in read.ordered:
@@ -227,7 +228,7 @@ def _identity_section(run: RunHandle, finished: FinishedRun | None) -> dict[str,
         "namespace": run.namespace,
         "cache_state": "uncontrolled",
         "run": run.to_dict(),
-        "run_verdict": finished.verdict if finished else "Unknown",
+        "run_verdict": finished.verdict if finished else RunVerdict.UNKNOWN,
         **{f"run_{name}": value for name, value in (finished.facts if finished else {}).items()},
     }
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from rollout_wire.request import BatchSpec
+from rollout_wire.states import RunVerdict
 from rollout_worker.observation import EpisodeObservation
 
 # What a backend returns of one episode's log at most (`read_output`): past it the log is cut,
@@ -87,7 +88,7 @@ class FinishedRun:
 
     records: dict[str, str] = field(default_factory=dict)  # file name -> text (job.json, ...)
     completed_at: float | None = None  # the Job's Complete/Failed time, or the last exit
-    verdict: str = "Unknown"  # Complete | Failed | Running (not settled) | Unknown
+    verdict: RunVerdict = RunVerdict.UNKNOWN
     facts: dict[str, Any] = field(default_factory=dict)  # backend-specific, shown as run_<name>
 
 

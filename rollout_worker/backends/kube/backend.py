@@ -28,6 +28,7 @@ from rollout_wire.errors import (
     TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
+from rollout_wire.states import RunVerdict
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import (
     MAX_LOG_BYTES,
@@ -399,7 +400,7 @@ class KubernetesBackend:
                         1
                         for j in found.values()
                         if j["metadata"]["name"] in names
-                        and verdicts.job_verdict(j)[1] != "Running"
+                        and verdicts.job_verdict(j)[1] != RunVerdict.RUNNING
                     )
                     >= len(names)
                 ),

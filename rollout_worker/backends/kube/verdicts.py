@@ -9,38 +9,40 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_wire.states import RunVerdict
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.backends.kube.objects import FIRST_INDEX_LABEL
 from rollout_worker.backends.kube.read import ts
 from rollout_worker.observation import EpisodeObservation
 
 
-def job_verdict(job: dict[str, Any]) -> tuple[float | None, str]:
-    """(when, "Complete" | "Failed") once the Job has finished, (when, "Suspended") once a
-    cancelled Job stopped its Pods, else (None, "Running")."""
+def job_verdict(job: dict[str, Any]) -> tuple[float | None, RunVerdict]:
+    """(when, COMPLETE | FAILED) once the Job has finished, (when, SUSPENDED) once a
+    cancelled Job stopped its Pods, else (None, RUNNING)."""
     conditions = [
         c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") == "True"
     ]
-    for wanted in (("Complete", "Failed"), ("Suspended",)):
+    # The condition types are the verdicts' values (the enum takes the controller's words).
+    for wanted in ((RunVerdict.COMPLETE, RunVerdict.FAILED), (RunVerdict.SUSPENDED,)):
         for condition in conditions:
             if condition.get("type") in wanted:
-                return ts(condition.get("lastTransitionTime")), condition["type"]
-    return None, "Running"
+                return ts(condition.get("lastTransitionTime")), RunVerdict(condition["type"])
+    return None, RunVerdict.RUNNING
 
 
-def jobs_verdict(jobs: list[dict[str, Any]]) -> tuple[float | None, str]:
+def jobs_verdict(jobs: list[dict[str, Any]]) -> tuple[float | None, RunVerdict]:
     """job_verdict of a run's Jobs together: Running while any runs; Complete when all
     completed; Suspended when every one not finished is suspended; else Failed."""
     verdicts = [job_verdict(job) for job in jobs]
     kinds = {verdict for _, verdict in verdicts}
-    if not verdicts or "Running" in kinds:
-        return None, "Running"
+    if not verdicts or RunVerdict.RUNNING in kinds:
+        return None, RunVerdict.RUNNING
     when = max((at for at, _ in verdicts if at is not None), default=None)
-    if kinds == {"Complete"}:
-        return when, "Complete"
-    if "Suspended" in kinds:
-        return when, "Suspended"
-    return when, "Failed"
+    if kinds == {RunVerdict.COMPLETE}:
+        return when, RunVerdict.COMPLETE
+    if RunVerdict.SUSPENDED in kinds:
+        return when, RunVerdict.SUSPENDED
+    return when, RunVerdict.FAILED
 
 
 def job_of(jobs: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], int] | None:
@@ -78,7 +80,7 @@ def in_job_order(jobs: Any, names: Collection[str]) -> list[dict[str, Any]]:
 class IndexInJob:
     """What an episode's Job says of it (`index_in_job`)."""
 
-    verdict: str  # the Job's (job_verdict)
+    verdict: RunVerdict  # the Job's (job_verdict)
     failed: bool  # the Job counted the episode's index failed (status.failedIndexes)
     reasons: list[str | None]  # the reasons of the Job's conditions of that verdict
 
@@ -104,7 +106,7 @@ def no_retry_coming(jobs: list[dict[str, Any]], index: int) -> bool:
     """The Job will not replace this index's failed Pod: it ended, or counted the index
     failed (its budget, as the controller counts it, is spent)."""
     state = index_in_job(jobs, index)
-    return state is None or state.verdict != "Running" or state.failed
+    return state is None or state.verdict != RunVerdict.RUNNING or state.failed
 
 
 def ended_without_pod(
@@ -112,7 +114,7 @@ def ended_without_pod(
 ) -> EpisodeObservation:
     """No Pod for this index: if its Job has ended, the episode ended with it."""
     state = index_in_job(jobs, index)
-    if state is None or state.verdict == "Running":
+    if state is None or state.verdict == RunVerdict.RUNNING:
         return obs
     obs.phase = "Failed"
     if state.failed:
@@ -144,7 +146,7 @@ def ended_phase(pod: dict[str, Any]) -> str | None:
 
 def run_verdict(
     handle: RunHandle, jobs: list[dict[str, Any]], warm: list[dict[str, Any]]
-) -> tuple[float | None, str]:
+) -> tuple[float | None, RunVerdict]:
     """How the run ended: its Jobs' verdict, and its warm Pods' (Complete when every one
     succeeded; Running while one has not ended or has not been seen)."""
     if not handle.warm:
@@ -156,15 +158,18 @@ def run_verdict(
         for s in (p.get("status") or {}).get("containerStatuses") or []
     ]
     if len(warm) < len(handle.warm) or any(ph not in ("Succeeded", "Failed") for ph in phases):
-        warm_verdict: tuple[float | None, str] = (None, "Running")
+        warm_verdict: tuple[float | None, RunVerdict] = (None, RunVerdict.RUNNING)
     else:
         when = max((t for t in ended if t is not None), default=None)
-        warm_verdict = (when, "Complete" if set(phases) == {"Succeeded"} else "Failed")
+        succeeded = set(phases) == {"Succeeded"}
+        warm_verdict = (when, RunVerdict.COMPLETE if succeeded else RunVerdict.FAILED)
     if not handle.job_uids():
         return warm_verdict
     at, verdict = jobs_verdict(jobs)
-    if "Running" in (verdict, warm_verdict[1]):
-        return None, "Running"
+    if RunVerdict.RUNNING in (verdict, warm_verdict[1]):
+        return None, RunVerdict.RUNNING
     when = max((t for t in (at, warm_verdict[0]) if t is not None), default=None)
     both = {verdict, warm_verdict[1]}
-    return when, "Complete" if both == {"Complete"} else sorted(both - {"Complete"})[0]
+    if both == {RunVerdict.COMPLETE}:
+        return when, RunVerdict.COMPLETE
+    return when, sorted(both - {RunVerdict.COMPLETE})[0]  # Failed before Suspended, by value

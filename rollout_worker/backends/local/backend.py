@@ -27,6 +27,7 @@ import orjson
 
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
+from rollout_wire.states import RunVerdict
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import MAX_LOG_BYTES, FinishedRun, ReceiptUpdate, RunHandle
 from rollout_worker.backends.local.files import (
@@ -345,9 +346,10 @@ class LocalBackend:
         phases = [
             (run_dir.read_json(run_dir.status(i)) or {}).get("phase") for i in range(spec.count)
         ]
-        verdict = "Running"
+        verdict = RunVerdict.RUNNING
         if finished is not None:
-            verdict = "Complete" if all(p == "Succeeded" for p in phases) else "Failed"
+            succeeded = all(p == "Succeeded" for p in phases)
+            verdict = RunVerdict.COMPLETE if succeeded else RunVerdict.FAILED
         return FinishedRun(
             records=records,
             completed_at=finished.get("finished_at") if finished else None,
