@@ -139,3 +139,18 @@ def _new_row(observation: EpisodeObservation) -> EpisodeRow:
         collected_at=time.time(),
         retried=[dict(attempt) for attempt in observation.retried],
     )
+
+
+def check_names_the_episode(episode: Episode, ready: Event, event: Event, label: str) -> None:
+    """An event after `ready` must name the same episode, task and group (`label`: how the
+    errors name the event)."""
+    if event.get("episode_id") != episode.episode_id:
+        episode.errors.append(
+            f"{label} names episode {event.get('episode_id')!r}, but the sandbox is "
+            f"{episode.episode_id!r}"
+        )
+    for key in ("task_id", "group_id"):
+        if event.get(key) != ready.get(key):
+            episode.errors.append(
+                f"{label} names {key} {event.get(key)!r}, the episode's is {ready.get(key)!r}"
+            )

@@ -8,7 +8,13 @@ from typing import Any
 
 from rollout_wire.rows import MAX_FILE_REWARD, EpisodeRow
 from rollout_wire.states import EventKind, GradeCause, GradedBy
-from rollout_worker.validation.episode import Episode, Event, finite, number
+from rollout_worker.validation.episode import (
+    Episode,
+    Event,
+    check_names_the_episode,
+    finite,
+    number,
+)
 
 # How the runner marks a message list or response it left out (too large to carry).
 _MARKER_KEYS = {"omitted_bytes", "sha256"}
@@ -163,7 +169,7 @@ def _agent_exit(episode: Episode, ready: Event, outcome: Event) -> None:
     agent_exit = exits[0]
     code, timed_out = agent_exit.get("exit_code"), agent_exit.get("timed_out")
     seconds = number(agent_exit, "seconds")
-    _agent_exit_names_the_episode(episode, ready, agent_exit)
+    check_names_the_episode(episode, ready, agent_exit, "agent_exit event")
     if code is not None and (isinstance(code, bool) or not isinstance(code, int)):
         errors.append(f"agent_exit exit_code {code!r} is not an integer or null")
     if not isinstance(timed_out, bool) or (code is None) != timed_out:
@@ -184,20 +190,6 @@ def _agent_exit(episode: Episode, ready: Event, outcome: Event) -> None:
     row.agent_output = tail if isinstance(tail, str) else None
     if episode.summary is not None:  # stale: the agent_exit event is all there is
         _summary_agrees_with_agent_exit(row, episode.summary, code, timed_out, errors)
-
-
-def _agent_exit_names_the_episode(episode: Episode, ready: Event, agent_exit: Event) -> None:
-    if agent_exit.get("episode_id") != episode.episode_id:
-        episode.errors.append(
-            f"agent_exit event names episode {agent_exit.get('episode_id')!r}, but the sandbox "
-            f"is {episode.episode_id!r}"
-        )
-    for key in ("task_id", "group_id"):
-        if agent_exit.get(key) != ready.get(key):
-            episode.errors.append(
-                f"agent_exit event names {key} {agent_exit.get(key)!r}, the episode's is "
-                f"{ready.get(key)!r}"
-            )
 
 
 def _summary_agrees_with_agent_exit(

@@ -11,7 +11,13 @@ from typing import Any
 import orjson
 
 from rollout_wire.states import EventKind
-from rollout_worker.validation.episode import GRADE_MODE, Episode, Event, number
+from rollout_worker.validation.episode import (
+    GRADE_MODE,
+    Episode,
+    Event,
+    check_names_the_episode,
+    number,
+)
 
 # Kubernetes timestamps have 1 s resolution and are truncated, so they may read up to one
 # second early; never late. Comparisons against them need no slack in that direction.
@@ -208,7 +214,7 @@ def steps_in_order(episode: Episode) -> None:
         return
     previous = number(ready, "at")
     for position, step in enumerate(episode.steps, start=1):
-        _step_names_the_episode(episode, ready, step)
+        check_names_the_episode(episode, ready, step, f"step event {step.get('step')!r}")
         if step.get("step") != position:
             errors.append(f"step events out of order: step {step.get('step')!r} at {position}")
         at = number(step, "at")
@@ -224,20 +230,6 @@ def steps_in_order(episode: Episode) -> None:
         if outcome.get("steps") != len(episode.steps):
             errors.append(
                 f"{name} counts {outcome.get('steps')!r} steps, the log has {len(episode.steps)}"
-            )
-
-
-def _step_names_the_episode(episode: Episode, ready: Event, step: Event) -> None:
-    if step.get("episode_id") != episode.episode_id:
-        episode.errors.append(
-            f"step event {step.get('step')!r} names episode {step.get('episode_id')!r}, "
-            f"but the sandbox is {episode.episode_id!r}"
-        )
-    for key in ("task_id", "group_id"):
-        if step.get(key) != ready.get(key):
-            episode.errors.append(
-                f"step event {step.get('step')!r} names {key} {step.get(key)!r}, "
-                f"the episode's is {ready.get(key)!r}"
             )
 
 
