@@ -68,3 +68,8 @@ class RedisUnavailable(RolloutError):
 
 class StackError(RolloutError):
     """The all-in-one stack (private redis-server and workers) failed to start or died."""
+
+
+class TaskWarning(UserWarning):
+    """A task.toml key let through but not honoured as Harbor would (an unknown key under
+    allow_unknown_keys, a limit not enforced): loading tasks warns, never silently."""

@@ -32,12 +32,13 @@ import os
 import re
 import stat
 import tomllib
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_wire.errors import InvalidSpec
+from rollout_wire.errors import InvalidSpec, TaskWarning
 from rollout_wire.harbor_files import (
     INSTRUCTION,
     LINK_WHY,
@@ -145,8 +146,14 @@ def load_harbor_tasks(
     path: str | Path, only: Iterable[str] | None = None, allow_unknown_keys: bool = False
 ) -> list[dict[str, Any]]:
     """The tasks of a Harbor folder (one task's folder, or a folder of them), in folder order;
-    `only` keeps these task ids. Raises InvalidSpec listing every task that cannot be mapped."""
-    return [h.task for h in scan(path, only, allow_unknown_keys)]
+    `only` keeps these task ids. Raises InvalidSpec listing every task that cannot be mapped;
+    each key let through but not honoured is a TaskWarning (a trainer loading tasks in Python
+    sees it as a command line user does)."""
+    mapped = scan(path, only, allow_unknown_keys)
+    for h in mapped:
+        for warning in h.warnings:
+            warnings.warn(warning, TaskWarning, stacklevel=3)
+    return [h.task for h in mapped]
 
 
 def harbor_images(

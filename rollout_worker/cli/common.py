@@ -7,12 +7,15 @@ used, never at import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from rollout_wire.errors import RolloutError
+from rollout_wire.errors import RolloutError, TaskWarning
 from rollout_worker.settings import Settings
 
 if TYPE_CHECKING:
@@ -54,3 +57,32 @@ def load_settings(redis_url: str | None) -> Settings:
     except RolloutError as exc:
         raise click.UsageError(str(exc)) from exc
     return settings.with_redis(redis_url) if redis_url else settings
+
+
+def print_task_warnings(messages: Iterable[str]) -> None:
+    """What a task set lets through without honouring it, on stderr before anything runs."""
+    for message in messages:
+        err(f"warning: {message}", markup=False, highlight=False)
+
+
+@contextlib.contextmanager
+def task_warnings_printed() -> Iterator[None]:
+    """Loads tasks within: each TaskWarning they raise is printed once as `warning: ...`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TaskWarning)
+        yield
+    for warning in caught:
+        if issubclass(warning.category, TaskWarning):
+            print_task_warnings([str(warning.message)])
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+
+
+allow_unknown_keys_option = click.option(
+    "--allow-unknown-keys",
+    is_flag=True,
+    help="A Harbor task.toml key this project does not know is a warning (listed before the "
+    "run) instead of a refusal.",
+)

@@ -9,6 +9,7 @@ import contextlib
 import shlex
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ import click
 import orjson
 
 from rollout_wire import constants as k
-from rollout_wire.errors import InvalidSpec, RolloutError
+from rollout_wire.errors import InvalidSpec, RolloutError, TaskWarning
 from rollout_wire.request import (
     ACTIONS,
     BACKENDS,
@@ -29,10 +30,12 @@ from rollout_wire.urls import redacted
 from rollout_worker.cli import placement
 from rollout_worker.cli.common import (
     CLEANUP_WAIT_SECONDS,
+    allow_unknown_keys_option,
     console,
     err,
     load_settings,
     out,
+    print_task_warnings,
     redis_option,
 )
 from trainer_stub import options
@@ -83,12 +86,7 @@ RECORDS_WAIT_SECONDS = 60.0
     help="Memory limit of each sandbox. [default: 128Mi, or the largest [environment] "
     "memory_mb of the Harbor tasks]",
 )
-@click.option(
-    "--allow-unknown-keys",
-    is_flag=True,
-    help="A Harbor task.toml key this project does not know is a warning (listed before the "
-    "run) instead of a refusal.",
-)
+@allow_unknown_keys_option
 @click.option(
     "--action",
     type=click.Choice(ACTIONS),
@@ -238,19 +236,22 @@ def _request(f: RunFlags) -> dict[str, Any]:
     try:
         from rollout_wire.tasksets import parse_sampling, rollout_fields
 
-        request |= rollout_fields(
-            tasks=f.task_set,
-            only=f.only_tasks,
-            samples=f.samples,
-            policy_url=f.policy_url,
-            model=f.model,
-            sampling=parse_sampling(f.sampling),
-            policy_timeout=f.policy_timeout,
-            infra_retries=f.infra_retries,
-            groups_wanted=f.groups_wanted,
-            group_filter=f.group_filter,
-            allow_unknown_keys=f.allow_unknown_keys,
-        )
+        # _limits lists the tasks' warnings once, from the same scan.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TaskWarning)
+            request |= rollout_fields(
+                tasks=f.task_set,
+                only=f.only_tasks,
+                samples=f.samples,
+                policy_url=f.policy_url,
+                model=f.model,
+                sampling=parse_sampling(f.sampling),
+                policy_timeout=f.policy_timeout,
+                infra_retries=f.infra_retries,
+                groups_wanted=f.groups_wanted,
+                group_filter=f.group_filter,
+                allow_unknown_keys=f.allow_unknown_keys,
+            )
         source = click.get_current_context().get_parameter_source("count")
         if f.task_set is not None and source == click.core.ParameterSource.DEFAULT:
             del request["count"]  # the task set times the samples decides
@@ -368,8 +369,7 @@ def _limits(
         from rollout_wire import harbor
 
         for mapped in harbor.scan(task_set, list(only) or None, allow_unknown_keys):
-            for warning in mapped.warnings:
-                err(f"warning: {warning}", markup=False, highlight=False)
+            print_task_warnings(mapped.warnings)
             wanted_cpus = max(wanted_cpus, mapped.requirements.get("cpus", 0))
             wanted_memory = max(wanted_memory, mapped.requirements.get("memory_mb", 0))
     problems = []

@@ -24,7 +24,13 @@ import click
 
 from rollout_wire.errors import InvalidSpec
 from rollout_worker.cli import placement
-from rollout_worker.cli.common import load_settings, redis_option
+from rollout_worker.cli.common import (
+    allow_unknown_keys_option,
+    load_settings,
+    print_task_warnings,
+    redis_option,
+    task_warnings_printed,
+)
 from rollout_worker.cli.image_build import build_images, preflight
 from rollout_worker.cli.image_commands import check_registry, containerd_socket, plan
 
@@ -80,14 +86,16 @@ def format_rows(rows: Sequence[Sequence[str]]) -> list[str]:
 @click.argument("ref")
 @click.option("--task", "only", multiple=True, help="Only this task id (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="The tasks as JSON (what a batch carries).")
-def show(ref: str, only: tuple[str, ...], as_json: bool) -> None:
+@allow_unknown_keys_option
+def show(ref: str, only: tuple[str, ...], as_json: bool, allow_unknown_keys: bool) -> None:
     """The tasks of REF: a Harbor task folder, a JSON task set, or "bundled"."""
     import orjson
 
     from rollout_wire.tasksets import load_task_set
 
     try:
-        loaded = load_task_set(ref, list(only) or None)
+        with task_warnings_printed():
+            loaded = load_task_set(ref, list(only) or None, allow_unknown_keys)
     except InvalidSpec as exc:
         _problems_exit(exc.problems)
     if as_json:
@@ -126,6 +134,7 @@ def show(ref: str, only: tuple[str, ...], as_json: bool) -> None:
     help="Extract each image's root filesystem under this folder (for the local backend).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the commands; run nothing.")
+@allow_unknown_keys_option
 def build(
     folder: Path,
     only: tuple[str, ...],
@@ -134,12 +143,14 @@ def build(
     registry: str | None,
     rootfs: Path | None,
     dry_run: bool,
+    allow_unknown_keys: bool,
 ) -> None:
     """Build the image of every Harbor task in FOLDER that has an environment/Dockerfile."""
     from rollout_wire import harbor
 
     try:
-        mapped = harbor.scan(folder, list(only) or None)
+        mapped = harbor.scan(folder, list(only) or None, allow_unknown_keys)
+        print_task_warnings(w for h in mapped for w in h.warnings)
         node_socket = (socket_path or containerd_socket()) if node_import else None
         if registry is not None:
             check_registry(registry)  # before anything is built
@@ -211,6 +222,7 @@ def build(
 )
 @placement.options
 @redis_option
+@allow_unknown_keys_option
 def check(
     folder: Path,
     only: tuple[str, ...],
@@ -223,6 +235,7 @@ def check(
     episode_timeout_seconds: int | None,
     redis_url: str | None,
     placement: dict[str, Any],
+    allow_unknown_keys: bool,
 ) -> None:
     """Check a Harbor task set before training on it: build what needs building, run every
     task's oracle (solution/solve.sh, which must score 1) and with --nop an agent that does
@@ -235,7 +248,8 @@ def check(
     if all_in_one is None:
         all_in_one = backend == "local"
     try:
-        mapped = harbor.scan(folder, list(only) or None)
+        mapped = harbor.scan(folder, list(only) or None, allow_unknown_keys)
+        print_task_warnings(w for h in mapped for w in h.warnings)
     except InvalidSpec as exc:
         _problems_exit(exc.problems)
     task_list = [h.task for h in mapped]

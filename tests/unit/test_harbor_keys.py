@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollout_wire.errors import InvalidSpec
+from rollout_wire.errors import InvalidSpec, TaskWarning
 from rollout_wire.harbor import KNOWN_KEYS, scan
 from rollout_wire.request import (
     DEFAULT_DEADLINE_SECONDS,
@@ -21,6 +21,7 @@ from rollout_wire.tasksets import (
     DEADLINE_MARGIN_SECONDS,
     SETUP_MARGIN_SECONDS,
     episode_seconds,
+    load_task_set,
     task_limits,
 )
 from tests.unit.test_harbor import make_task
@@ -413,3 +414,31 @@ def test_rollout_run_lists_the_keys_it_does_not_enforce_before_the_run(tmp_path,
     run_limits(tmp_path, "[environment]\nstorage_mb = 10240\n")
     printed = " ".join(capsys.readouterr().err.split())
     assert "warning: task 't': [environment] storage_mb = 10240 not enforced" in printed
+
+
+# -- a key let through is said wherever tasks are loaded ---------------------------------------
+
+
+def test_loading_tasks_in_python_warns_of_each_key_let_through(tmp_path):
+    make_task(tmp_path, "t", toml="colour = 1\n[environment]\nstorage_mb = 10240\n")
+    with pytest.warns(TaskWarning) as caught:
+        (task,) = load_task_set(str(tmp_path), allow_unknown_keys=True)
+    messages = [str(w.message) for w in caught]
+    assert task["id"] == "t"
+    assert any("unknown key colour" in m for m in messages), messages
+    assert any("storage_mb = 10240 not enforced" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("command", [["show"], ["build", "--dry-run"]])
+def test_tasks_commands_refuse_an_unknown_key_unless_allowed_and_then_say_it(tmp_path, command):
+    from click.testing import CliRunner
+
+    from rollout_worker.cli.main import cli
+
+    make_task(tmp_path, "t", toml="colour = 1\n", solution={"solve.sh": "true\n"})
+    refused = CliRunner().invoke(cli, ["tasks", *command, str(tmp_path)])
+    assert refused.exit_code == 1 and "--allow-unknown-keys" in refused.output, refused.output
+    allowed = CliRunner().invoke(cli, ["tasks", *command, "--allow-unknown-keys", str(tmp_path)])
+    assert allowed.exit_code == 0, allowed.output
+    said = " ".join(allowed.output.split())
+    assert said.count("warning: task 't': unknown key colour") == 1, allowed.output
