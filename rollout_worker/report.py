@@ -18,7 +18,7 @@ from rollout_wire.states import (
     GroupStatus,
     RunVerdict,
 )
-from rollout_worker.backends.base import FinishedRun, RunHandle
+from rollout_worker.backends.base import FinishedRun, KubeRunHandle, RunHandle
 from rollout_worker.metrics import busy_span, phase_breakdown, slot_utilisation, spread
 
 
@@ -225,7 +225,7 @@ def _identity_section(run: RunHandle, finished: FinishedRun | None) -> dict[str,
     """The guide's run identity: where it ran, and an image cache we do not control."""
     return {
         "context": run.context,
-        "namespace": run.namespace,
+        "namespace": run.namespace if isinstance(run, KubeRunHandle) else None,
         "cache_state": "uncontrolled",
         "run": run.to_dict(),
         "run_verdict": finished.verdict if finished else RunVerdict.UNKNOWN,

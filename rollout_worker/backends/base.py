@@ -6,11 +6,12 @@ A run is one batch's sandboxes (a Kubernetes Job, or a locally supervised proces
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from rollout_wire.errors import BackendError
 from rollout_wire.request import BatchSpec
 from rollout_wire.states import RunVerdict
 from rollout_worker.observation import EpisodeObservation
@@ -24,9 +25,28 @@ ReceiptUpdate = Callable[[dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
+class WarmClaim:
+    """An episode taken from a warm pool: its index and the pool Pod (name, UID: the proof
+    cleanup deletes by). Stored as the list [index, pod, uid], as receipts always held it."""
+
+    index: int
+    pod: str
+    uid: str
+
+    def to_list(self) -> list[Any]:
+        return [self.index, self.pod, self.uid]
+
+    @classmethod
+    def from_list(cls, item: Sequence[Any]) -> WarmClaim:
+        index, pod, uid = item
+        return cls(index, str(pod), str(uid))
+
+
+@dataclass(frozen=True)
 class RunHandle:
     """What a backend needs to find, observe and delete a run it created, and the proof
-    (UIDs) that it created it. Fields a backend does not use stay None."""
+    (UIDs) that it created it: the fields every backend has. Each backend's own are in its
+    subclass (`KubeRunHandle`, `LocalRunHandle`), chosen by `backend` (`from_dict`)."""
 
     backend: str
     batch_id: str
@@ -36,26 +56,48 @@ class RunHandle:
     # The batch's retry budget per episode (BatchSpec.infra_retries): how many earlier attempts
     # of an episode its collector accepts as retries instead of restarts.
     infra_retries: int = 0
-    # kubernetes
+
+    @property
+    def fed(self) -> bool:
+        """Fed from its pool by a task (`FeedingBackend.feed_run`): only a Kubernetes run can
+        be (the local supervisor feeds its own run)."""
+        return False
+
+    def episode_id(self, index: int) -> str:
+        return f"{self.episode_prefix}-{index}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The receipt's `run`: this handle's fields in declaration order (the shared ones
+        first), so a handle written by today's code reads back the same."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunHandle:
+        """The handle of the run's backend (its `backend` field); another backend's fields,
+        as receipts stored before the split hold them (None where unused), are ignored."""
+        kind = HANDLE_KINDS.get(str(data.get("backend")), RunHandle)
+        return kind._read(data)
+
+    @classmethod
+    def _read(cls, data: Mapping[str, Any]) -> RunHandle:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass(frozen=True)
+class KubeRunHandle(RunHandle):
+    """A Kubernetes run: its namespace and Jobs, and the warm pool Pods it took."""
+
     namespace: str | None = None
     namespace_uid: str | None = None
     job_name: str | None = None  # the first (usually only) Job
     job_uid: str | None = None
     jobs: dict[str, str] = field(default_factory=dict)  # every Job of the run: name -> UID
-    # Episodes taken from a warm pool: [index, Pod name, Pod UID] each, in the pool's namespace.
+    # Episodes taken from a warm pool, in the pool's namespace.
     pool_namespace: str | None = None
-    warm: list[list[Any]] = field(default_factory=list)
+    warm: tuple[WarmClaim, ...] = ()
     # Fed from its pool: no Job; the episodes not claimed at the start are claimed one per
     # freed slot by the feeder (`feed_run`), and appended to `warm` in the receipt.
     fed: bool = False
-    # local
-    run_dir: str | None = None
-    run_uid: str | None = None
-    isolation: str | None = None
-    node: str | None = None
-
-    def episode_id(self, index: int) -> str:
-        return f"{self.episode_prefix}-{index}"
 
     def job_uids(self) -> dict[str, str | None]:
         """Every Job of the run by name (a run recorded before `jobs` existed has one)."""
@@ -69,17 +111,51 @@ class RunHandle:
 
     def warm_pod(self, index: int) -> tuple[str, str] | None:
         """(name, UID) of the warm Pod that runs episode `index`, if one does."""
-        for number, name, uid in self.warm:
-            if number == index:
-                return str(name), str(uid)
+        for claim in self.warm:
+            if claim.index == index:
+                return claim.pod, claim.uid
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return super().to_dict() | {"jobs": dict(self.jobs), "warm": self.warm_lists()}
+
+    def warm_lists(self) -> list[list[Any]]:
+        """`warm` as the receipt holds it."""
+        return [claim.to_list() for claim in self.warm]
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RunHandle:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+    def _read(cls, data: Mapping[str, Any]) -> RunHandle:
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        values["warm"] = tuple(WarmClaim.from_list(c) for c in data.get("warm") or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class LocalRunHandle(RunHandle):
+    """A local run: its folder (and the UID that proves it ours), on one node."""
+
+    run_dir: str | None = None
+    run_uid: str | None = None
+    isolation: str | None = None
+    node: str | None = None
+
+
+H = TypeVar("H", bound=RunHandle)
+
+
+def handle_as(kind: type[H], handle: RunHandle) -> H:
+    """The handle as its backend wrote it (the protocol passes the common type)."""
+    if not isinstance(handle, kind):
+        raise BackendError(f"run of batch {handle.batch_id} is a {handle.backend} run")
+    return handle
+
+
+# The handle of each backend, by its name (the `backend` field); another (a test's stub)
+# gets the shared fields alone.
+HANDLE_KINDS: dict[str, type[RunHandle]] = {
+    "kubernetes": KubeRunHandle,
+    "local": LocalRunHandle,
+}
 
 
 @dataclass(frozen=True)
@@ -176,11 +252,10 @@ class PoolBackend(Protocol):
 
 @dataclass(frozen=True)
 class Fed:
-    """One look of the feeder: the claims made so far ([index, name, UID] each, those of
-    earlier looks included) and whether it is done (every episode claimed, or the run
-    cannot take more)."""
+    """One look of the feeder: the claims made so far (those of earlier looks included) and
+    whether it is done (every episode claimed, or the run cannot take more)."""
 
-    claims: list[list[Any]]
+    claims: list[WarmClaim]
     done: bool
 
 
@@ -195,7 +270,6 @@ class FeedingBackend(Protocol):
         self,
         spec: BatchSpec,
         handle: RunHandle,
-        claims: list[list[Any]],
         record: ReceiptUpdate,
         *,
         timeout: float,
@@ -203,6 +277,6 @@ class FeedingBackend(Protocol):
         idle_seconds: float,
     ) -> Fed:
         """For up to `timeout` seconds: claim a waiting pool sandbox for the next episode
-        whenever one of the run's slots is free, and keep the pool topped up ahead of the
-        batch (within `budget` waiting sandboxes over all pools). `record` gets each Pod a
-        claim may touch before its claim."""
+        whenever one of the run's slots is free (the claims so far are the handle's `warm`),
+        and keep the pool topped up ahead of the batch (within `budget` waiting sandboxes over
+        all pools). `record` gets each Pod a claim may touch before its claim."""

@@ -67,7 +67,6 @@ def feed(
         fed = backend.feed_run(
             spec,
             run,
-            list(run.warm),
             record,
             timeout=limits.collect_block_seconds if timeout is None else timeout,
             budget=budget,

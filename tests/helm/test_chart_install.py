@@ -32,7 +32,7 @@ from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import OwnershipError
 from rollout_wire.request import parse_spec
-from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.base import KubeRunHandle
 from rollout_worker.backends.kube import permissions
 from rollout_worker.backends.kube.backend import KubernetesBackend
 from rollout_worker.backends.kube.objects import namespace_name
@@ -282,7 +282,7 @@ def test_chart_installs_serves_scales_and_uninstalls(
         # RBAC lets the workers delete any namespace; the code refuses what is not ours.
         backend = KubernetesBackend(Settings.from_env({"KUBECONFIG": str(workers_cfg)}))
         uid = cluster.core.read_namespace(victim).metadata.uid
-        handle = RunHandle(
+        handle = KubeRunHandle(
             backend="kubernetes", batch_id="victim", origin=0.0, episode_prefix="episode",
             context="workers", namespace=victim, namespace_uid=uid, job_name="episode",
             job_uid="x",

@@ -189,14 +189,14 @@ def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real
     receipt: list[dict] = []
     first = backend.start_run(spec, lambda fields: receipt.append(dict(fields)))
     again = backend.start_run(spec, lambda fields: receipt.append(dict(fields)))
-    assert first.warm == again.warm and [i for i, _, _ in first.warm] == [0, 1]
+    assert first.warm == again.warm and [c.index for c in first.warm] == [0, 1]
     assert not first.job_uids()  # every episode warm: no Job at all
     # The receipt named the Pods before the first patch, then what was claimed.
     names = [list(entry) for entry in receipt]
     assert names.index(["pool_namespace", "warm_planned"]) < names.index(["warm"])
     for index in (0, 1):
         obs = backend.wait_episode(first, index, 2)  # the watch syncs; it stays Running
-        assert obs.phase == "Running" and obs.episode_id == first.warm[index][1]
+        assert obs.phase == "Running" and obs.episode_id == first.warm[index].pod
         assert obs.ready is False  # progress "ready" never comes from a warm Pod's status
         kc.wait_for(lambda o=obs: '"ready"' in backend.read_output(first, o), 10, "ready")
     backend.cancel_run(first)  # a deadline that has passed: the kubelet stops them

@@ -2,7 +2,7 @@ import pytest
 
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.request import parse_spec
-from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.base import KubeRunHandle
 from rollout_worker.backends.kube.objects import (
     INDEX_LABEL,
     job_manifest,
@@ -154,7 +154,7 @@ def pod(name, created, *, phase="Succeeded", exit_code=0, restarts=0, message=No
 
 
 def test_pod_status_becomes_an_observation_with_phase_timings():
-    handle = RunHandle(
+    handle = KubeRunHandle(
         backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
     )
     obs = observe_pods(
@@ -184,7 +184,7 @@ def test_pod_status_becomes_an_observation_with_phase_timings():
 
 
 def test_the_cause_of_a_failed_episode_is_the_one_kubernetes_gives():
-    handle = RunHandle(
+    handle = KubeRunHandle(
         backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
     )
     created = "2026-11-30T10:00:00Z"
@@ -211,7 +211,7 @@ def test_the_cause_of_a_failed_episode_is_the_one_kubernetes_gives():
 
 
 def test_a_pod_the_watch_saw_deleted_before_it_ended_is_a_failed_episode():
-    handle = RunHandle(
+    handle = KubeRunHandle(
         backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
     )
     running = pod("rollout-4-a", "2026-11-30T10:00:00Z", phase="Running")
@@ -259,7 +259,7 @@ TASK = {
 
 
 def test_earlier_pods_within_the_budget_are_retries_not_restarts():
-    handle = RunHandle(
+    handle = KubeRunHandle(
         backend="kubernetes",
         batch_id="b",
         origin=0.0,
@@ -372,7 +372,7 @@ def test_ready_reaches_the_pod_status_through_a_startup_probe_that_never_ends_an
     # The kubelet kills a container whose startup probe fails failureThreshold times: that must
     # come after the episode's own deadline, so a slow or never-ready episode ends as itself.
     assert probe["failureThreshold"] * probe["periodSeconds"] > s.episode_timeout_seconds
-    handle = RunHandle(
+    handle = KubeRunHandle(
         backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
     )
     running = pod("rollout-3-x", "2026-11-30T10:00:00Z", phase="Running")
@@ -415,7 +415,7 @@ def _exited_pod(exit_code: int, **meta) -> dict:
 
 
 def test_an_episode_ends_when_its_container_exits_not_when_the_pod_phase_follows():
-    handle = RunHandle("kubernetes", "b", 0.0, "rollout", "ctx")
+    handle = KubeRunHandle("kubernetes", "b", 0.0, "rollout", "ctx")
     done = observe_pods(handle, 0, {"u": _exited_pod(0)})
     assert (done.phase, done.exit_code, done.termination_message) == (
         "Succeeded",
@@ -562,7 +562,7 @@ def test_grade_fresh_on_kubernetes_grades_in_a_second_container_over_the_workspa
 
 
 def test_an_agent_container_that_failed_ends_the_episode_and_both_logs_are_read():
-    handle = RunHandle(
+    handle = KubeRunHandle(
         backend="kubernetes", batch_id="b", origin=0.0, episode_prefix="rollout", context="c"
     )
     failed = pod("rollout-0-x", "2026-11-30T10:00:00Z", phase="Failed")

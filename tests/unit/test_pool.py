@@ -15,7 +15,7 @@ from rollout_wire import constants as k
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.request import parse_spec
 from rollout_worker.backends import warm
-from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.base import KubeRunHandle
 from rollout_worker.backends.kube import objects, read
 from rollout_worker.backends.kube.objects import job_manifest, job_parts
 from rollout_worker.backends.kube.read import completion_index, observe_pods
@@ -118,7 +118,7 @@ def test_a_claimed_pod_is_its_episode_from_the_claim_on():
         "annotations": {k.ANNOTATION_CLAIMED_AT: "1796119250.5"},
     }
     assert completion_index(pod) == 2
-    handle = RunHandle("kubernetes", "b1", 1796119250.0, "rollout", "ctx")
+    handle = KubeRunHandle("kubernetes", "b1", 1796119250.0, "rollout", "ctx")
     obs = observe_pods(handle, 2, {"u1": pod}, final=True)
     assert obs.created_at == 1796119250.5
     assert obs.timing["pool_created_at"] == 1796119199.0

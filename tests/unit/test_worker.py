@@ -14,6 +14,7 @@ from rollout_wire.errors import TransientBackendError
 from rollout_wire.states import FinalizedBy
 from rollout_worker import core
 from rollout_worker.backends.base import Fed as FedLook
+from rollout_worker.backends.base import KubeRunHandle, WarmClaim
 from rollout_worker.core import retry as retry_module
 from rollout_worker.core import worker as worker_module
 from rollout_worker.core.finalize import RECORDS_RETRY_EVERY_SECONDS
@@ -353,23 +354,31 @@ def test_the_watchdog_reports_at_once_when_every_row_is_in_but_the_chord_never_f
 
 
 class Fed(StubBackend):
-    """A run fed from a pool: the start claims episode 0, each look of the feeder one more."""
+    """A run fed from a pool: the start claims episode 0, each look of the feeder one more.
+    Its handles are Kubernetes ones (only those can be fed), read back as such."""
 
     def start_run(self, spec, record):  # type: ignore[no-untyped-def]
-        handle = super().start_run(spec, record)
-        return replace(handle, warm=[[0, "pod-0", "uid-0"]], fed=True, pool_namespace="pool")
+        shared = vars(super().start_run(spec, record)) | {"backend": "kubernetes"}
+        claim = WarmClaim(0, "pod-0", "uid-0")
+        return KubeRunHandle(**shared, warm=(claim,), fed=True, pool_namespace="pool")
 
-    def feed_run(self, spec, handle, claims, record, *, timeout, budget, idle_seconds):  # type: ignore[no-untyped-def]
-        index = len(claims)
+    def feed_run(self, spec, handle, record, *, timeout, budget, idle_seconds):  # type: ignore[no-untyped-def]
+        index = len(handle.warm)
         record({"feed_planned": {str(index): [f"pod-{index}", f"uid-{index}"]}})
-        claims = [*claims, [index, f"pod-{index}", f"uid-{index}"]]
-        record({"warm": claims})
+        claims = [*handle.warm, WarmClaim(index, f"pod-{index}", f"uid-{index}")]
+        record({"warm": [claim.to_list() for claim in claims]})
         return FedLook(claims, done=len(claims) == spec.count)
+
+
+def fed_backend(w: Any) -> Fed:
+    backend = w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    w._backends["kubernetes"] = backend
+    return backend
 
 
 def test_a_fed_run_gets_a_feeder_that_records_each_claim_until_every_episode_has_one(parts):
     w, store, _, sent = parts
-    w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    fed_backend(w)
     w.submit({"batch_id": "b1", "count": 3, "parallelism": 1}, message_id="m1", attempt=0)
     assert sent.feeds == ["b1"]
     with pytest.raises(core.Again):
@@ -386,7 +395,7 @@ def test_a_fed_run_gets_a_feeder_that_records_each_claim_until_every_episode_has
 
 def test_one_feeder_at_a_time_and_none_after_a_cancel(parts):
     w, store, _, _ = parts
-    w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    fed_backend(w)
     w.submit({"batch_id": "b1", "count": 3, "parallelism": 1}, message_id="m1", attempt=0)
     store.claim_collect("b1", core.FEEDER_INDEX, "another copy", 60)
     with pytest.raises(core.Again):
@@ -399,7 +408,7 @@ def test_one_feeder_at_a_time_and_none_after_a_cancel(parts):
 
 def test_the_collector_of_a_fed_episode_gives_its_slot_the_next_episode(parts):
     w, store, _, _ = parts
-    backend = w._backends["local"] = w._backends["stub"] = Fed(origin=time.time())
+    backend = fed_backend(w)
     w.submit({"batch_id": "b1", "count": 3, "parallelism": 1}, message_id="m1", attempt=0)
     backend.ended[0] = ("Succeeded", good_log("ep-b1-0", backend.origin + 1))
     w.collect("b1", 0)

@@ -34,8 +34,10 @@ from rollout_worker.backends.base import (
     MAX_LOG_BYTES,
     Fed,
     FinishedRun,
+    KubeRunHandle,
     ReceiptUpdate,
     RunHandle,
+    handle_as,
 )
 from rollout_worker.backends.kube import api, objects, read, verdicts
 from rollout_worker.backends.kube.feed import feed
@@ -76,7 +78,7 @@ MIXED_WAIT_SECONDS = 1.0
 WAKER = "waker"
 
 
-def _namespace(handle: RunHandle) -> str:
+def _namespace(handle: KubeRunHandle) -> str:
     if not handle.namespace:
         raise BackendError(f"run of batch {handle.batch_id} names no namespace")
     return handle.namespace
@@ -165,7 +167,7 @@ class KubernetesBackend:
             raise CapacityError(message + "\n(set capacity_check to 'warn' to run anyway)")
         return [message]
 
-    def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
+    def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> KubeRunHandle:
         namespace = namespace_name(spec.batch_id)
         # The receipt names everything before the first mutation.
         record({"context": self.context, "namespace": namespace, "run_id": spec.batch_id})
@@ -175,7 +177,7 @@ class KubernetesBackend:
         key = self.pool_key(spec)
         claimed = self.pools.claim(spec, key, record, time.time) if key else []
         if claimed:
-            record({"warm": [[c.index, c.name, c.uid] for c in claimed]})
+            record({"warm": [c.claim.to_list() for c in claimed]})
             started = min(started, *(c.claimed_at for c in claimed))
         # More episodes than slots, and a pool to take them from: every slot is fed from the
         # pool as it frees (`feed_run`), not by a Job whose next wave starts cold once its
@@ -190,7 +192,7 @@ class KubernetesBackend:
             # The first claim, or (with cold Pods too, whose creation times are whole seconds)
             # the second it falls in: no sandbox of the run is created before its origin.
             origin = math.floor(started) if created else started
-        return RunHandle(
+        return KubeRunHandle(
             backend=self.name,
             batch_id=spec.batch_id,
             origin=origin,
@@ -203,7 +205,7 @@ class KubernetesBackend:
             job_uid=created[0]["metadata"]["uid"] if created else None,
             jobs=jobs,
             pool_namespace=objects.pool_namespace(key) if claimed and key else None,
-            warm=[[c.index, c.name, c.uid] for c in claimed],
+            warm=tuple(c.claim for c in claimed),
             fed=fed,
         )
 
@@ -299,10 +301,10 @@ class KubernetesBackend:
         selector = batch_selector(batch_id)
         return self._watch(name, name, "list pods", namespace, selector, completion_index)
 
-    def _pod_watch(self, handle: RunHandle) -> PodWatch:
+    def _pod_watch(self, handle: KubeRunHandle) -> PodWatch:
         return self._batch_watch(_namespace(handle), handle.batch_id, _namespace(handle))
 
-    def _warm_watch(self, handle: RunHandle) -> PodWatch:
+    def _warm_watch(self, handle: KubeRunHandle) -> PodWatch:
         """The batch's warm Pods, in their pool's namespace."""
         namespace = handle.pool_namespace or ""
         return self._batch_watch(namespace, handle.batch_id, f"{namespace}/{handle.batch_id}")
@@ -319,6 +321,7 @@ class KubernetesBackend:
     def wait_episode(
         self, handle: RunHandle, index: int, timeout: float, *, until_ready: bool = False
     ) -> EpisodeObservation:
+        handle = handle_as(KubeRunHandle, handle)
         warm = handle.warm_pod(index) is not None
 
         def done(seen: dict[str, dict[str, Any]]) -> bool:
@@ -348,6 +351,8 @@ class KubernetesBackend:
     def wait_ended(
         self, handle: RunHandle, indexes: list[int], timeout: float, *, ready: AbstractSet[int]
     ) -> list[int]:
+        handle = handle_as(KubeRunHandle, handle)
+
         def done(index: int, pods: dict[str, dict[str, Any]]) -> bool:
             return episode_ended(handle, index, pods) or (
                 index in ready and observe_pods(handle, index, pods).ready
@@ -365,7 +370,7 @@ class KubernetesBackend:
         return watch.wait_any(cold or pooled, timeout, done, caller=WAKER)
 
     # -- a run's Jobs and warm Pods, as listed ---------------------------------------------------
-    def _list_jobs(self, handle: RunHandle) -> list[dict[str, Any]]:
+    def _list_jobs(self, handle: KubeRunHandle) -> list[dict[str, Any]]:
         """The run's Jobs (one per image), in the order they were created."""
         listing = self._call(
             "list jobs",
@@ -375,7 +380,7 @@ class KubernetesBackend:
         )
         return verdicts.in_job_order(listing.get("items", []), handle.job_uids())
 
-    def _recent_jobs(self, handle: RunHandle) -> list[dict[str, Any]]:
+    def _recent_jobs(self, handle: KubeRunHandle) -> list[dict[str, Any]]:
         """The run's Jobs as listed at most JOB_CACHE_SECONDS ago: the collectors of episodes
         with no Pod yet share one read instead of one each."""
         namespace = _namespace(handle)
@@ -386,7 +391,7 @@ class KubernetesBackend:
                 self._jobs[namespace] = (time.monotonic(), jobs)
             return jobs
 
-    def _settled_jobs(self, handle: RunHandle) -> list[dict[str, Any]]:
+    def _settled_jobs(self, handle: KubeRunHandle) -> list[dict[str, Any]]:
         """The run's Jobs once their controller has marked each Complete or Failed (it does
         so shortly after the last Pod ends), or as they are after JOB_SETTLE_SECONDS."""
         names = handle.job_uids()
@@ -411,7 +416,7 @@ class KubernetesBackend:
             return self._list_jobs(handle)  # the records then show the Jobs as they are now
         return verdicts.in_job_order(seen.values(), names)
 
-    def _warm_pods(self, handle: RunHandle) -> list[dict[str, Any]]:
+    def _warm_pods(self, handle: KubeRunHandle) -> list[dict[str, Any]]:
         if not handle.warm or not handle.pool_namespace:
             return []
         listing = self._call(
@@ -428,12 +433,13 @@ class KubernetesBackend:
     def read_output(self, handle: RunHandle, obs: EpisodeObservation) -> str:
         """The episode's log: its container's, or (graded apart) its agent's init container's
         followed by its grader's."""
+        handle = handle_as(KubeRunHandle, handle)
         return "".join(
             self._container_log(handle, obs, name)
             for name in obs.log_containers or [CONTAINER_NAME]
         )
 
-    def _container_log(self, handle: RunHandle, obs: EpisodeObservation, container: str) -> str:
+    def _container_log(self, handle: KubeRunHandle, obs: EpisodeObservation, container: str) -> str:
         try:
             text = self._text(
                 f"log of {obs.episode_id}",
@@ -456,11 +462,13 @@ class KubernetesBackend:
 
     # -- records, cancel, delete -----------------------------------------------------------------
     def run_status(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        handle = handle_as(KubeRunHandle, handle)
         jobs = self._list_jobs(handle) if handle.job_uids() else []
         completed_at, verdict = verdicts.run_verdict(handle, jobs, self._warm_pods(handle))
         return FinishedRun(completed_at=completed_at, verdict=verdict)
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        handle = handle_as(KubeRunHandle, handle)
         namespace = _namespace(handle)
         jobs = self._settled_jobs(handle) if handle.job_uids() else []
         pods = self._call(
@@ -488,7 +496,8 @@ class KubernetesBackend:
         that has passed: the kubelet stops them, and they stay as records too. A fed run's
         Pods are found by its label too (the feeder may have claimed one since the receipt
         was read)."""
-        stop = {name: uid for _index, name, uid in handle.warm}
+        handle = handle_as(KubeRunHandle, handle)
+        stop = {claim.pod: claim.uid for claim in handle.warm}
         if handle.fed:
             stop |= {p["metadata"]["name"]: p["metadata"]["uid"] for p in self._warm_pods(handle)}
         for name, uid in stop.items():
@@ -522,6 +531,7 @@ class KubernetesBackend:
         """Delete the batch's namespace (it takes the Job, Pods and the rest with it) once its
         UID and labels, and the Job's UID, match the receipt. Does not wait: True once the
         namespace is gone, False while Kubernetes is still deleting it."""
+        handle = handle_as(KubeRunHandle, handle)
         namespace = _namespace(handle)
         warm_gone = (
             self.pools.delete_claimed(handle.pool_namespace, handle.batch_id, handle.warm)
@@ -558,23 +568,23 @@ class KubernetesBackend:
         self,
         spec: BatchSpec,
         handle: RunHandle,
-        claims: list[list[Any]],
         record: ReceiptUpdate,
         *,
         timeout: float,
         budget: int,
         idle_seconds: float,
     ) -> Fed:
+        handle = handle_as(KubeRunHandle, handle)
         key = self.pool_key(spec)
         if key is None or not handle.fed or handle.pool_namespace is None:
-            return Fed(claims, done=True)
+            return Fed(list(handle.warm), done=True)
         return feed(
             self.pools,
             self._pool_watch(key),
             spec,
             key,
             handle.pool_namespace,
-            claims,
+            handle.warm,
             record,
             timeout=timeout,
             budget=budget,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rollout_wire.request import BatchSpec
-from rollout_worker.backends.base import Fed, ReceiptUpdate
+from rollout_worker.backends.base import Fed, ReceiptUpdate, WarmClaim
 from rollout_worker.backends.kube import read
 from rollout_worker.backends.kube.pools import Claimed, WarmPools
 from rollout_worker.backends.kube.watch import PodWatch
@@ -32,7 +33,7 @@ def feed(
     spec: BatchSpec,
     key: str,
     namespace: str,
-    claims: list[list[Any]],
+    warm: Sequence[WarmClaim],
     record: ReceiptUpdate,
     *,
     timeout: float,
@@ -40,8 +41,9 @@ def feed(
     idle_seconds: float,
 ) -> Fed:
     """Feed the run's free slots from pool `key` (its Pods in `namespace`, seen by `watch`)
-    for up to `timeout` seconds; `claims` are the run's claims so far."""
-    claims = [list(c) for c in claims]
+    for up to `timeout` seconds; `warm` are the run's claims so far."""
+    # As the receipt holds them (`record` writes them, the plan reads them).
+    claims = [claim.to_list() for claim in warm]
     end = time.monotonic() + timeout
     filled_at = -math.inf
 
@@ -67,7 +69,7 @@ def feed(
     while True:
         left = end - time.monotonic()
         if left <= 0:
-            return Fed(claims, done=False)
+            return Fed(_claims(claims), done=False)
         plan = plan_of(watch.wait(0, min(left, FEED_FILL_EVERY_SECONDS), actionable))
         if plan.found:
             # Claimed by a look that died before its record: recorded now, handed over
@@ -77,7 +79,7 @@ def feed(
             for index, name, uid in plan.found:
                 pools.hand_over_again(spec, namespace, Claimed(index, name, uid, 0.0))
         if plan.done:
-            return Fed(claims, done=True)
+            return Fed(_claims(claims), done=True)
         if plan.claims:
             record(
                 {
@@ -88,7 +90,7 @@ def feed(
                 }
             )
             taken = pools.take(spec, namespace, plan.claims, time.time)
-            claims += [[c.index, c.name, c.uid] for c in taken]
+            claims += [c.claim.to_list() for c in taken]
             record({"warm": claims})
         if plan.idle_have < plan.idle_wanted and (
             time.monotonic() - filled_at >= FEED_FILL_EVERY_SECONDS
@@ -98,3 +100,7 @@ def feed(
             # is created, so a look racing a watch that has not seen its Pods yet does
             # not create them twice.
             pools.fill(spec, key, plan.idle_wanted, budget, idle_seconds)
+
+
+def _claims(claims: list[list[Any]]) -> list[WarmClaim]:
+    return [WarmClaim.from_list(c) for c in claims]

@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes import client
 
 from rollout_wire.errors import OwnershipError, ResourceNotFound
-from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.base import KubeRunHandle
 from rollout_worker.backends.kube.objects import JOB_NAME
 from rollout_worker.backends.kube.read import labelled_ours
 
@@ -54,7 +54,11 @@ def delete_namespace(
 
 
 def delete_batch_namespace(
-    call: Call, core: client.CoreV1Api, batch: client.BatchV1Api, handle: RunHandle, namespace: str
+    call: Call,
+    core: client.CoreV1Api,
+    batch: client.BatchV1Api,
+    handle: KubeRunHandle,
+    namespace: str,
 ) -> bool:
     """Delete a run's namespace once its UID and labels, and its Jobs' UIDs, match the
     receipt (`handle`). Does not wait: True once the namespace is gone."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +34,7 @@ from rollout_wire.errors import (
 )
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends import warm
-from rollout_worker.backends.base import ReceiptUpdate
+from rollout_worker.backends.base import ReceiptUpdate, WarmClaim
 from rollout_worker.backends.kube import objects, read
 from rollout_worker.backends.kube.namespaces import delete_namespace
 from rollout_worker.backends.kube.pod_spec import CONTAINER_NAME
@@ -53,6 +53,11 @@ class Claimed:
     name: str
     uid: str
     claimed_at: float
+
+    @property
+    def claim(self) -> WarmClaim:
+        """What the run's handle keeps of it."""
+        return WarmClaim(self.index, self.name, self.uid)
 
 
 class WarmPools:
@@ -289,11 +294,12 @@ class WarmPools:
         return '"event"' in text
 
     # -- deletion ----------------------------------------------------------------------------
-    def delete_claimed(self, namespace: str, batch_id: str, warm: list[list[Any]]) -> bool:
+    def delete_claimed(self, namespace: str, batch_id: str, warm: Sequence[WarmClaim]) -> bool:
         """Delete a batch's warm Pods after proving each is the one it claimed (UID, batch
         label). True once all are gone."""
         gone = True
-        for _index, name, uid in warm:
+        for claim in warm:
+            name, uid = claim.pod, claim.uid
             try:
                 found = self._call("read pool pod", self.core.read_namespaced_pod, name, namespace)
             except ResourceNotFound:

@@ -13,7 +13,7 @@ import orjson
 
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
-from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.base import KubeRunHandle, RunHandle
 from rollout_worker.backends.kube.objects import (
     FIRST_INDEX_LABEL,
     INDEX_LABEL,
@@ -144,7 +144,7 @@ NEVER_STARTS = frozenset({"ErrImageNeverPull", "InvalidImageName", "CreateContai
 RETRYING = "retrying"
 
 
-def episode_ended(handle: RunHandle, index: int, pods: Mapping[str, dict[str, Any]]) -> bool:
+def episode_ended(handle: KubeRunHandle, index: int, pods: Mapping[str, dict[str, Any]]) -> bool:
     """What the watch shows of episode `index` is its end."""
     if handle.warm_pod(index) is not None and not pods:
         return True  # claimed before the run existed, so a synced watch has it: gone
@@ -334,7 +334,7 @@ def events_text(events: list[dict[str, Any]]) -> str:
 
 def run_records(
     spec: BatchSpec,
-    handle: RunHandle,
+    handle: KubeRunHandle,
     jobs: list[dict[str, Any]],
     pods: list[dict[str, Any]],
     events: list[dict[str, Any]],
@@ -345,7 +345,7 @@ def run_records(
     the first Job's; a batch of several images (or warm episodes between cold ones) adds
     job-<name>.json and job-<name>-submitted.json for the others."""
     records = {"pods.json": pretty_json(pods), "events.txt": events_text(events)}
-    in_pool = set(range(spec.count)) if handle.fed else {index for index, _, _ in handle.warm}
+    in_pool = set(range(spec.count)) if handle.fed else {claim.index for claim in handle.warm}
     for part in job_parts(spec, in_pool):
         name = "job" if part.name == JOB_NAME else f"job-{part.name}"
         job = next((j for j in jobs if j["metadata"]["name"] == part.name), None)
@@ -384,12 +384,12 @@ def labelled_ours(obj: dict[str, Any], batch_id: str) -> bool:
     )
 
 
-def handle_from_receipt(receipt: Mapping[str, Any]) -> RunHandle | None:
+def handle_from_receipt(receipt: Mapping[str, Any]) -> KubeRunHandle | None:
     """The run handle of a run cut short before its handle was recorded: the receipt's first
     fields (context, namespace, then its UID and the Job's) still prove what was created."""
     if not receipt.get("namespace") or not receipt.get("uid"):
         return None
-    return RunHandle(
+    return KubeRunHandle(
         backend="kubernetes",
         batch_id=str(receipt.get("run_id") or receipt.get("batch_id")),
         origin=0.0,

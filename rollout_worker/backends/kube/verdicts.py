@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_wire.states import RunVerdict
-from rollout_worker.backends.base import RunHandle
+from rollout_worker.backends.base import KubeRunHandle
 from rollout_worker.backends.kube.objects import FIRST_INDEX_LABEL
 from rollout_worker.backends.kube.read import ts
 from rollout_worker.observation import EpisodeObservation
@@ -145,7 +145,7 @@ def ended_phase(pod: dict[str, Any]) -> str | None:
 
 
 def run_verdict(
-    handle: RunHandle, jobs: list[dict[str, Any]], warm: list[dict[str, Any]]
+    handle: KubeRunHandle, jobs: list[dict[str, Any]], warm: list[dict[str, Any]]
 ) -> tuple[float | None, RunVerdict]:
     """How the run ended: its Jobs' verdict, and its warm Pods' (Complete when every one
     succeeded; Running while one has not ended or has not been seen)."""

@@ -29,7 +29,14 @@ from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
 from rollout_wire.states import RunVerdict
 from rollout_worker.backends import warm
-from rollout_worker.backends.base import MAX_LOG_BYTES, FinishedRun, ReceiptUpdate, RunHandle
+from rollout_worker.backends.base import (
+    MAX_LOG_BYTES,
+    FinishedRun,
+    LocalRunHandle,
+    ReceiptUpdate,
+    RunHandle,
+    handle_as,
+)
 from rollout_worker.backends.local.files import (
     LOG_CUT_MARK,
     OWNER,
@@ -128,8 +135,9 @@ class LocalBackend:
         return "bwrap"
 
     def _dir(self, handle: RunHandle) -> RunDir:
-        assert handle.run_dir is not None, "not a local run"
-        return RunDir(Path(handle.run_dir))
+        run_dir = handle_as(LocalRunHandle, handle).run_dir
+        assert run_dir is not None, "not a local run"
+        return RunDir(Path(run_dir))
 
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
@@ -184,7 +192,7 @@ class LocalBackend:
                 )
         return warnings
 
-    def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> RunHandle:
+    def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> LocalRunHandle:
         isolation = self._isolation()  # refuses before anything is created
         run_dir = RunDir(self.root / spec.batch_id)
         python = self.settings.local_python
@@ -226,7 +234,7 @@ class LocalBackend:
             or existing.get("owner") != OWNER
         ):
             raise OwnershipError(f"{run_dir.path} holds a run that is not batch {spec.batch_id}")
-        handle = RunHandle(
+        handle = LocalRunHandle(
             backend=self.name,
             batch_id=spec.batch_id,
             origin=existing["created_at"],
@@ -286,7 +294,7 @@ class LocalBackend:
             index=index,
             episode_id=handle.episode_id(index),
             phase="Running" if run_dir.log(index).exists() else "Pending",
-            node=handle.node,
+            node=handle_as(LocalRunHandle, handle).node,
         )
 
     def wait_ended(
@@ -325,6 +333,7 @@ class LocalBackend:
         return self.finish_run(spec, handle)  # the run folder is read at once anyway
 
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
+        handle = handle_as(LocalRunHandle, handle)
         run_dir = self._dir(handle)
         finished = run_dir.read_json(run_dir.finished_file)
         records: dict[str, str] = {}
@@ -397,10 +406,11 @@ class LocalBackend:
             if path.exists():
                 raise OwnershipError(f"refusing to delete {path}: it has no run.json of ours")
             return True  # already gone
-        if run.get("owner") != OWNER or run.get("run_uid") != handle.run_uid:
+        run_uid = handle_as(LocalRunHandle, handle).run_uid
+        if run.get("owner") != OWNER or run.get("run_uid") != run_uid:
             raise OwnershipError(
                 f"refusing to delete {path}: its owner/run_uid ({run.get('owner')}, "
-                f"{run.get('run_uid')}) do not match the receipt ({OWNER}, {handle.run_uid})"
+                f"{run.get('run_uid')}) do not match the receipt ({OWNER}, {run_uid})"
             )
         self._stop_supervisor(run_dir)
         shutil.rmtree(path)
