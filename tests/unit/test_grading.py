@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rollout_wire.tasksets import load_task_set
-from tests.red_team import HONEST, TRICKS
+from tests.red_team import HONEST, PYTEST_COMMAND, PYTEST_TESTS, PYTEST_TRICKS, TRICKS
 from tests.runner_program import episode
 from tests.unit.test_agent_command import TASK, baseline_of, names, row_of, run_runner
 
@@ -106,18 +106,6 @@ def test_a_grader_sharing_folders_with_the_agent_empties_them_only_when_fresh(tm
             (folder / "deep").chmod(0o700)
 
 
-PYTEST_TESTS = """from shipping import shipping
-
-
-def test_below():
-    assert shipping(98) == 10
-
-
-def test_threshold():
-    assert shipping(99) == 0
-"""
-
-
 @pytest.mark.parametrize(
     ("planted", "cause"),
     [
@@ -136,7 +124,7 @@ def test_pytest_runs_are_counted_and_planted_configuration_never_loads(tmp_path,
     task = shipping_task(
         plant,
         test_files={"test_shipping.py": PYTEST_TESTS},
-        test_command=["python", "-B", "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        test_command=PYTEST_COMMAND,
     )
     outcome, row = graded(tmp_path, task)
     assert outcome["reward"] == 0 and outcome["grade_cause"] == cause, outcome
@@ -145,6 +133,65 @@ def test_pytest_runs_are_counted_and_planted_configuration_never_loads(tmp_path,
     assert hooks <= set(outcome["removed_before_tests"])
     honest, _ = graded(tmp_path / "honest", task | {"agent": {"command": ["python", "-c", HONEST]}})
     assert (honest["reward"], honest["tests_passed"], honest["tests_total"]) == (1, 2, 2)
+
+
+def pytest_task(source: str):
+    return shipping_task(
+        source, test_files={"test_shipping.py": PYTEST_TESTS}, test_command=PYTEST_COMMAND
+    )
+
+
+@pytest.mark.parametrize("trick", sorted(PYTEST_TRICKS))
+def test_pytest_made_to_report_a_pass_earns_nothing_and_names_what_was_replaced(tmp_path, trick):
+    source, cause = PYTEST_TRICKS[trick]
+    outcome, row = graded(tmp_path, pytest_task(source))
+    assert outcome["reward"] == 0 and outcome["grade_cause"] == cause, outcome
+    assert row.status == "ok" and row.reward == 0 and row.grade_cause == cause
+    assert "the code under test replaced" in outcome["tests_output"], outcome["tests_output"]
+
+
+HONEST_PYTEST_SUITE = {
+    "conftest.py": "import pytest\n\n\n@pytest.fixture\ndef total():\n    return 99\n",
+    "test_shipping.py": PYTEST_TESTS
+    + """
+import unittest
+
+import pytest
+
+
+@pytest.mark.parametrize("below", [1, 50, 98])
+def test_many(below):
+    assert shipping(below) == 10
+
+
+def test_fixture(total):
+    assert shipping(total) == 0
+
+
+@pytest.mark.xfail(strict=True)
+def test_expected_to_fail():
+    assert shipping(0) == 0
+
+
+@pytest.mark.skip(reason="counted as skipped")
+def test_skipped():
+    pass
+
+
+class TestCase(unittest.TestCase):
+    def test_unittest_style(self):
+        self.assertEqual(shipping(100), 0)
+""",
+}
+
+
+def test_an_honest_pytest_suite_of_every_kind_is_not_taken_for_tampering(tmp_path):
+    # Fixtures, a conftest of the task's, parametrize, xfail, skip and a unittest class: pytest
+    # sets its own machinery as it runs, which must not read as the code under test's doing.
+    task = shipping_task(HONEST, test_files=HONEST_PYTEST_SUITE, test_command=PYTEST_COMMAND)
+    outcome, row = graded(tmp_path, task | {"reward_rule": "fraction"})
+    assert outcome["grade_cause"] is None, outcome
+    assert (row.reward, row.tests_passed, row.tests_total) == (1, 7, 9), outcome
 
 
 def test_a_task_script_that_cannot_be_counted_is_graded_by_its_exit_status(tmp_path):

@@ -58,6 +58,29 @@ def _fingerprint(classes: list) -> dict:
     }
 
 
+def _resolved(classes: list, modules: list) -> dict:
+    """What each attribute of `classes` resolves to (through the class's MRO: an override added
+    to a subclass counts), and each callable of `modules`, by identity."""
+    found = {
+        f"{c.__module__}.{c.__qualname__}.{name}": id(value)
+        for c in classes
+        for k in reversed(c.__mro__[:-1])
+        for name, value in list(vars(k).items())
+    }
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if callable(value):
+                found[f"{module.__name__}.{name}"] = id(value)
+    return found
+
+
+def _replaced(classes: list, modules: list, before: dict) -> list:
+    """Of what `before` held, what no longer resolves to the same object (sorted). Names
+    added since are not counted: pytest imports and sets some of its own as it runs."""
+    now = _resolved(classes, modules)
+    return sorted(name for name, value in before.items() if now.get(name) != value)
+
+
 def _tampering(classes: list, before: dict) -> list:
     """The attributes of `classes` replaced, added or removed since `before` (sorted)."""
     now = _fingerprint(classes)
@@ -155,18 +178,111 @@ def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
     return Runner
 
 
+# The hooks through which a plugin decides what a test's verdict is, or what is counted.
+VERDICT_HOOKS = (
+    "pytest_collection_modifyitems",
+    "pytest_collection_finish",
+    "pytest_runtest_protocol",
+    "pytest_runtest_setup",
+    "pytest_runtest_call",
+    "pytest_pyfunc_call",
+    "pytest_runtest_teardown",
+    "pytest_runtest_makereport",
+    "pytest_runtest_logreport",
+    "pytest_report_teststatus",
+    "pytest_sessionfinish",
+)
+
+
+def _pytest_machinery() -> tuple:
+    """(classes, modules) of pytest and pluggy that decide a verdict: what the code under test
+    must leave as it found them (unittest's too: pytest runs TestCase classes through them)."""
+    import _pytest.main
+    import _pytest.nodes
+    import _pytest.outcomes
+    import _pytest.python
+    import _pytest.reports
+    import _pytest.runner
+    import _pytest.skipping
+    import _pytest.unittest
+
+    modules = [
+        _pytest.main,
+        _pytest.nodes,
+        _pytest.outcomes,
+        _pytest.python,
+        _pytest.reports,
+        _pytest.runner,
+        _pytest.skipping,
+        _pytest.unittest,
+        *(m for name, m in sorted(sys.modules.items()) if name.split(".")[0] == "pluggy"),
+    ]
+    classes = [
+        value
+        for module in modules
+        for value in list(vars(module).values())
+        if isinstance(value, type) and value.__module__ == module.__name__
+    ]
+    return classes + _unittest_machinery(), modules
+
+
+def _foreign_hooks(config: typing.Any, own: object, allowed: set) -> list:
+    """Verdict hooks implemented by code of the workspace (the working directory): a plugin
+    the code under test registered, or planted through configuration. Only the conftest.py
+    files there before the run (the task's: the agent's are removed) may implement them."""
+    workspace = os.path.realpath(os.getcwd()) + os.sep
+    found = set()
+    for hook in VERDICT_HOOKS:
+        for impl in getattr(config.hook, hook).get_hookimpls():
+            plugin = impl.plugin
+            if plugin is own:
+                continue
+            where = getattr(plugin, "__file__", None)
+            if where is None:
+                module = sys.modules.get(getattr(type(plugin), "__module__", ""))
+                where = getattr(module, "__file__", None)
+            path = os.path.realpath(where) if isinstance(where, str) else ""
+            if path.startswith(workspace) and path not in allowed:
+                found.add(f"{hook} by {os.path.relpath(path, workspace)}")
+    return sorted(found)
+
+
+def _conftests_now() -> set:
+    """The conftest.py files in the workspace as the run starts (real paths)."""
+    found = set()
+    for folder, dirs, files in os.walk(os.getcwd()):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        if "conftest.py" in files:
+            found.add(os.path.realpath(os.path.join(folder, "conftest.py")))
+    return found
+
+
 def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
-    """A pytest plugin object: what was collected, and each test's verdict (by node id)."""
+    """A pytest plugin object: what was collected, each test's verdict (by node id), and what
+    the code under test replaced of pytest's and pluggy's machinery or hooked into it: checked
+    after every test and at the end, against what it was before any test module was
+    imported."""
+    classes, modules = _pytest_machinery()
+    before = _resolved(classes, modules)
+    allowed = _conftests_now()
 
     class Recorder:
         def __init__(self) -> None:
             self.collected = 0
             self.verdicts: dict = {}
+            self.tampered: set = set()
+
+        def _look(self, config: typing.Any) -> None:
+            self.tampered.update(_replaced(classes, modules, before))
+            self.tampered.update(_foreign_hooks(config, self, allowed))
 
         def pytest_collection_finish(self, session: typing.Any) -> None:
             self.collected = len(session.items)
+            self._look(session.config)
 
         def pytest_runtest_logreport(self, report: typing.Any) -> None:
+            if report.when == "call":
+                self._look(self.config)
             key = report.nodeid
             if report.failed:
                 self.verdicts[key] = "failed"
@@ -175,7 +291,11 @@ def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
             elif report.when == "call" and key not in self.verdicts:
                 self.verdicts[key] = "passed"
 
+        def pytest_configure(self, config: typing.Any) -> None:
+            self.config = config
+
         def pytest_sessionfinish(self, session: typing.Any) -> None:
+            self._look(session.config)
             verdicts = list(self.verdicts.values())
             report(
                 {
@@ -183,6 +303,7 @@ def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
                     "passed": verdicts.count("passed"),
                     "failed": verdicts.count("failed"),
                     "skipped": verdicts.count("skipped"),
+                    "tampered": sorted(self.tampered)[:20],
                 }
             )
 
