@@ -54,9 +54,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.harness import Figures, Loads, new_parser, require_rounds
+from benchmarks.harness import (
+    Figures,
+    Loads,
+    new_parser,
+    redis_pid,
+    require_rounds,
+    worker_roles,
+)
 from benchmarks.proc import Meter, Proc, Sampler, SandboxEvidence, Usage, become_subreaper
-from rollout_wire import constants as k
 from rollout_wire.states import Cleanup
 from rollout_worker.cli.policy_server import running
 from rollout_worker.cli.stack import LocalStack
@@ -141,11 +147,9 @@ class CostMeter(Meter):
     (comm, CPU seconds of it and all it reaped)) and the episode of each bwrap seen."""
 
     def __init__(self, stack: LocalStack) -> None:
-        control = [w.proc.pid for w in stack.workers if w.queue == k.QUEUE_CONTROL]
-        collectors = [w.proc.pid for w in stack.workers if w.queue == k.QUEUE_COLLECT]
-        assert control and collectors
-        redis_pid = stack.redis_proc.pid if stack.redis_proc else None
-        super().__init__({"control": control, "collectors": collectors}, redis_pid, str(stack.dir))
+        roles = worker_roles(stack)
+        assert roles["control"] and roles["collectors"]
+        super().__init__(roles, redis_pid(stack), str(stack.dir))
         self.episode_sampler = EpisodeSampler(str(stack.dir), self.sampler.launcher_sids)
         self.sampler = self.episode_sampler
         self.reaped: dict[int, tuple[str, float]] = {}

@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 
+from benchmarks.harness import redis_pid, worker_roles
 from benchmarks.proc import Meter
 from rollout_worker.cli.stack import LocalStack
 
@@ -27,14 +28,10 @@ def main() -> None:
     with LocalStack(collect_concurrency=args.collect_concurrency) as stack:
         stack.wait_ready()
         time.sleep(5)  # start-up done
-        roles = {
-            "control": [w.proc.pid for w in stack.workers if w.queue == "control"],
-            "collectors": [w.proc.pid for w in stack.workers if w.queue == "collect"],
-        }
-        redis_pid = stack.redis_proc.pid if stack.redis_proc else None
+        roles = worker_roles(stack)
         ours, redis = [], []
         for _ in range(args.runs):
-            meter = Meter(roles, redis_pid, str(stack.dir), reap_orphans=False).start()
+            meter = Meter(roles, redis_pid(stack), str(stack.dir), reap_orphans=False).start()
             time.sleep(args.seconds)
             usage, _ = meter.stop()
             ours.append(usage.ours / args.seconds * 1000)

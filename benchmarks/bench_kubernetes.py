@@ -50,7 +50,7 @@ from typing import Any
 import redis
 from kubernetes.client.rest import ApiException
 
-from benchmarks.harness import append_json, new_parser, percentile, worker_roles
+from benchmarks.harness import append_json, new_parser, percentile, redis_pid, worker_roles
 from benchmarks.kubernetes_table import print_table
 from benchmarks.kwok_bench import (
     ClusterMeter,
@@ -414,7 +414,7 @@ def main() -> None:
             "rollout": RolloutClient(stack.redis_url),
             "roles": roles,
             "roots": roles["control"] + roles["collectors"],
-            "redis_pid": stack.redis_proc.pid if stack.redis_proc else None,
+            "redis_pid": redis_pid(stack),
             "redis": redis.Redis.from_url(stack.redis_url),
             "placement": kc.kwok_placement(),
             "log": log,

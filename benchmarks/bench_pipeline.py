@@ -31,7 +31,7 @@ from pathlib import Path
 
 from celery import chord
 
-from benchmarks.harness import Stats, new_parser, worker_roles
+from benchmarks.harness import Stats, new_parser, redis_pid, worker_roles
 from benchmarks.proc import Meter, SandboxEvidence, Usage, become_subreaper
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.local.backend import LocalBackend
@@ -119,7 +119,7 @@ def noop_chord(stack: LocalStack, workers: NoopWorkers, n: int) -> tuple[float, 
             "control": [p.pid for p in workers.control],
             "collectors": [p.pid for p in workers.collectors],
         },
-        stack.redis_proc.pid if stack.redis_proc else None,
+        redis_pid(stack),
         str(stack.dir),
     ).start()
     start = time.perf_counter()
@@ -137,8 +137,7 @@ def noop_chord(stack: LocalStack, workers: NoopWorkers, n: int) -> tuple[float, 
 def stack_meter(stack: LocalStack) -> Meter:
     roles = worker_roles(stack)
     assert roles["control"] and roles["collectors"]
-    redis_pid = stack.redis_proc.pid if stack.redis_proc else None
-    return Meter(roles, redis_pid, str(stack.dir))
+    return Meter(roles, redis_pid(stack), str(stack.dir))
 
 
 def pipeline(

@@ -2,7 +2,9 @@
 
 A figure here is the median of at least three rounds, shown as `median [min-max]`; the load
 average goes with it (a figure taken on a busy machine is not one taken alone); tables are fixed
-width text; a run's records are JSON. The stacks: a LocalStack's worker roles for a `proc.Meter`.
+width text; a run's records are JSON. The stacks: a LocalStack's worker roles and its Redis for a
+`proc.Meter`. Whether the machine is quiet before a measurement (`proc.settle`,
+`proc.machine_busy_seconds`) stays in proc.py, beside the other readings of /proc.
 What is measured stays in each benchmark: this module only counts, arranges and prints.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rollout_wire import constants as k
 from rollout_worker.cli.stack import LocalStack
 
 MIN_ROUNDS = 3  # a figure is a median of at least this many rounds
@@ -143,6 +146,11 @@ def write_json(path: Path, data: Any) -> None:
 def worker_roles(stack: LocalStack) -> dict[str, list[int]]:
     """A LocalStack's worker pids by the role a `proc.Meter` counts them under."""
     return {
-        "control": [w.proc.pid for w in stack.workers if w.queue == "control"],
-        "collectors": [w.proc.pid for w in stack.workers if w.queue == "collect"],
+        "control": [w.proc.pid for w in stack.workers if w.queue == k.QUEUE_CONTROL],
+        "collectors": [w.proc.pid for w in stack.workers if w.queue == k.QUEUE_COLLECT],
     }
+
+
+def redis_pid(stack: LocalStack) -> int | None:
+    """The stack's own redis-server (None when it uses one it did not start)."""
+    return stack.redis_proc.pid if stack.redis_proc else None
