@@ -229,3 +229,98 @@ def test_verl_output_carries_the_view_and_the_sandboxed_reward():
     lost = agent_loop_fields(samples_of_row(row(status="failed", failure_cause="oom"))[0])
     assert lost["reward_score"] is None and lost["response_mask"] == [0]
     assert lost["extra_fields"]["no_sample"] is True and lost["extra_fields"]["cause"] == "oom"
+
+
+# -- many loops asking one episode each: one batch -----------------------------------------------
+class GroupsClient:
+    """A service stand-in: each submission's groups complete in task order, each group's rows
+    made from (task, sample); `hold` keeps a task's group back until released."""
+
+    def __init__(self, hold: str | None = None):
+        import threading
+
+        self.submitted: list[dict] = []
+        self.hold, self.released = hold, threading.Event()
+
+    def submit(self, **fields):
+        from types import SimpleNamespace
+
+        self.submitted.append(fields)
+        return SimpleNamespace(batch_id=f"b{len(self.submitted)}")
+
+    def sampled_groups(self, batch_id, timeout):
+        fields = self.submitted[int(batch_id[1:]) - 1]
+        for task in fields["tasks"]:
+            if task["id"] == self.hold:
+                assert self.released.wait(10)
+            n = fields["samples_per_task"]
+            yield task, [row(task["id"], s, reward=s / 10) for s in range(n)]
+
+
+REQUEST = {"tasks": [{"id": "a"}, {"id": "b"}, {"id": "c"}], "policy": {"url": "http://x"}}
+
+
+def test_concurrent_asks_are_one_batch_per_sample_count_and_each_gets_its_own_episode():
+    import asyncio
+
+    from trainer_stub.adapters.batching import EpisodeBatcher
+
+    client = GroupsClient()
+    batcher = EpisodeBatcher(client, REQUEST, timeout=5, window=0.05)
+
+    async def step():
+        asks = ["a"] * 4 + ["b"] * 4 + ["c"] * 2
+        return await asyncio.gather(*(batcher.episode(t) for t in asks))
+
+    samples = asyncio.run(step())
+    # GRPO's shape (4 each) is one batch; the task asked twice is a batch of its own.
+    shapes = sorted(
+        ([t["id"] for t in f["tasks"]], f["samples_per_task"]) for f in client.submitted
+    )
+    assert shapes == [(["a", "b"], 4), (["c"], 2)]
+    assert client.submitted[0]["policy"] == REQUEST["policy"]
+    got = [(s.task_id, s.sample) for s in samples]
+    assert got == [("a", k) for k in range(4)] + [("b", k) for k in range(4)] + [
+        ("c", 0),
+        ("c", 1),
+    ]
+
+
+def test_an_ask_is_answered_when_its_group_completes_not_when_the_batch_does():
+    import asyncio
+
+    from trainer_stub.adapters.batching import EpisodeBatcher
+
+    client = GroupsClient(hold="b")
+    batcher = EpisodeBatcher(client, REQUEST, timeout=5, window=0.01)
+
+    async def step():
+        fast = asyncio.ensure_future(batcher.episode("a"))
+        slow = asyncio.ensure_future(batcher.episode("b"))  # its group comes after a's
+        fast = await asyncio.wait_for(fast, timeout=5)
+        assert not slow.done()  # b's group is still held back
+        client.released.set()
+        return fast, await asyncio.wait_for(slow, timeout=5)
+
+    fast, slow = asyncio.run(step())
+    assert (fast.task_id, slow.task_id) == ("a", "b")
+    assert len(client.submitted) == 1
+
+
+def test_an_unknown_task_or_a_failed_batch_is_an_error_for_each_of_its_asks():
+    import asyncio
+
+    from trainer_stub.adapters.batching import EpisodeBatcher
+
+    class Broken(GroupsClient):
+        def sampled_groups(self, batch_id, timeout):
+            raise TimeoutError("the batch took too long")
+            yield
+
+    async def ask(batcher, task):
+        return await batcher.episode(task)
+
+    with pytest.raises(ValueError, match="not in this request"):
+        asyncio.run(ask(EpisodeBatcher(GroupsClient(), REQUEST), "zzz"))
+    with pytest.raises(TimeoutError, match="too long"):
+        asyncio.run(ask(EpisodeBatcher(Broken(), REQUEST, window=0.01), "a"))

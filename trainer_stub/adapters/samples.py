@@ -101,6 +101,21 @@ def last_turn(samples: Sequence[TrainingSample]) -> TrainingSample:
     return samples[-1]
 
 
+def submit_episodes(
+    client: RolloutClient, request: Mapping[str, Any], task_ids: Sequence[str], samples: int
+) -> Any:
+    """Submit one batch of the request's tasks `task_ids` (in that order, each once) x
+    `samples`, with the request's other fields: the client's submission."""
+    tasks = {str(t["id"]): t for t in request["tasks"]}
+    unknown = sorted(set(task_ids) - set(tasks))
+    if unknown:
+        raise ValueError(f"tasks {unknown[:3]} are not in this request")
+    fields = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
+    return client.submit(
+        **fields, tasks=[tasks[t] for t in dict.fromkeys(task_ids)], samples_per_task=samples
+    )
+
+
 def run_episodes(
     client: RolloutClient,
     request: Mapping[str, Any],
@@ -110,14 +125,7 @@ def run_episodes(
 ) -> tuple[str, dict[tuple[str, int], list[TrainingSample]]]:
     """One batch of the request's tasks `task_ids` (in that order, each once) x `samples`,
     waited for: (its batch id, each episode's training samples by (task id, sample))."""
-    tasks = {str(t["id"]): t for t in request["tasks"]}
-    unknown = sorted(set(task_ids) - set(tasks))
-    if unknown:
-        raise ValueError(f"tasks {unknown[:3]} are not in this request")
-    fields = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
-    submission = client.submit(
-        **fields, tasks=[tasks[t] for t in dict.fromkeys(task_ids)], samples_per_task=samples
-    )
+    submission = submit_episodes(client, request, task_ids, samples)
     episodes: dict[tuple[str, int], list[TrainingSample]] = {}
     for _, rows in client.sampled_groups(submission.batch_id, timeout):
         for row in rows:

@@ -6,15 +6,16 @@ run(sampling_params, **kwargs) -> AgentLoopOutput(prompt_ids, response_ids, resp
 response_logprobs, reward_score, num_turns, metrics, extra_fields)` (a pydantic model;
 `metrics` an `AgentLoopMetrics`, required).
 
-verl runs one loop per sample: `run` submits that one episode (its task from the dataset row's
-`extra_info["task_id"]`, or a `task_id` column) and waits for its row off the event loop. The
+verl runs one loop per sample: `run` asks for that one episode (its task from the dataset row's
+`extra_info["task_id"]`, or a `task_id` column) and awaits its row; the asks of a process's
+loops that arrive together go out as one batch (`EpisodeBatcher`: one submission for a step's
+prompts x samples, each loop answered as its task's group completes). The
 token view maps in as verl wants it: the sequence's prompt and response ids, the mask (1 for
 the model's ids, 0 for the environment's), log-probabilities, and the sandboxed tests' reward
 as `reward_score`, so verl's reward manager is not asked. A stepwise episode gives its last
 turn. verl has no unscored sample: an episode that is no sample gets one placeholder id with
 mask 0, `reward_score` None and `extra_fields["no_sample"]` with the cause; a trainer must drop
-such rows before its advantages (not done here). One batch per episode is simple, not cheap:
-batching verl's concurrent loops into one batch per step is not built.
+such rows before its advantages (not done here).
 
 verl's `register` records the class by its import path (`{"_target_": module.qualname}`) and
 its workers build each loop with `hydra.utils.instantiate` (in Ray worker processes), so the
@@ -26,12 +27,13 @@ extra keys of an entry in verl's `agent_loop_config_path`) or, in the process th
 
 from __future__ import annotations
 
-import asyncio
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_stub.adapters.samples import TrainingSample, last_turn, run_episodes
+from trainer_stub.adapters.batching import EpisodeBatcher
+from trainer_stub.adapters.samples import TrainingSample
 from trainer_stub.client import RolloutClient
 
 
@@ -57,19 +59,6 @@ def agent_loop_fields(sample: TrainingSample, placeholder_id: int = 0) -> dict[s
         "num_turns": 2 * sample.turns,
         "extra_fields": {"policy_versions": sample.policy_versions, "episode": sample.episode_id},
     }
-
-
-def run_episode(
-    client: RolloutClient, request: Mapping[str, Any], task_id: str, timeout: float = 900.0
-) -> TrainingSample:
-    """One episode of `task_id`, submitted and waited for: its training sample."""
-    tasks = {str(t["id"]): t for t in request["tasks"]}
-    if task_id not in tasks:
-        raise ValueError(f"task {task_id!r} is not in this request")
-    batch_id, found = run_episodes(client, request, [task_id], 1, timeout)
-    if (task_id, 0) not in found:
-        raise RuntimeError(f"batch {batch_id} ended without its episode's row")
-    return last_turn(found[(task_id, 0)])
 
 
 # The service `register_agent_loop` gave this process: (client, request, timeout).
@@ -117,9 +106,8 @@ def service_agent_loop() -> type:
             self.service = service_of(redis_url, request_path, timeout)
 
         async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
-            client, request, wait = self.service
             task_id = str((kwargs.get("extra_info") or {}).get("task_id") or kwargs["task_id"])
-            sample = await asyncio.to_thread(run_episode, client, request, task_id, wait)
+            sample = await batcher_of(self.service).episode(task_id)
             return AgentLoopOutput(**agent_loop_fields(sample), metrics=AgentLoopMetrics())
 
     ServiceAgentLoop.__module__ = __name__
@@ -128,14 +116,37 @@ def service_agent_loop() -> type:
     return ServiceAgentLoop
 
 
+# One batcher per service (client and request) in this process: every loop of a worker shares it.
+_batchers: dict[tuple[int, int], EpisodeBatcher] = {}
+_batchers_lock = threading.Lock()
+_configured: dict[
+    tuple[str, str, float | None], tuple[RolloutClient, Mapping[str, Any], float]
+] = {}
+
+
+def batcher_of(service: tuple[RolloutClient, Mapping[str, Any], float]) -> EpisodeBatcher:
+    client, request, wait = service
+    with _batchers_lock:
+        key = (id(client), id(request))
+        if key not in _batchers:
+            _batchers[key] = EpisodeBatcher(client, request, wait)
+        return _batchers[key]
+
+
 def service_of(
     redis_url: str | None, request_path: str | None, timeout: float | None
 ) -> tuple[RolloutClient, Mapping[str, Any], float]:
     """The loop's service: from its config's keys, else the one this process registered."""
     if redis_url and request_path:
-        with open(request_path, encoding="utf-8") as handle:
-            request = json.load(handle)
-        return RolloutClient(redis_url), request, 900.0 if timeout is None else float(timeout)
+        # Made once per process and config: the loops verl makes share it (and its batcher).
+        key = (redis_url, request_path, timeout)
+        with _batchers_lock:
+            if key not in _configured:
+                with open(request_path, encoding="utf-8") as handle:
+                    request = json.load(handle)
+                wait = 900.0 if timeout is None else float(timeout)
+                _configured[key] = (RolloutClient(redis_url), request, wait)
+            return _configured[key]
     if _service is None:
         raise RuntimeError(
             "ServiceAgentLoop has no service: give redis_url and request_path in its agent loop "
