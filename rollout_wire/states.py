@@ -64,6 +64,16 @@ class EventKind(StrEnum):
     ERROR = "error"
 
 
+# How a runner's log line names its event (json.dumps' default separators): readers that only
+# look for an event search the raw bytes for these instead of parsing every line.
+EVENT_KEY_MARK = '"event"'
+
+
+def event_mark(kind: EventKind) -> str:
+    """The text of a log line that carries event `kind`."""
+    return f'{EVENT_KEY_MARK}: "{kind.value}"'
+
+
 # The events that end one sandbox's part of an episode; the runner's cost ledger rides on them.
 FINAL_EVENTS = (EventKind.REWARD, EventKind.GRADE_PENDING, EventKind.STALE, EventKind.ERROR)
 # The events that say how an episode ended (a trajectory's `outcome`).

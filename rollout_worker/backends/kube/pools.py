@@ -33,6 +33,7 @@ from rollout_wire.errors import (
     TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
+from rollout_wire.states import EVENT_KEY_MARK
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import ReceiptUpdate, WarmClaim
 from rollout_worker.backends.kube import objects, read
@@ -291,7 +292,7 @@ class WarmPools:
             )
         except BackendError:
             return False
-        return '"event"' in text
+        return EVENT_KEY_MARK in text
 
     # -- deletion ----------------------------------------------------------------------------
     def delete_claimed(self, namespace: str, batch_id: str, warm: Sequence[WarmClaim]) -> bool:
@@ -417,7 +418,7 @@ def _attach_and_write(
             ws.write_stdin(line.decode())
             end = time.monotonic() + CONFIRM_SECONDS
             seen = ""
-            while '"event"' not in seen and ws.is_open():
+            while EVENT_KEY_MARK not in seen and ws.is_open():
                 if time.monotonic() > end:
                     return False
                 ws.update(timeout=0.5)

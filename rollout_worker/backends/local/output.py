@@ -13,6 +13,7 @@ from typing import BinaryIO
 
 import orjson
 
+from rollout_wire.states import EventKind, event_mark
 from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.local.files import LOG_CUT_MARK
 from rollout_worker.backends.local.phases import AGENT_PHASE
@@ -20,6 +21,11 @@ from rollout_worker.backends.local.pool import Taken
 
 # The longest partial output line a sandbox may hold before its newline.
 PENDING_LIMIT = 64 * 2**10
+# The event lines the supervisor acts on, as the bytes a log line holds.
+READY_LINE = event_mark(EventKind.READY).encode()
+REWARD_LINE = event_mark(EventKind.REWARD).encode()
+GRADE_PENDING_LINE = event_mark(EventKind.GRADE_PENDING).encode()
+ERROR_LINE = event_mark(EventKind.ERROR).encode()
 
 
 @dataclass
@@ -83,7 +89,7 @@ def error_cause(log_path: Path) -> str | None:
     cause = None
     with contextlib.suppress(OSError), open(log_path, "rb") as log:
         for line in log:
-            if b'"event": "error"' in line:
+            if ERROR_LINE in line:
                 with contextlib.suppress(orjson.JSONDecodeError):
                     event = orjson.loads(line)
                     if isinstance(event, dict) and event.get("cause"):

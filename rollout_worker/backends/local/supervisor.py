@@ -36,7 +36,14 @@ from rollout_worker.backends.local.files import (
     resolve_in_root,
     write_json_atomic,
 )
-from rollout_worker.backends.local.output import Running, error_cause, read_output
+from rollout_worker.backends.local.output import (
+    GRADE_PENDING_LINE,
+    READY_LINE,
+    REWARD_LINE,
+    Running,
+    error_cause,
+    read_output,
+)
 from rollout_worker.backends.local.phases import (
     AGENT_PHASE,
     GRADE_PHASE,
@@ -397,11 +404,11 @@ class Supervisor:
         if lines is None:
             return False
         for line in lines:
-            if b'"event": "ready"' in line:
+            if READY_LINE in line:
                 self.progress(item.index, "ready")
-            elif b'"event": "reward"' in line:
+            elif REWARD_LINE in line:
                 self.progress(item.index, "rewarded")
-            elif b'"event": "grade_pending"' in line:
+            elif GRADE_PENDING_LINE in line:
                 item.grade_pending = True
                 self.baselines[item.index] = baseline_tests(line)
         return True
