@@ -97,7 +97,9 @@ class ComposeStack:
         return self.compose("port", service, str(private), timeout=30).stdout.strip()
 
 
-@pytest.fixture(scope="session")
+# Module scope: the stack's healthchecks (a `celery inspect ping` per worker every 10 s) cost
+# about a fifth of a core here; kept up for the session, they slowed every later test.
+@pytest.fixture(scope="module")
 def stack(
     images: dict[str, str], tmp_path_factory: pytest.TempPathFactory, timings: dict[str, float]
 ) -> Iterator[ComposeStack]:
