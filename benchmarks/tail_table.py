@@ -7,12 +7,16 @@ import argparse
 import os
 import statistics
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from benchmarks.harness import Stats, p95
 
-if TYPE_CHECKING:
-    from benchmarks.bench_tail import Bench
+
+class Bench(Protocol):
+    """What the table reads of a backend's bench (bench_tail.Bench): its figures by name."""
+
+    figures: dict[str, list[float]]
+
 
 GOAL_TIME_TO_K = 0.5  # over-sampled time to K / plain, at most
 GOAL_CONTINUOUS = 1.8  # continuous groups/s / synchronous, at least

@@ -90,14 +90,19 @@ def import_graph(package: str) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 edges |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # `from pkg import module` names a module when one exists by that name.
+            elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                # `from pkg import module` names a module when one exists by that name; a
+                # relative import (the runner's package) counts from its own package.
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
                 for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
+                    full = f"{base}.{alias.name}"
                     is_module = (ROOT / full.replace(".", "/")).with_suffix(".py").exists() or (
                         ROOT / full.replace(".", "/") / "__init__.py"
                     ).exists()
-                    edges.add(full if is_module else node.module)
+                    edges.add(full if is_module else base)
         graph[name] = {e for e in edges if e == package or e.startswith(package + ".")} - {name}
     return graph
 
@@ -159,6 +164,8 @@ def test_the_graph_reader_sees_lazy_imports_and_module_imports():
     graph = import_graph("rollout_worker")
     assert "rollout_worker.tasks" in graph["rollout_worker.celery_app"]  # lazy, in create_app
     assert "rollout_worker.backends.local.backend" in graph["rollout_worker.backends"]
+    runner = "rollout_worker.sandbox.runner"
+    assert f"{runner}.proxy_server" in graph[f"{runner}.proxy"]  # `from .proxy_server import`
 
 
 # -- sizes: rooms a newcomer can read in one sitting -------------------------------------------

@@ -10,8 +10,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .policy import VERSION_HEADER
 
-if typing.TYPE_CHECKING:  # the proxy serves through this; dropped from the program
-    from .proxy import Proxy
+
+class Serving(typing.Protocol):
+    """What the handler asks of the proxy that serves through it (proxy.Proxy)."""
+
+    policy: typing.Any
+
+    def exchange(self, handler: typing.Any, request: dict) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
 
 MAX_AGENT_REQUEST = 32 * 2**20
 
@@ -131,7 +139,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 class ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: Serving) -> None:
         self.proxy = proxy
         super().__init__(("127.0.0.1", 0), ProxyHandler)
 
