@@ -28,6 +28,7 @@ RUNNER_MODULES = (
     "policy",
     "workspace",
     "processes",
+    "comparisons",
     "harness",
     "judging",
     "rewards",

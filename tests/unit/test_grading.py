@@ -237,6 +237,47 @@ def test_a_run_that_never_reported_its_end_or_timed_out_earns_nothing():
     assert episode.judge("all", timed_out, None)["grade_cause"] == "tests_timed_out"
 
 
+def test_only_an_object_equal_to_anything_claims_to_equal_the_harness_stranger():
+    # The probe behind the always-equal tricks must not flag what honest tests compare.
+    import collections
+    import dataclasses
+    import datetime
+    import decimal
+    import fractions
+    import re
+    import types
+    from unittest import mock
+
+    from rollout_worker.sandbox.runner import comparisons
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+        __hash__ = object.__hash__
+
+    class NeverDifferent:
+        def __ne__(self, other):
+            return False
+
+    honest = [0, "x", 1.5, float("nan"), None, b"", [1, 2], {"a": 1}, Point(1), object()]
+    honest += [fractions.Fraction(1, 3), decimal.Decimal("1.0"), datetime.date(2026, 1, 1)]
+    honest += [pytest.approx(0.1), pytest.approx([1, 2]), mock.call(1, x=mock.ANY)]
+    honest += [mock.Mock(), mock.MagicMock(), re.compile("x"), range(3), types.SimpleNamespace()]
+    honest += [collections.Counter("ab"), collections.namedtuple("P", "x")(1), {1}]
+    stranger = comparisons.Stranger()
+    assert [h for h in honest if comparisons.equal_to_anything(h, stranger)] == []
+    cheats = (Anything(), NeverDifferent(), mock.ANY)
+    claims = [comparisons.equal_to_anything(v, stranger) for v in cheats]
+    assert [c.rsplit(".", 1)[-1] for c in claims] == ["Anything", "NeverDifferent", "_ANY"]
+    items = list(comparisons.operands([[1, Anything()], {"k": mock.ANY}]))
+    assert [bool(comparisons.equal_to_anything(i, stranger)) for i in items].count(True) == 2
+
+
 def test_harness_plans_only_commands_it_can_count():
     plan = episode.harness_plan
     assert plan(["python", "-B", "-m", "unittest", "-v"]) == (["-B"], "unittest", ["-v"])

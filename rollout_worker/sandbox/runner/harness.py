@@ -8,6 +8,8 @@ import os
 import sys
 import typing
 
+from .comparisons import watch_comparisons
+
 # -- the test harness: what ran, told where the code under test cannot print -------------------
 # Test commands the grader can count: `python [flags] -m unittest|pytest ...` and
 # `python [flags] script.py ...` (a script that calls unittest.main()). They run through the
@@ -42,10 +44,8 @@ def harness_plan(argv: list) -> tuple[list, str, list] | None:
     return None
 
 
-# -- harness: begin. The harness's whole source (json, os and sys its only imports; typing
-# appears in annotations alone, never evaluated):
-# the runner writes this part alone to a file and runs it, so a test run starts about as fast
-# as the bare command (this whole program would add its compile and imports: `harness_source`).
+# -- harness: begin. The harness (json, os, sys its only imports; typing only in annotations),
+# run alone so a test run starts about as fast as the bare command: `harness_source`.
 HARNESS_KEY_BYTES = 16
 
 
@@ -106,11 +106,12 @@ def _unittest_machinery() -> list:
     ]
 
 
-def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
+def _unittest_recorder(report: typing.Callable[[dict], None], claims: set) -> type:
     """A TextTestRunner that reports each test's verdict (by test id) when its run ends, and
     which of unittest's own machinery the code under test replaced (an assertion made a no-op,
     TestCase.run or the result's methods rewritten so every test "passes"): checked after
-    every test and at the end, against what it was before any test module was imported."""
+    every test and at the end, against what it was before any test module was imported; and
+    the operands equal to anything (`claims`, filled by watch_comparisons)."""
     import unittest
 
     class Result(unittest.TextTestResult):
@@ -120,7 +121,7 @@ def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
             self.tampered: set = set()
 
         def _mark(self, test: typing.Any, verdict: str) -> None:
-            self.tampered.update(_tampering(watched, before))
+            self.tampered.update(_tampering(watched, before), claims)
             key = test.id()
             if self.verdicts.get(key) != "failed":  # a failed subtest fails its test for good
                 self.verdicts[key] = verdict
@@ -161,7 +162,7 @@ def _unittest_recorder(report: typing.Callable[[dict], None]) -> type:
             collected = test.countTestCases()
             result = super().run(test)
             verdicts = list(result.verdicts.values())  # type: ignore[attr-defined]
-            tampered = result.tampered | set(_tampering(watched, before))  # type: ignore[attr-defined]
+            tampered = result.tampered | set(_tampering(watched, before)) | claims  # type: ignore[attr-defined]
             report(
                 {
                     "collected": collected,
@@ -197,6 +198,7 @@ VERDICT_HOOKS = (
 def _pytest_machinery() -> tuple:
     """(classes, modules) of pytest and pluggy that decide a verdict: what the code under test
     must leave as it found them (unittest's too: pytest runs TestCase classes through them)."""
+    import _pytest.assertion.rewrite
     import _pytest.main
     import _pytest.nodes
     import _pytest.outcomes
@@ -207,6 +209,7 @@ def _pytest_machinery() -> tuple:
     import _pytest.unittest
 
     modules = [
+        _pytest.assertion.rewrite,
         _pytest.main,
         _pytest.nodes,
         _pytest.outcomes,
@@ -257,11 +260,11 @@ def _conftests_now() -> set:
     return found
 
 
-def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
+def _pytest_recorder(report: typing.Callable[[dict], None], claims: set) -> object:
     """A pytest plugin object: what was collected, each test's verdict (by node id), and what
     the code under test replaced of pytest's and pluggy's machinery or hooked into it: checked
     after every test and at the end, against what it was before any test module was
-    imported."""
+    imported; and the operands equal to anything (`claims`, filled by watch_comparisons)."""
     classes, modules = _pytest_machinery()
     before = _resolved(classes, modules)
     allowed = _conftests_now()
@@ -273,7 +276,7 @@ def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
             self.tampered: set = set()
 
         def _look(self, config: typing.Any) -> None:
-            self.tampered.update(_replaced(classes, modules, before))
+            self.tampered.update(_replaced(classes, modules, before), claims)
             self.tampered.update(_foreign_hooks(config, self, allowed))
 
         def pytest_collection_finish(self, session: typing.Any) -> None:
@@ -293,6 +296,12 @@ def _pytest_recorder(report: typing.Callable[[dict], None]) -> object:
 
         def pytest_configure(self, config: typing.Any) -> None:
             self.config = config
+
+        def pytest_assertion_pass(
+            self, item: typing.Any, lineno: int, orig: str, expl: str
+        ) -> None:
+            """Implemented so that a passing assertion shows its operands (to
+            watch_comparisons); its text is not needed."""
 
         def pytest_sessionfinish(self, session: typing.Any) -> None:
             self._look(session.config)
@@ -325,7 +334,11 @@ def harness(argv: list) -> int:
 
     import unittest  # the real one, before the workspace is on the path
 
-    runner = _unittest_recorder(report)
+    if what == "pytest":
+        import _pytest.assertion.rewrite  # noqa: F401  (the real one: its comparisons are watched)
+    claims: set = set()
+    watch_comparisons(claims)
+    runner = _unittest_recorder(report, claims)
     # As `python -m` or `python script.py` would: the working directory (or the script's
     # directory) first on the path, never this program's own.
     sys.path[0] = os.getcwd() if what in ("unittest", "pytest") else os.path.dirname(what)
@@ -339,7 +352,10 @@ def harness(argv: list) -> int:
             sys.argv = ["pytest", *args]
             import pytest
 
-            code = int(pytest.main(args, plugins=[_pytest_recorder(report)]))
+            # Rewritten assertions that show their operands when they pass, whatever a
+            # configuration file the agent may have written says (the command line wins).
+            watched = ["--assert=rewrite", "-o", "enable_assertion_pass_hook=true", *args]
+            code = int(pytest.main(watched, plugins=[_pytest_recorder(report, claims)]))
         else:
             import runpy
 
@@ -365,11 +381,19 @@ HARNESS_END = "# -- harness: end"
 
 
 def harness_source() -> str:
-    """The harness as a program of its own: its part of this file, its imports, its main."""
+    """The harness as a program of its own: the parts between the markers of comparisons.py
+    and of this file (in that order in the assembled program too), their imports, its main."""
     # Run as its compiled bytecode, the program's source lies beside it.
-    source = __file__[:-1] if __file__.endswith(".pyc") else __file__
-    with open(os.path.abspath(source), encoding="utf-8") as handle:
-        text = handle.read()
-    part = text[text.index(HARNESS_BEGIN) : text.index(HARNESS_END)]
+    here = os.path.abspath(__file__[:-1] if __file__.endswith(".pyc") else __file__)
+    files = [here]
+    if os.path.basename(here) == "harness.py":  # the package itself, not the assembled program
+        files.insert(0, os.path.join(os.path.dirname(here), "comparisons.py"))
+    parts = []
+    for path in files:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        # Markers only at the start of a line (the constants above hold them in quotes).
+        for part in text.split("\n" + HARNESS_BEGIN)[1:]:
+            parts.append(HARNESS_BEGIN + part[: part.index("\n" + HARNESS_END)])
     head = "from __future__ import annotations\nimport json, os, sys\n"
-    return head + part + "\nsys.exit(harness(sys.argv[1:]))\n"
+    return head + "\n".join(parts) + "\nsys.exit(harness(sys.argv[1:]))\n"
