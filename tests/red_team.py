@@ -179,6 +179,57 @@ open("shipping.py", "w").write(
 )
 """
 
+# Forgery from the harness's memory: the code under test looks through the frames below it
+# (their locals, and the closures of the functions there) for the records' key and the
+# channel, writes a passing run and the end with them, and exits before any test runs.
+_FORGE = """import json, os, re, sys
+def forge(places):
+    keys = [v for v in places if isinstance(v, str) and re.fullmatch('[0-9a-f]{32}', v)]
+    channels = [v for v in places if hasattr(v, 'write') and hasattr(v, 'flush')]
+    if not (keys and channels):
+        return
+    run = {'collected': 3, 'passed': 3, 'failed': 0, 'skipped': 0, 'tampered': []}
+    lines = [json.dumps(dict(r, key=keys[0])) for r in ({'run': run}, {'end': True, 'runs': 1})]
+    for channel in channels:
+        try:
+            channel.write(chr(10).join(lines) + chr(10))
+            channel.flush()
+        except (OSError, ValueError, TypeError):
+            pass
+    os._exit(0)
+def inside(value):
+    found = [value]
+    for cell in getattr(value, '__closure__', None) or ():
+        try:
+            found.append(cell.cell_contents)
+        except ValueError:
+            pass
+    return found
+"""
+FRAME_FORGERY = (
+    "open('shipping.py', 'w').write("
+    + repr(
+        _FORGE
+        + "frame = sys._getframe()\n"
+        + "while frame is not None:\n"
+        + "    forge([v for value in list(frame.f_locals.values()) for v in inside(value)])\n"
+        + "    frame = frame.f_back\n"
+        + "def shipping(total):\n    return 10\n"
+    )
+    + ")\n"
+)
+# The same through the garbage collector: every function's closure, every object.
+GC_FORGERY = (
+    "open('shipping.py', 'w').write("
+    + repr(
+        _FORGE
+        + "import gc\n"
+        + "forge([v for value in gc.get_objects() for v in inside(value)])\n"
+        + "def shipping(total):\n    return 10\n"
+    )
+    + ")\n"
+)
+
 TRICKS = {
     "exit_at_import": (EXIT_AT_IMPORT, "runner_exited"),
     "exit_in_test_hook": (EXIT_IN_TEST_HOOK, "runner_exited"),
@@ -192,6 +243,8 @@ TRICKS = {
     "every_test_passes": (EVERY_TEST_PASSES, "tests_tampered"),
     "always_equal": (ALWAYS_EQUAL, "tests_tampered"),
     "mock_any": (MOCK_ANY, "tests_tampered"),
+    "frame_forgery": (FRAME_FORGERY, "tests_failed"),
+    "gc_forgery": (GC_FORGERY, "tests_tampered"),
     "daemon": (DAEMON, "tests_failed"),
     "delete_tests": (DELETE_TESTS, "tests_failed"),
 }

@@ -29,6 +29,7 @@ RUNNER_MODULES = (
     "workspace",
     "processes",
     "comparisons",
+    "vault",
     "harness",
     "judging",
     "rewards",

@@ -3,12 +3,12 @@ runs them and reports what ran on a pipe only the runner reads."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import typing
 
 from .comparisons import watch_comparisons
+from .vault import lock_up, tell
 
 # -- the test harness: what ran, told where the code under test cannot print -------------------
 # Test commands the grader can count: `python [flags] -m unittest|pytest ...` and
@@ -44,7 +44,7 @@ def harness_plan(argv: list) -> tuple[list, str, list] | None:
     return None
 
 
-# -- harness: begin. The harness (json, os, sys its only imports; typing only in annotations),
+# -- harness: begin. The harness (os and sys its only imports; typing only in annotations),
 # run alone so a test run starts about as fast as the bare command: `harness_source`.
 HARNESS_KEY_BYTES = 16
 
@@ -321,16 +321,15 @@ def _pytest_recorder(report: typing.Callable[[dict], None], claims: set) -> obje
 
 def harness(argv: list) -> int:
     """`harness.py RESULT_FD KEY_FD WHAT ARGS...`: run the tests, reporting every
-    run's counts and then the end on RESULT_FD, each line carrying the key read from KEY_FD."""
+    run's counts and then the end on RESULT_FD, each line carrying the key read from KEY_FD
+    (which only the vault keeps)."""
     result_fd, key_fd, what, args = int(argv[0]), int(argv[1]), argv[2], argv[3:]
     with os.fdopen(key_fd, "rb") as handle:
-        key = handle.read(HARNESS_KEY_BYTES * 2).decode()
-    channel = os.fdopen(result_fd, "w", buffering=1)
-    runs = []
+        script = "" if what in ("unittest", "pytest") else what
+        lock_up(handle.read(HARNESS_KEY_BYTES * 2).decode(), result_fd, script)
 
     def report(counts: dict) -> None:
-        runs.append(counts)
-        channel.write(json.dumps({"key": key, "run": counts}) + "\n")
+        tell("run", counts)
 
     import unittest  # the real one, before the workspace is on the path
 
@@ -365,8 +364,7 @@ def harness(argv: list) -> int:
             runpy.run_path(what, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
-    channel.write(json.dumps({"key": key, "end": True, "runs": len(runs)}) + "\n")
-    channel.close()
+    tell("end")
     if code is None or isinstance(code, int):
         return code or 0
     print(code, file=sys.stderr)
@@ -377,17 +375,19 @@ def harness(argv: list) -> int:
 
 
 HARNESS_BEGIN = "# -- harness: begin"
+# The modules whose parts come before this one's, in the assembled program's order.
+HARNESS_PARTS = ("comparisons", "vault")
 HARNESS_END = "# -- harness: end"
 
 
 def harness_source() -> str:
-    """The harness as a program of its own: the parts between the markers of comparisons.py
+    """The harness as a program of its own: the parts between the markers of HARNESS_PARTS
     and of this file (in that order in the assembled program too), their imports, its main."""
     # Run as its compiled bytecode, the program's source lies beside it.
     here = os.path.abspath(__file__[:-1] if __file__.endswith(".pyc") else __file__)
     files = [here]
     if os.path.basename(here) == "harness.py":  # the package itself, not the assembled program
-        files.insert(0, os.path.join(os.path.dirname(here), "comparisons.py"))
+        files[:0] = [os.path.join(os.path.dirname(here), f"{m}.py") for m in HARNESS_PARTS]
     parts = []
     for path in files:
         with open(path, encoding="utf-8") as handle:
@@ -395,5 +395,5 @@ def harness_source() -> str:
         # Markers only at the start of a line (the constants above hold them in quotes).
         for part in text.split("\n" + HARNESS_BEGIN)[1:]:
             parts.append(HARNESS_BEGIN + part[: part.index("\n" + HARNESS_END)])
-    head = "from __future__ import annotations\nimport json, os, sys\n"
+    head = "from __future__ import annotations\nimport os, sys\n"
     return head + "\n".join(parts) + "\nsys.exit(harness(sys.argv[1:]))\n"
