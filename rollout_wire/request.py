@@ -25,7 +25,14 @@ from rollout_wire.task_spec import (
     DEFAULT_TASK_TIME_LIMIT_SECONDS as DEFAULT_TASK_TIME_LIMIT_SECONDS,
 )
 from rollout_wire.task_spec import DEFAULT_TEST_TIMEOUT_SECONDS as DEFAULT_TEST_TIMEOUT_SECONDS
-from rollout_wire.task_spec import IMAGE_REFERENCE, MAX_DEADLINE_SECONDS, parse_agent, parse_tasks
+from rollout_wire.task_spec import (
+    IMAGE_REFERENCE,
+    MAX_DEADLINE_SECONDS,
+    MAX_TASK_WARNING_CHARS,
+    MAX_TASK_WARNINGS,
+    parse_agent,
+    parse_tasks,
+)
 from rollout_wire.task_spec import MAX_TASKS as MAX_TASKS
 from rollout_wire.task_spec import MAX_TASKS_BYTES as MAX_TASKS_BYTES
 from rollout_wire.task_spec import ORACLE as ORACLE
@@ -128,6 +135,9 @@ class BatchSpec:
     # agent) shown read-only to every sandbox at the same path; the worker allows only the
     # roots it is configured with (ROLLOUT_AGENT_ENV_ROOTS).
     agent_env: str | None = None
+    # What loading the tasks warned of (a task.toml key let through by --allow-unknown-keys,
+    # one not enforced here): said again in the report (`rollout_fields` fills it in).
+    task_warnings: list[str] = field(default_factory=list)
 
     def group_of(self, index: int) -> range:
         """The indexes of the group episode `index` belongs to (a task's samples)."""
@@ -266,6 +276,21 @@ def _labels(request: ParseState) -> Any:
         )
         return {}
     return labels
+
+
+def _task_warnings(request: ParseState) -> Any:
+    said = request.data.get("task_warnings", [])
+    if (
+        not isinstance(said, list)
+        or not all(isinstance(m, str) and len(m) <= MAX_TASK_WARNING_CHARS for m in said)
+        or len(said) > MAX_TASK_WARNINGS
+    ):
+        request.problems.append(
+            f"task_warnings must be a list of at most {MAX_TASK_WARNINGS} texts of at most "
+            f"{MAX_TASK_WARNING_CHARS} characters"
+        )
+        return []
+    return list(said)
 
 
 def _policy_version(request: ParseState) -> Any:
@@ -504,6 +529,7 @@ _TABLE: tuple[Field | Check, ...] = (
     Field("policy_version", _policy_version),
     Field("agent", _agent),
     Field("agent_env", _agent_env),
+    Field("task_warnings", _task_warnings),
     Check(request_checks.fresh_grade_in_the_batch_image),
     Check(request_checks.agent_env_only_local),
     Check(request_checks.warm_pool_without_workdir),

@@ -22,6 +22,10 @@ IMAGE_REFERENCE = re.compile(
 # whose whole object the API server caps at 1 MiB: the encoded tasks must stay below this.
 MAX_TASKS_BYTES = 900 * 1024
 MAX_TASKS = 1000
+# The warnings loading a task set raised (keys let through, keys not enforced), carried in a
+# request for its report: at most this many, each cut to MAX_TASK_WARNING_CHARS.
+MAX_TASK_WARNINGS = 200
+MAX_TASK_WARNING_CHARS = 1000
 DEFAULT_TASK_TIME_LIMIT_SECONDS = 60
 DEFAULT_MAX_STEPS = 10
 MAX_STEPS = 200

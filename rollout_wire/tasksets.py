@@ -9,6 +9,7 @@ bugs, one of them needing several steps); it is what the tests and the demo use.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 
 import orjson
 
-from rollout_wire.errors import InvalidSpec
+from rollout_wire.errors import InvalidSpec, TaskWarning
+from rollout_wire.task_spec import MAX_TASK_WARNING_CHARS, MAX_TASK_WARNINGS
 
 BUNDLED = "bundled"
 _BUNDLED_FILE = "data/bundled-tasks.json"
@@ -124,7 +126,16 @@ def rollout_fields(
     tasks resolved to data here, at the edge; `parse_spec` checks the rest."""
     fields: dict[str, Any] = {}
     if tasks is not None:
-        fields["tasks"] = load_task_set(tasks, list(only) or None, allow_unknown_keys)
+        # Each warning loading raises (a key let through, one not enforced) rides with the
+        # request into the report, and is raised again here for the caller.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", TaskWarning)
+            fields["tasks"] = load_task_set(tasks, list(only) or None, allow_unknown_keys)
+        said = [str(w.message) for w in caught if issubclass(w.category, TaskWarning)]
+        for message in said:
+            warnings.warn(message, TaskWarning, stacklevel=2)
+        if said:
+            fields["task_warnings"] = [m[:MAX_TASK_WARNING_CHARS] for m in said[:MAX_TASK_WARNINGS]]
     elif only:
         raise InvalidSpec(["--task needs --tasks (the task set to pick from)"])
     if samples is not None:

@@ -442,3 +442,24 @@ def test_tasks_commands_refuse_an_unknown_key_unless_allowed_and_then_say_it(tmp
     assert allowed.exit_code == 0, allowed.output
     said = " ".join(allowed.output.split())
     assert said.count("warning: task 't': unknown key colour") == 1, allowed.output
+
+
+def test_the_keys_let_through_ride_with_the_request_into_its_report(tmp_path):
+    from rollout_wire.tasksets import rollout_fields
+    from rollout_worker.backends.base import RunHandle
+    from rollout_worker.report import build_report
+
+    make_task(tmp_path, "t", toml="colour = 1\n", solution={"solve.sh": "true\n"})
+    with pytest.warns(TaskWarning, match="unknown key colour"):  # still said to the caller
+        fields = rollout_fields(
+            tasks=str(tmp_path), samples=1, policy_url=None, allow_unknown_keys=True
+        )
+    (said,) = fields["task_warnings"]
+    assert "unknown key colour" in said and "t/task.toml" in said
+    spec = parse_spec({"parallelism": 1, "agent": "oracle"} | fields, max_episodes=None)
+    run = RunHandle("local", spec.batch_id, origin=0.0, episode_prefix="r", context="")
+    report = build_report(spec, [], run, None, finalized_by="test", reported_at=1.0)
+    assert report["warnings"][0] == said
+    # A request that carries something else there is refused before anything runs.
+    with pytest.raises(InvalidSpec, match="task_warnings must be a list"):
+        parse_spec({"agent": "oracle"} | fields | {"task_warnings": "x"}, max_episodes=None)

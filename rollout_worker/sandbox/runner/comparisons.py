@@ -1,6 +1,6 @@
 """Objects equal to anything: the part of the test harness that asks each operand of a
 comparing assertion whether it equals a stranger. It runs inside the harness (`harness_source`
-joins its part to the harness's, so json, os and sys stay their only imports)."""
+joins its part to the harness's, so os and sys stay its only imports)."""
 
 from __future__ import annotations
 
