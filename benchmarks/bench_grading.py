@@ -8,6 +8,8 @@ bench_rollouts), grading seconds per episode (the rows' `cost.wall.tests`, from 
 end to the reward) and the rewards per (task, sample), which must agree between the two.
 
     python -m benchmarks.bench_grading [--before 6a3ec8d] [--rounds 3] [--samples 8]
+
+`--before` may name a revision from before or after the runner became a package.
 """
 
 from __future__ import annotations
@@ -51,6 +53,37 @@ def batch(backend: LocalBackend, url: str, program: str, name: str, samples: int
     return figures
 
 
+def program_at(revision: str) -> str:
+    """The episode program of a git revision: its one file (before the runner became a
+    package), or what that revision's package builds."""
+    shown = subprocess.run(
+        ["git", "show", f"{revision}:rollout_worker/sandbox/episode.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if shown.returncode == 0:
+        return shown.stdout
+    with tempfile.TemporaryDirectory(prefix="rollout-before-") as tree:
+        archive = subprocess.run(
+            ["git", "archive", revision, "rollout_worker", "rollout_wire"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        build = "import sys; from rollout_worker.sandbox import episode_program_text as p; "
+        build += "sys.stdout.write(p())"
+        return subprocess.run(
+            [sys.executable, "-c", build],
+            cwd=tree,
+            env=dict(os.environ, PYTHONPATH=tree),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--before", default="6a3ec8d")
@@ -59,14 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (CPUACCT / "cpuacct.usage").exists() or os.geteuid() != 0:
         sys.exit("needs root and a cgroup v1 cpuacct hierarchy at /sys/fs/cgroup/cpuacct")
-    old = subprocess.run(
-        ["git", "show", f"{args.before}:rollout_worker/sandbox/episode.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    programs = {"before": old, "after": episode_program_text()}
+    programs = {"before": program_at(args.before), "after": episode_program_text()}
     print(f"load average: {os.getloadavg()}", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     backend = LocalBackend(Settings(local_root=root, redis_url="redis://127.0.0.1:9/0"))
