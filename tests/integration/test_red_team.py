@@ -31,6 +31,12 @@ def red_team_tasks(grade: str) -> list[dict]:
         for name, (source, _) in HARBOR_TRICKS.items()
     ]
     tasks.append(add | {"id": "harbor-honest", "grade": grade, "agent": agent(HARBOR_HONEST)})
+    for task in tasks:
+        if task["id"] == "harbor-look-for-tests":
+            # It reads every file of its sandbox, the worker's virtualenv (torch's tens of
+            # thousands of files) included: more than the task's own 30 s on a loaded machine,
+            # and a killed search prints nothing (CI, 2026-12-05: agent_output '').
+            task["time_limit_seconds"] = 90
     return tasks
 
 
@@ -63,7 +69,10 @@ def test_every_red_team_agent_earns_nothing_in_real_sandboxes(stack, client, gra
     for task, row in rows.items():
         assert row["status"] == "ok" and row["graded_by"], (task, row["errors"])
     # The agent that searched its whole sandbox for the hidden tests found nothing.
-    assert "hidden tests found: none" in rows["harbor-look-for-tests"]["agent_output"]
+    looked = rows["harbor-look-for-tests"]
+    assert "hidden tests found: none" in looked["agent_output"], {
+        k: looked.get(k) for k in ("agent_exit_code", "agent_output", "timing", "errors")
+    }
     log = client.logs(batch.batch_id)
     if grade == "fresh":
         assert all('"mode": "grade"' in log[row["index"]] for row in rows.values())
