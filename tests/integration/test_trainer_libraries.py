@@ -236,6 +236,97 @@ SKYRL = textwrap.dedent(
 )
 
 
+# One step of each adapter against the real service: a private Redis and real workers (the
+# local backend's sandboxes), the tiny engine serving the policy (trainer_stub.engine), the
+# learning benchmark's tasks. verl's loops (one per sample, built by hydra as its worker builds
+# them) and SkyRL's generator each get their samples back with the engine's own token ids.
+LIVE = textwrap.dedent(
+    """
+    import hydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop import agent_loop as real
+    from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, DictConfigWrap
+    from benchmarks.bench_learning import drift, learning_request
+    from rollout_worker.cli.stack import LocalStack
+    from trainer_stub import engine
+    from trainer_stub.adapters import skyrl_generator as sky, verl_loop
+    from trainer_stub.adapters.samples import samples_of_row
+    from trainer_stub.client import RolloutClient
+
+    class Recording(RolloutClient):
+        batches = []
+        def submit(self, **fields):
+            submission = super().submit(**fields)
+            self.batches.append(submission.batch_id)
+            return submission
+
+    def samples_of(client, batch_id):
+        # (each episode's last turn, what verl's loop and SkyRL's generator hand back; every
+        # turn, for the drift check against the engine's own ledger)
+        episodes = [samples_of_row(r) for _, rows in client.sampled_groups(batch_id, 60)
+                    for r in rows]
+        turns = [s for episode in episodes for s in episode if s.usable]
+        return [e[-1] for e in episodes if e[-1].usable], turns
+
+    with LocalStack(collectors=1) as stack:
+        stack.wait_ready()
+        server = engine.EngineServer(engine.build_model(seed=0)).start()
+        client = Recording(stack.redis_url)
+        try:
+            request = learning_request(server.url, 1)
+            tasks = [str(t["id"]) for t in request["tasks"]]
+            asks = [t for t in tasks for _ in range(2)]
+
+            verl_loop.register_agent_loop("rollout_live", client, request, timeout=300)
+            config = OmegaConf.create(
+                {"actor_rollout_ref": {"rollout": {}}, "data": {"apply_chat_template_kwargs": {}}})
+            def loop():
+                return hydra.utils.instantiate(
+                    config=real._agent_loop_registry["rollout_live"],
+                    trainer_config=DictConfigWrap(config=config), server_manager=None,
+                    tokenizer=engine.build_tokenizer(), processor=None, hf_model_type=None,
+                    dataset_cls=None, data_config=DictConfigWrap(config.data),
+                    tools=real.ToolListWrap([]))
+            async def verl_step():
+                return await asyncio.gather(*(
+                    loop().run({"temperature": 1.0}, extra_info={"task_id": t}, index=i)
+                    for i, t in enumerate(asks)))
+            outs = asyncio.run(verl_step())
+            assert len(client.batches) == 1, client.batches  # the loops' asks: one batch
+            found, turns = samples_of(client, client.batches[0])
+            assert all(isinstance(o, AgentLoopOutput) for o in outs)
+            got = sorted(o.response_ids for o in outs)
+            assert got == sorted(s.response_ids for s in found), (got, found)
+            checked, mismatched = drift(turns, server.ledger())
+            assert checked >= len(asks) and mismatched == 0, (checked, mismatched)
+            print(f"verl live: {len(outs)} loops, 1 batch, {checked} turns, 0 drift")
+
+            generator = sky.skyrl_generator(client, request)  # imports skyrl (its docstring)
+            from skyrl.train.generators.base import BatchMetadata, TrajectoryID
+            from skyrl.train.utils.trainer_utils import validate_generator_output
+            ids = [TrajectoryID(t, k) for t in tasks for k in range(2)]  # GRPO's repetitions
+            batch = {
+                "prompts": [[{"role": "user", "content": "x"}]] * len(ids),
+                "env_classes": ["rollout"] * len(ids),
+                "env_extras": [{"task_id": i.instance_id} for i in ids],
+                "sampling_params": None,
+                "trajectory_ids": ids,
+                "batch_metadata": BatchMetadata(global_step=1, training_phase="train"),
+            }
+            out = asyncio.run(generator.generate(batch))
+            validate_generator_output(len(ids), out)
+            found, turns = samples_of(client, client.batches[-1])
+            assert sorted(out["response_ids"]) == sorted(s.response_ids for s in found)
+            checked, mismatched = drift(turns, server.ledger())
+            assert checked >= len(asks) and mismatched == 0, (checked, mismatched)
+            print(f"skyrl live: {len(out['response_ids'])} samples, {checked} turns, 0 drift")
+        finally:
+            client.close()
+            server.close()
+    """
+)
+
+
 def libs() -> Path:
     where = Path(os.environ.get("ROLLOUT_TRAINER_LIBS") or ROOT / ".cache" / "trainer-libs")
     return where if where.is_absolute() else ROOT / where
@@ -273,3 +364,11 @@ def test_verl_workers_find_the_loop_by_its_path():
 def test_skyrl_takes_the_adapters_output_and_generator():
     # ray (for SkyRL's validate_generator_output) comes from the verl folder.
     assert "GeneratorOutput keys" in run(SKYRL, "skyrl", "verl")
+
+
+@pytest.mark.redis
+@pytest.mark.workers
+@pytest.mark.slow
+def test_verl_loops_and_the_skyrl_generator_take_a_step_through_the_real_service():
+    out = run(LIVE, "skyrl", "verl")
+    assert "verl live" in out and "skyrl live" in out, out

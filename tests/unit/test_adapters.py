@@ -324,3 +324,16 @@ def test_an_unknown_task_or_a_failed_batch_is_an_error_for_each_of_its_asks():
         asyncio.run(ask(EpisodeBatcher(GroupsClient(), REQUEST), "zzz"))
     with pytest.raises(TimeoutError, match="too long"):
         asyncio.run(ask(EpisodeBatcher(Broken(), REQUEST, window=0.01), "a"))
+
+
+def test_a_step_asking_fewer_episodes_than_the_request_parallelism_runs_them_all():
+    # A trainer's request names its parallelism for full steps; a step of 2 tasks x 2 samples
+    # must still be a valid batch (parse_spec refuses parallelism above the count).
+    from trainer_stub.adapters.samples import submit_episodes
+
+    client = GroupsClient()
+    submit_episodes(client, REQUEST | {"parallelism": 8}, ["b", "a"], 2)
+    submit_episodes(client, REQUEST | {"parallelism": 3}, ["a", "b", "c"], 4)
+    submit_episodes(client, REQUEST, ["c"], 1)
+    assert [f.get("parallelism") for f in client.submitted] == [4, 3, None]
+    assert [t["id"] for t in client.submitted[0]["tasks"]] == ["b", "a"]

@@ -110,10 +110,12 @@ def submit_episodes(
     unknown = sorted(set(task_ids) - set(tasks))
     if unknown:
         raise ValueError(f"tasks {unknown[:3]} are not in this request")
+    chosen = [tasks[t] for t in dict.fromkeys(task_ids)]
     fields = {k: v for k, v in request.items() if k not in ("tasks", "samples_per_task")}
-    return client.submit(
-        **fields, tasks=[tasks[t] for t in dict.fromkeys(task_ids)], samples_per_task=samples
-    )
+    if isinstance(fields.get("parallelism"), int):
+        # The request's parallelism is a ceiling: a step that asks fewer episodes runs them all.
+        fields["parallelism"] = max(1, min(fields["parallelism"], len(chosen) * samples))
+    return client.submit(**fields, tasks=chosen, samples_per_task=samples)
 
 
 def run_episodes(
