@@ -401,19 +401,26 @@ class LocalBackend:
         path = run_dir.path.resolve()
         if root not in path.parents:
             raise OwnershipError(f"refusing to delete {path}: it is not under {root}")
+        run_uid = handle_as(LocalRunHandle, handle).run_uid
+        # The run is renamed to this before it is removed: a deletion cut short (its worker
+        # killed mid-rmtree, run.json perhaps gone already) resumes by a name that only a run
+        # proven ours was given.
+        doomed = root / f".deleting-{path.name}-{run_uid}"
         run = run_dir.read_json(run_dir.run_file)
         if run is None:
             if path.exists():
                 raise OwnershipError(f"refusing to delete {path}: it has no run.json of ours")
+            shutil.rmtree(doomed, ignore_errors=True)
             return True  # already gone
-        run_uid = handle_as(LocalRunHandle, handle).run_uid
         if run.get("owner") != OWNER or run.get("run_uid") != run_uid:
             raise OwnershipError(
                 f"refusing to delete {path}: its owner/run_uid ({run.get('owner')}, "
                 f"{run.get('run_uid')}) do not match the receipt ({OWNER}, {run_uid})"
             )
         self._stop_supervisor(run_dir)
-        shutil.rmtree(path)
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed)
         return True
 
     def _stop_supervisor(self, run_dir: RunDir, wait: float = 10.0) -> None:
