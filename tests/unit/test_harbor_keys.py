@@ -312,25 +312,15 @@ def test_a_refused_limit_names_the_flag_to_change():
 
 
 def test_a_local_sandbox_mounts_its_workspace_at_the_tasks_workdir(tmp_path):
-    from rollout_worker.backends.local.sandbox import plan_sandbox
+    from tests.unit.test_sandbox_argv import plan
 
-    options: dict[str, Any] = {
-        "isolation": "bwrap",
-        "python": "/usr/bin/python3",
-        "python_prefix": "/usr",
-        "program": tmp_path / "episode.py",
-        "workspace": tmp_path / "ws",
-        "episode_id": "e-1",
-        "action": "fix",
-        "running_as_root": False,
-    }
-    argv = plan_sandbox(**options, workdir="/custom-workdir").argv
+    argv = plan(tmp_path, workdir="/custom-workdir").argv
     at = argv.index(str(tmp_path / "ws"))
     assert argv[at - 1 : at + 2] == ["--bind", str(tmp_path / "ws"), "/custom-workdir"]
     assert argv[argv.index("--chdir") + 1] == "/custom-workdir"
     setenv = [argv[i + 1 : i + 3] for i, a in enumerate(argv) if a == "--setenv"]
     assert ["ROLLOUT_WORKSPACE", "/custom-workdir"] in setenv
-    plain = plan_sandbox(**options).argv
+    plain = plan(tmp_path).argv
     assert plain[plain.index("--chdir") + 1] == "/workspace"
 
 

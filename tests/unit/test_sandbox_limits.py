@@ -6,21 +6,12 @@ import resource
 from pathlib import Path
 
 from rollout_worker.backends.local import sandbox
-from rollout_worker.backends.local.sandbox import ImageRoot, plan_sandbox
+from rollout_worker.backends.local.sandbox import ImageRoot
+from tests.unit.test_sandbox_argv import plan as sandbox_plan
 
 
 def plan(tmp_path: Path, **changes: object) -> list[str]:
-    options: dict = {
-        "isolation": "bwrap",
-        "python": "/usr/bin/python3",
-        "python_prefix": "/usr",
-        "program": tmp_path / "episode.py",
-        "workspace": tmp_path / "ws",
-        "episode_id": "e-1",
-        "action": "fix",
-        "running_as_root": False,
-    } | changes
-    return plan_sandbox(**options).argv
+    return sandbox_plan(tmp_path, **changes).argv
 
 
 def sized_tmpfs(argv: list[str]) -> dict[str, int]:
