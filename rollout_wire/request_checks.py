@@ -12,15 +12,34 @@ from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS, ORACLE, orac
 
 
 def fresh_grade_in_the_batch_image(request: ParseState) -> None:
-    tasks = request["tasks"]
-    own_fresh = [t.get("id") for t in tasks if t.get("image") and t.get("grade") == "fresh"]
-    if request["backend"] == "kubernetes" and own_fresh:
-        # A fresh grader is a second container of the Pod, which would not share the folders
-        # of a task's own image where its agent worked.
-        request.problems.append(
-            "grade: fresh on Kubernetes needs a task in the batch's image: "
-            f"{own_fresh[:3]} run in their own; grade those `same`"
-        )
+    """`grade: fresh` on Kubernetes for a task in its own image: its Pod seeds a workspace
+    volume from the image's workdir and mounts it there in the agent's container and in a fresh
+    grader's (kube pod_spec seeds_workspace), so the task names that workdir, and every task of
+    its image grades `fresh` (one Job per image grades one way)."""
+    if request["backend"] != "kubernetes":
+        return
+    by_image: dict[str, list] = {}
+    for task in request["tasks"]:
+        if task.get("image"):
+            by_image.setdefault(task["image"], []).append(task)
+    for image, tasks in by_image.items():
+        fresh = [t.get("id") for t in tasks if t.get("grade") == "fresh"]
+        if not fresh:
+            continue
+        same = [t.get("id") for t in tasks if t.get("grade") != "fresh"]
+        if same:
+            request.problems.append(
+                f"grade: fresh on Kubernetes: the tasks of image {image!r} grade one way, but "
+                f"{fresh[:3]} are fresh and {same[:3]} same"
+            )
+        no_workdir = [t.get("id") for t in tasks if not isinstance(t.get("workdir"), str)]
+        if no_workdir:
+            # The Pod mounts the handed-over workspace at the workdir, which must be known
+            # before the image runs (locally it is the image's WORKDIR, read from its export).
+            request.problems.append(
+                f"grade: fresh on Kubernetes for a task in its own image needs its workdir "
+                f"(Harbor [environment] workdir, the image's WORKDIR): {no_workdir[:3]} have none"
+            )
 
 
 def agent_env_only_local(request: ParseState) -> None:

@@ -35,6 +35,7 @@ RUNNER_MODULES = (
     "rewards",
     "grader",
     "handoff",
+    "seed",
     "task",
     "loop",
     "proxy_server",

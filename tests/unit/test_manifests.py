@@ -546,10 +546,12 @@ def test_grade_fresh_on_kubernetes_grades_in_a_second_container_over_the_workspa
     both = {m["mountPath"] for m in grader["volumeMounts"] if m["name"] in volumes}
     assert both - shared == {"/workspace", "/handoff"} and "/dev/shm" in shared
     assert {"/tmp", "/logs", "/solution"} <= shared
-    # A task in its own image keeps its folders in that image's root: refused by name.
+    # A task in its own image grades `fresh` over a workspace seeded at its workdir
+    # (tests/unit/test_fresh_own_image.py), which it must name.
     own_image = visible | {"image": "rollout.local/task:1"}
-    with pytest.raises(InvalidSpec, match="grade: fresh on Kubernetes needs a task in"):
+    with pytest.raises(InvalidSpec, match="in its own image needs its workdir"):
         real_spec([own_image])
+    assert grades_apart(real_spec([own_image | {"workdir": "/app"}]))
     assert not grades_apart(real_spec([own_image | {"grade": "same"}]))
     # Beside one graded `same`, a fresh task in the batch's image still grades apart: each
     # Job (one per image) is decided on its own tasks.

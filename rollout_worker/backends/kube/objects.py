@@ -25,11 +25,13 @@ from rollout_worker.backends.kube.pod_spec import (
     CONTAINER_NAME,
     PROGRAM_DIR,
     PROGRAM_KEY,
+    SEED_CONTAINER,
     STASH_CONTAINER,
     TASKS_KEY,
     grades_apart,
     ready_probe,
     sandbox_pod_spec,
+    seeds_workspace,
     stashes_tests,
 )
 from rollout_worker.backends.warm import pool_image, task_image
@@ -158,10 +160,13 @@ def pod_failure_policy(spec: BatchSpec, image: str | None = None) -> dict[str, A
     """Which failed Pods use up the episode's retry budget (`backoffLimitPerIndex`): the
     runner's infrastructure exit code and disruptions (eviction, preemption, node loss). Any
     other failure (an episode error, a deadline) fails its index at once: retrying it would
-    only sample the policy again until one attempt looks good. The init container (the
-    agent's when the batch grades apart, the tests' stash) by the same rules."""
+    only sample the policy again until one attempt looks good. The init containers (the
+    agent's when the batch grades apart, with the workspace's seed first for a task in its
+    own image graded `fresh`; the tests' stash) by the same rules."""
     names = [CONTAINER_NAME]
-    if grades_apart(spec, image):
+    if seeds_workspace(spec, image):
+        names = [SEED_CONTAINER, AGENT_CONTAINER, CONTAINER_NAME]
+    elif grades_apart(spec, image):
         names = [AGENT_CONTAINER, CONTAINER_NAME]
     elif stashes_tests(spec, image):
         names = [STASH_CONTAINER, CONTAINER_NAME]

@@ -1,7 +1,8 @@
 """The Pod spec of one sandbox, cold (a Job's template) or warm (a pool Pod), built as plain
 dicts. Pure: same spec in, same dicts out. The container, its volumes and its security
 context each have their builder; a batch whose tests the agent must not see adds an agent's
-init container (grades_apart) or a stash of its tests (stashes_tests).
+init container (grades_apart), with a seed of its workspace when its task is its own image
+(seeds_workspace), or a stash of its tests (stashes_tests).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ except OSError as exc:
     print(exc, file=sys.stderr)
     sys.exit(int(sys.argv[3]))
 """
+# A `fresh` grader of a task in its own image (seeds_workspace): the first init container, of
+# that image, copies its workdir into the workspace volume, mounted there at SEED_DIR.
+SEED_CONTAINER = "seed"
+SEED_DIR = "/rollout-seed"
 # Where the agent's runner leaves its baseline counts for the grader (written after every
 # process of the agent's is gone; validation checks the grader used what the log says).
 HANDOFF_DIR = "/handoff"
@@ -58,16 +63,27 @@ def tasks_of(spec: BatchSpec, image: str | None) -> list[dict[str, Any]]:
     return [t for t in spec.tasks if task_image(spec, t) == image]
 
 
+def seeds_workspace(spec: BatchSpec, image: str | None = None) -> bool:
+    """Whether `image`'s episodes (the whole batch's when None) include a task in its own image
+    graded `fresh` (parse_spec then grades every task of that image so, at its workdir). Its
+    workspace is a volume that a first init container of the image fills with the image's
+    workdir; the agent's init container and then the grader, each a fresh container of the
+    image, mount it at the workdir, and share nothing else (SEED_CONTAINER)."""
+    return any(t.get("image") and t.get("grade") == "fresh" for t in tasks_of(spec, image))
+
+
 def grades_apart(spec: BatchSpec, image: str | None = None) -> bool:
     """Whether the agents and graders of `image`'s episodes (of the whole batch when None)
     run in separate containers: tasks with hidden tests (`tests`) or `grade: fresh`, none of
     which runs in its own image (whose folders, where such an agent works, a second container
-    would not share). The agent then runs in an init container that is given each task
-    without its tests, and the Pod's container grades after it, over the same workspace, /tmp
-    and /logs (`same`) or over the workspace alone, the rest emptied first (`fresh`)."""
+    would not share), or a task in its own image graded `fresh` (seeds_workspace). The agent
+    then runs in an init container that is given each task without its tests, and the Pod's
+    container grades after it, over the same workspace, /tmp and /logs (`same`) or over the
+    workspace alone, the rest emptied first or never shared (`fresh`)."""
     tasks = tasks_of(spec, image)
     apart = any(t.get("tests") or t.get("grade") == "fresh" for t in tasks)
-    return apart and not any(t.get("image") for t in tasks)
+    own = any(t.get("image") for t in tasks)
+    return (apart and not own) or seeds_workspace(spec, image)
 
 
 def stashes_tests(spec: BatchSpec, image: str | None = None) -> bool:
@@ -129,7 +145,9 @@ def sandbox_pod_spec(
     }
     if any("agent" in task for task in spec.tasks):
         _add_agent_dirs(pod_spec)
-    if grades_apart(spec, image):
+    if seeds_workspace(spec, image):
+        _grade_apart(pod_spec, seeded=workspace)
+    elif grades_apart(spec, image):
         _grade_apart(pod_spec)
     elif stashes_tests(spec, image) and not warm:
         _stash_tests(pod_spec)
@@ -278,13 +296,19 @@ def _stash_tests(pod_spec: dict[str, Any]) -> None:
     pod_spec["initContainers"] = [stash]
 
 
-def _grade_apart(pod_spec: dict[str, Any]) -> None:
+def _grade_apart(pod_spec: dict[str, Any], seeded: str | None = None) -> None:
     """The agent as an init container that never sees the tests: its program folder holds
     the tasks without them and it mounts no /tests; its runner ends with grade_pending. The
     kubelet starts the Pod's container only after it exited 0 (every process of the agent
     gone with it), and that container grades over the same workspace, /tmp and /logs (a
-    `fresh` grader empties all but the workspace first: ROLLOUT_SHARED_DIRS)."""
+    `fresh` grader empties all but the workspace first: ROLLOUT_SHARED_DIRS). `seeded`: the
+    workdir of a task in its own image graded `fresh` (_seed_workspace): the workspace volume
+    is mounted there, and the agent's other folders are its own."""
     grader = pod_spec["containers"][0]
+    if seeded is not None:
+        for mount in grader["volumeMounts"]:
+            if mount["name"] == "workspace":
+                mount["mountPath"] = seeded
     agent = copy.deepcopy(grader)
     agent["name"] = AGENT_CONTAINER
     handoff = {"name": "handoff", "mountPath": HANDOFF_DIR}
@@ -293,6 +317,8 @@ def _grade_apart(pod_spec: dict[str, Any]) -> None:
         *(m for m in grader["volumeMounts"] if m["name"] not in ("program", "agent-tests")),
         handoff,
     ]
+    if seeded is not None:
+        _agent_folders_apart(pod_spec, agent)
     agent["env"] = [
         *agent["env"],
         {"name": "ROLLOUT_GRADER", "value": "sandbox"},
@@ -314,3 +340,40 @@ def _grade_apart(pod_spec: dict[str, Any]) -> None:
         {"name": "handoff", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
     ]
     pod_spec["initContainers"] = [agent]
+    if seeded is not None:
+        _seed_workspace(pod_spec, seeded)
+
+
+def _agent_folders_apart(pod_spec: dict[str, Any], agent: dict[str, Any]) -> None:
+    """The agent's /tmp, /logs and /solution as volumes of its own (same kind and size): a
+    fresh grader shares only the workspace with it (and the Pod's /dev/shm, emptied)."""
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = []
+    for mount in agent["volumeMounts"]:  # the grader's own mounts, shared: never changed
+        if mount["name"] not in ("workspace", "handoff", "agent-program"):
+            own = f"{mount['name']}-of-agent"
+            pod_spec["volumes"].append(copy.deepcopy(volumes[mount["name"]]) | {"name": own})
+            mount = mount | {"name": own}
+        mounts.append(mount)
+    agent["volumeMounts"] = mounts
+
+
+def _seed_workspace(pod_spec: dict[str, Any], workdir: str) -> None:
+    """The first init container: the task's image again (same user, limits and isolation),
+    its runner in the seed phase copies the image's `workdir` into the workspace volume
+    (runner/seed.py), which the agent's container and the grader mount at that workdir. It
+    mounts the tasks without their tests. Its working folder is / (a missing workdir is the
+    task's error, never an empty folder the runtime made)."""
+    seed = copy.deepcopy(pod_spec["initContainers"][0])
+    seed["name"] = SEED_CONTAINER
+    seed["workingDir"] = "/"
+    seed["env"] = [
+        {"name": "ROLLOUT_PHASE", "value": "seed"},
+        {"name": "ROLLOUT_SEED_FROM", "value": workdir},
+        {"name": "ROLLOUT_SEED_TO", "value": SEED_DIR},
+    ]
+    seed["volumeMounts"] = [
+        {"name": "agent-program", "mountPath": PROGRAM_DIR, "readOnly": True},
+        {"name": "workspace", "mountPath": SEED_DIR},
+    ]
+    pod_spec["initContainers"].insert(0, seed)

@@ -22,7 +22,7 @@ from rollout_worker.backends.kube.objects import (
     job_manifest,
     job_parts,
 )
-from rollout_worker.backends.kube.pod_spec import AGENT_CONTAINER, CONTAINER_NAME
+from rollout_worker.backends.kube.pod_spec import AGENT_CONTAINER, CONTAINER_NAME, SEED_CONTAINER
 from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
 from rollout_worker.quantities import format_memory, parse_quantity
 
@@ -220,6 +220,19 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         if not terminated and not running and ended.get("exitCode") not in (None, 0):
             terminated = ended
         agent_started = (agent_state.get("running") or ended).get("startedAt")
+        seeded: dict[str, Any] = next(
+            (
+                s
+                for s in status.get("initContainerStatuses") or []
+                if s.get("name") == SEED_CONTAINER
+            ),
+            {},
+        )
+        seed_ended = (seeded.get("state") or {}).get("terminated") or {}
+        if not terminated and not running and seed_ended.get("exitCode") not in (None, 0):
+            # The workspace's seed failed (the image has no such workdir): neither the agent
+            # nor the grader ran.
+            terminated = seed_ended
     conditions = {
         c["type"]: ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
     }

@@ -18,6 +18,7 @@ from .events import emit, record_outcome
 from .policy import Policy
 from .processes import harden
 from .runner import Runner
+from .seed import SEED_FROM_ENV, SEED_TO_ENV, seed
 from .task import episode_identity, load_task, take_handover, take_hidden_tests
 
 
@@ -55,6 +56,9 @@ def agent(workspace: str) -> int:
 
 
 def main() -> int:
+    if os.environ.get("ROLLOUT_PHASE") == "seed":
+        # Before any episode: the image's workdir copied into the workspace volume (seed.py).
+        return seed(os.environ[SEED_FROM_ENV], os.environ[SEED_TO_ENV])
     if os.environ.get("ROLLOUT_HANDOVER") == "stdin" and not take_handover(sys.stdin):
         return 0
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")
