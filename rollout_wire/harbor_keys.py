@@ -30,8 +30,13 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
   [environment] healthcheck       refused (not run: the agent would start before it passed)
   [environment] memory, storage   refused (deprecated: write memory_mb, storage_mb)
   [environment.env], [verifier.env], [solution.env]
-                                  refused: variables are not carried yet (a resolved secret
-                                  would land in receipts and reports)
+                                  the task's `env`, as written: text, ${VAR} or
+                                  ${VAR:-default}, resolved only where the sandbox starts
+                                  (local: the workers' environment; a ${VAR} they lack refuses
+                                  the batch; Kubernetes: templates refused for now). The agent
+                                  sees environment's, the tests environment's + verifier's,
+                                  the oracle environment's + solution's; runner names
+                                  (ROLLOUT_*, PATH, HOME, OPENAI_*) refused
   [verifier.environment]          refused (a separate verifier environment definition)
   artifacts                       refused (not collected into the records)
   [[steps]], multi_step_reward_strategy
@@ -49,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_wire.harbor_files import TEST_SCRIPT
-from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS
+from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS, check_task_env
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
@@ -133,10 +138,6 @@ REFUSED_KEYS: dict[str, str] = {
     "environment.skills_dir": "skills are not copied to agents",
     "environment.memory": "deprecated; write memory_mb",
     "environment.storage": "deprecated; write storage_mb",
-    "environment.env": "environment variables are not carried yet (the agent would run "
-    "without them)",
-    "verifier.env": "environment variables are not carried yet (the tests would run without them)",
-    "solution.env": "environment variables are not carried yet (the oracle would run without them)",
 }
 # The sandbox's only user (uid 1000, non-root): a task asking for it is honoured as is.
 SANDBOX_USERS = ("1000", 1000)
@@ -274,6 +275,7 @@ def honour(
             else "the sandbox runs as uid 1000 only (write 1000, or drop the key)"
         )
         problems.append(f"{where}: [{section}] user = {user!r}: {why}")
+    _env_tables(task, tables, where, problems)
     for key, why in (
         ("storage_mb", "no per-sandbox disk limit here"),
         ("build_timeout_sec", "`rollout tasks build` builds the image before the batch"),
@@ -282,6 +284,23 @@ def honour(
         if value is not None:
             _seconds(value, f"[environment] {key}", where, problems)  # still a number
             warnings.append(f"{where}: [environment] {key} = {value!r} not enforced: {why}")
+
+
+def _env_tables(task: dict[str, Any], tables: TomlTables, where: str, problems: list[str]) -> None:
+    """[environment.env], [verifier.env], [solution.env] as the task's `env`, as written: a
+    ${VAR} is resolved only where the sandbox starts (task_spec.check_task_env's rules)."""
+    solution = tables.config.get("solution")
+    sections = {
+        "environment": tables.environment,
+        "verifier": tables.verifier,
+        "solution": solution if isinstance(solution, dict) else {},
+    }
+    env = {name: table["env"] for name, table in sections.items() if _present(table.get("env"))}
+    if env:
+        before = len(problems)
+        check_task_env(env, f"{where}: env", problems)
+        if len(problems) == before:
+            task["env"] = env
 
 
 def _seconds(value: Any, label: str, where: str, problems: list[str]) -> int:

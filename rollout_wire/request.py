@@ -138,6 +138,10 @@ class BatchSpec:
     # What loading the tasks warned of (a task.toml key let through by --allow-unknown-keys,
     # one not enforced here): said again in the report (`rollout_fields` fills it in).
     task_warnings: list[str] = field(default_factory=list)
+    # Kubernetes: the Secret (in the batch's namespace) whose keys give the tasks' ${VAR}
+    # templates their values (`TASK_FIELDS["env"]`); the local backend reads the worker's own
+    # environment instead. Only the name travels, never a value.
+    task_env_secret: str | None = None
 
     def group_of(self, index: int) -> range:
         """The indexes of the group episode `index` belongs to (a task's samples)."""
@@ -323,6 +327,20 @@ def _agent_env(request: ParseState) -> Any:
         request.problems.append(f"agent_env must be an absolute directory path, got {agent_env!r}")
         return None
     return agent_env
+
+
+_SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _task_env_secret(request: ParseState) -> Any:
+    name = request.data.get("task_env_secret")
+    if name is not None and (not isinstance(name, str) or not _SECRET_NAME.match(name)):
+        request.problems.append(
+            f"task_env_secret must be a Kubernetes Secret name (lower-case letters, digits, "
+            f"'-', '.'; at most 253), got {name!r}"
+        )
+        return None
+    return name
 
 
 def _node_selector(request: ParseState) -> Any:
@@ -530,6 +548,7 @@ _TABLE: tuple[Field | Check, ...] = (
     Field("agent", _agent),
     Field("agent_env", _agent_env),
     Field("task_warnings", _task_warnings),
+    Field("task_env_secret", _task_env_secret),
     Check(request_checks.fresh_grade_in_the_batch_image),
     Check(request_checks.agent_env_only_local),
     Check(request_checks.warm_pool_without_workdir),

@@ -5,7 +5,7 @@ Harbor folders: `rollout_wire.harbor`); every problem of every task is listed at
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -60,6 +60,11 @@ TASK_FIELDS = {
     "workdir": "absolute path: where the agent and the tests run (default: the backend's "
     "workspace, /workspace or the image's WORKDIR)",
     "max_steps": "the agent loop's step limit",
+    "env": "{environment|verifier|solution: {NAME: text}}: Harbor's env tables; a value is text "
+    "or a template ${VAR} / ${VAR:-default} resolved where the sandbox starts (the worker's "
+    "environment, or the Kubernetes Secret `task_env_secret`), never before: the agent sees "
+    "environment's, the tests environment's and verifier's, the oracle environment's and "
+    "solution's",
     "image": "the image the task needs (kubernetes)",
     "description": "free text for people (not shown to the policy)",
 }
@@ -197,6 +202,8 @@ def _check_task(task: Mapping[str, Any], seen: set[str], problems: list[str]) ->
     _check_reward(task, problems)
     _check_limits(task, problems)
     _check_place(task, problems)
+    if "env" in task:
+        check_task_env(task["env"], f"task {tid!r}: env", problems)
 
 
 def _check_reward(task: Mapping[str, Any], problems: list[str]) -> None:
@@ -240,3 +247,100 @@ def _check_place(task: Mapping[str, Any], problems: list[str]) -> None:
     image = task.get("image")
     if image is not None and (not isinstance(image, str) or not IMAGE_REFERENCE.match(image)):
         problems.append(f"task {tid!r}: image {image!r} is not a valid image reference")
+
+
+# A task's env tables (Harbor's [environment.env], [verifier.env], [solution.env]): who sees
+# each is the runner's business (the agent, the tests, the oracle). The values travel as
+# written: a ${VAR} template is resolved only where the sandbox starts, so no request, receipt,
+# ConfigMap or record ever holds what it stands for.
+TASK_ENV_TABLES = ("environment", "verifier", "solution")
+MAX_TASK_ENV_VARS = 64  # per table
+MAX_TASK_ENV_VALUE = 4096  # characters of a value as written (a template or text)
+# Where the sandbox's runner finds the host's value of a template's VAR (the local supervisor
+# and a Kubernetes Secret reference set it; the runner takes it out of its environment).
+TASK_ENV_PREFIX = "ROLLOUT_TASKENV_"
+# Names the runner sets itself (the agent's and the tests' environment).
+TASK_ENV_RESERVED = ("PATH", "HOME", *AGENT_RESERVED_ENV)
+# The whole value: ${VAR} or ${VAR:-default} (Harbor's two forms; text around them is refused
+# rather than passed on unexpanded).
+_TEMPLATE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?\}$", re.DOTALL)
+
+
+def env_template(value: str) -> tuple[str, str | None] | None:
+    """(VAR, default or None) of a template value; None for plain text."""
+    match = _TEMPLATE.match(value)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _env_name_problem(name: Any) -> str | None:
+    if not isinstance(name, str) or len(name) > 128 or not _ENV_NAME.match(name):
+        return "is not a variable name ([A-Za-z_][A-Za-z0-9_]*, at most 128)"
+    if name in TASK_ENV_RESERVED or name.startswith("ROLLOUT_"):
+        return (
+            "is set by the runner (ROLLOUT_*, PATH, HOME and the OPENAI_* it points at its proxy)"
+        )
+    return None
+
+
+def check_task_env(value: Any, where: str, problems: list[str]) -> None:
+    """A task's env: known tables of at most MAX_TASK_ENV_VARS names -> text or a template."""
+    if not isinstance(value, Mapping) or set(value) - set(TASK_ENV_TABLES):
+        problems.append(f"{where} must be an object of tables {list(TASK_ENV_TABLES)}")
+        return
+    for table, variables in value.items():
+        label = f"{where}.{table}"
+        if not isinstance(variables, Mapping) or len(variables) > MAX_TASK_ENV_VARS:
+            problems.append(f"{label} must map at most {MAX_TASK_ENV_VARS} names to text")
+            continue
+        for name, text in variables.items():
+            why = _env_name_problem(name)
+            if why is not None:
+                problems.append(f"{label}: {str(name)[:130]!r} {why}")
+            elif not isinstance(text, str) or len(text) > MAX_TASK_ENV_VALUE or "\0" in text:
+                problems.append(
+                    f"{label}: {name} must be text of at most {MAX_TASK_ENV_VALUE} characters"
+                )
+            elif "${" in text and env_template(text) is None:
+                problems.append(
+                    f"{label}: {name} must be text without '${{', or a whole ${{VAR}} / "
+                    "${VAR:-default} template"
+                )
+
+
+def env_templates(task: Mapping[str, Any]) -> list[tuple[str, str, str, str | None]]:
+    """(table, name, VAR, default) of every template of a task's env, in order."""
+    found = []
+    env = task.get("env") or {}
+    for table in TASK_ENV_TABLES:
+        for name, text in (env.get(table) or {}).items():
+            template = env_template(text) if isinstance(text, str) else None
+            if template is not None:
+                found.append((table, name, *template))
+    return found
+
+
+def env_tables_for(task: Mapping[str, Any], grading: bool) -> set[str]:
+    """The env tables a task's sandbox needs: a grader's, environment's and verifier's (its
+    tests see both, as in Harbor); an agent's, environment's, solution's for the oracle, and
+    verifier's when its tests run there too (no hidden `tests`, which a grader's sandbox or
+    container runs)."""
+    if grading:
+        return {"environment", "verifier"}
+    tables = {"environment"}
+    if task.get("agent") == ORACLE:
+        tables.add("solution")
+    if "tests" not in task:
+        tables.add("verifier")
+    return tables
+
+
+def missing_task_env(tasks: Sequence[Mapping[str, Any]], present: Any) -> list[str]:
+    """Each ${VAR} without a default that `present(VAR)` says is not there, naming the task
+    and its key: what must refuse a batch before anything of it is created."""
+    return [
+        f"task {task.get('id')!r}: [{table}.env] {name} = ${{{var}}}: {var} is not set where "
+        "the sandboxes start"
+        for task in tasks
+        for table, name, var, default in env_templates(task)
+        if default is None and not present(var)
+    ]

@@ -156,6 +156,14 @@ RECORDS_WAIT_SECONDS = 60.0
     "need it in ROLLOUT_AGENT_ENVS.",
 )
 @click.option(
+    "--task-env-secret",
+    default=None,
+    metavar="NAME",
+    help="Kubernetes: the Secret (in the batch's namespace) whose keys give the tasks' "
+    "${VAR} templates ([environment.env], [verifier.env], [solution.env]) their values; the "
+    "local backend reads its workers' environment instead.",
+)
+@click.option(
     "--warm-pool",
     type=int,
     default=0,
@@ -212,6 +220,7 @@ class RunFlags:
     group_filter: str | None
     agent: str | None
     agent_env: str | None
+    task_env_secret: str | None
     warm_pool: int
     redis_url: str | None
 
@@ -233,6 +242,8 @@ def _request(f: RunFlags) -> dict[str, Any]:
         request["agent"] = f.agent if f.agent == "oracle" else {"command": shlex.split(f.agent)}
     if f.agent_env is not None:
         request["agent_env"] = f.agent_env
+    if f.task_env_secret is not None:
+        request["task_env_secret"] = f.task_env_secret
     try:
         from rollout_wire.tasksets import parse_sampling, rollout_fields
 

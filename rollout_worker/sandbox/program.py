@@ -33,6 +33,7 @@ RUNNER_MODULES = (
     "harness",
     "judging",
     "rewards",
+    "taskenv",
     "grader",
     "handoff",
     "seed",

@@ -169,7 +169,9 @@ def test_every_unsupported_or_broken_task_is_listed_at_once(tmp_path):
     make_task(tmp_path, "no-instruction", instruction=None)
     make_task(tmp_path, "no-tests", tests={"run_tests.py": "print()\n"})
     make_task(tmp_path, "bad-toml", toml="version = \n")
-    make_task(tmp_path, "env-vars", toml='[verifier]\nenv = { API_KEY = "k" }\n')
+    make_task(
+        tmp_path, "env-vars", toml='[verifier]\nenv = { OPENAI_API_KEY = "k", B = "x${Y}" }\n'
+    )
     make_task(tmp_path, "gpus", toml="[environment]\ngpus = 1\n")
     make_task(tmp_path, "bad-timeout", toml='[agent]\ntimeout_sec = "soon"\n')
     os.symlink("app.py", make_task(tmp_path, "link") / "environment" / "alias.py")
@@ -183,7 +185,8 @@ def test_every_unsupported_or_broken_task_is_listed_at_once(tmp_path):
         "task 'no-instruction': no instruction.md",
         "task 'no-tests': no tests/test.sh",
         "task 'bad-toml': task.toml is not valid TOML",
-        "task 'env-vars': [verifier] env in env-vars/task.toml: environment variables are not",
+        "task 'env-vars': env.verifier: 'OPENAI_API_KEY' is set by the runner",
+        "task 'env-vars': env.verifier: B must be text without '${', or a whole ${VAR}",
         "task 'gpus': [environment] gpus = 1: GPUs are not supported",
         "task 'bad-timeout': [agent] timeout_sec must be a positive number",
         "task 'link': environment/alias.py is a symbolic link",
@@ -469,9 +472,7 @@ def test_build_fails_in_one_line_without_docker_and_has_nothing_to_do_without_do
     monkeypatch.setattr(cli_build.shutil, "which", lambda name: None)
     result = CliRunner().invoke(cli, ["tasks", "build", str(FIXTURES)])
     assert result.exit_code == 1
-    assert said(result) == [
-        "error: docker is not on PATH: install the Docker client (and daemon)"
-    ]
+    assert said(result) == ["error: docker is not on PATH: install the Docker client (and daemon)"]
     make_task(tmp_path, "plain")
     result = CliRunner().invoke(cli, ["tasks", "build", str(tmp_path)])
     assert result.exit_code == 0 and "nothing to build" in result.output

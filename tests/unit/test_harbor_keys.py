@@ -51,7 +51,7 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
     "agent.network_mode": ('[agent]\nnetwork_mode = "no-network"', ("task", "id", "t")),
     "agent.allowed_hosts": ('[agent]\nallowed_hosts = ["pypi.org"]', ("refused", "allowed_hosts")),
     "verifier.timeout_sec": ("[verifier]\ntimeout_sec = 7", ("task", "test_timeout_seconds", 7)),
-    "verifier.env": ('[verifier]\nenv = { K = "v" }', ("refused", "[verifier] env in")),
+    "verifier.env": ('[verifier]\nenv = { K = "v" }', ("task", "env", {"verifier": {"K": "v"}})),
     "verifier.user": ('[verifier]\nuser = "root"', ("refused", "never run as root")),
     "verifier.network_mode": ('[verifier]\nnetwork_mode = "public"', ("refused", "no network")),
     "verifier.allowed_hosts": ("[verifier]\nallowed_hosts = []", ("task", "id", "t")),
@@ -92,7 +92,10 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
         '[[environment.mcp_servers]]\nname = "m"\nurl = "http://m"',
         ("refused", "mcp_servers are not supported"),
     ),
-    "environment.env": ('[environment.env]\nK = "${K}"', ("refused", "[environment] env in")),
+    "environment.env": (
+        '[environment.env]\nK = "${K}"',
+        ("task", "env", {"environment": {"K": "${K}"}}),
+    ),
     "environment.skills_dir": ('[environment]\nskills_dir = "/s"', ("refused", "skills_dir in")),
     "environment.healthcheck": (
         '[environment.healthcheck]\ncommand = "true"',
@@ -104,7 +107,10 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
     ),
     "environment.memory": ('[environment]\nmemory = "2G"', ("refused", "write memory_mb")),
     "environment.storage": ('[environment]\nstorage = "2G"', ("refused", "write storage_mb")),
-    "solution.env": ('[solution.env]\nK = "v"', ("refused", "[solution] env in")),
+    "solution.env": (
+        '[solution.env]\nK = "${K:-d}"',
+        ("task", "env", {"solution": {"K": "${K:-d}"}}),
+    ),
 }
 
 

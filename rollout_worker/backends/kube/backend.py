@@ -39,7 +39,7 @@ from rollout_worker.backends.base import (
     RunHandle,
     handle_as,
 )
-from rollout_worker.backends.kube import api, objects, read, verdicts
+from rollout_worker.backends.kube import api, objects, read, task_env, verdicts
 from rollout_worker.backends.kube.feed import feed
 from rollout_worker.backends.kube.namespaces import delete_batch_namespace
 from rollout_worker.backends.kube.objects import (
@@ -130,6 +130,9 @@ class KubernetesBackend:
 
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
+        refused = task_env.refuse_templates(spec.tasks)  # until the Secret copy is wired
+        if refused:
+            raise BackendError("; ".join(refused))
         try:
             runtime = self._call(
                 f"RuntimeClass {spec.runtime}", self.nodes_api.read_runtime_class, spec.runtime

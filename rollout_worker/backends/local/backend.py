@@ -28,6 +28,7 @@ import orjson
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
 from rollout_wire.request import BatchSpec
 from rollout_wire.states import RunVerdict
+from rollout_wire.task_spec import missing_task_env
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import (
     MAX_LOG_BYTES,
@@ -149,6 +150,12 @@ class LocalBackend:
             )
         if self._isolation() == "none":
             warnings.append("local sandboxes are NOT isolated: ROLLOUT_LOCAL_ISOLATION=none")
+        _refuse_missing_task_env(spec)
+        if spec.task_env_secret is not None:
+            warnings.append(
+                f"task_env_secret {spec.task_env_secret!r} is for Kubernetes: the local backend "
+                "resolves the tasks' ${VAR} from its workers' environment"
+            )
         for task in spec.tasks:
             # A task that is only its image (a Harbor Dockerfile) runs in that image's files.
             image = task.get("image")
@@ -194,6 +201,7 @@ class LocalBackend:
 
     def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> LocalRunHandle:
         isolation = self._isolation()  # refuses before anything is created
+        _refuse_missing_task_env(spec)  # so does a ${VAR} this worker has no value for
         run_dir = RunDir(self.root / spec.batch_id)
         python = self.settings.local_python
         prefix, image_id = describe_python(python)
@@ -538,6 +546,18 @@ class LocalBackend:
                 "pods": state.get("waiting", 0) + state.get("handed", 0),
             }
         return pools
+
+
+def _refuse_missing_task_env(spec: BatchSpec) -> None:
+    """A task's ${VAR} (no default) that this worker's environment lacks refuses the batch:
+    the supervisor it starts inherits this environment and resolves the templates from it
+    when each sandbox starts, so an episode would otherwise run without the variable."""
+    missing = missing_task_env(spec.tasks, lambda name: name in os.environ)
+    if missing:
+        raise BackendUnavailable(
+            "; ".join(missing) + " (set it in the workers' environment, or give it a default: "
+            "${VAR:-default})"
+        )
 
 
 def _write_program(path: Path, python: str) -> None:

@@ -5,12 +5,21 @@ agent's /tmp, /logs and workspace as they were left; `fresh` only a copy of the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from rollout_worker.backends.local.sandbox import SANDBOX_GID, SANDBOX_UID, Mount
+from rollout_wire.task_spec import TASK_ENV_PREFIX, env_tables_for, env_templates
+from rollout_wire.tasksets import agent_view
+from rollout_worker.backends.local.sandbox import (
+    SANDBOX_GID,
+    SANDBOX_UID,
+    Mount,
+    SandboxPlan,
+    secret_args,
+)
 
 AGENT_PHASE = "agent"
 GRADE_PHASE = "grade"
@@ -65,3 +74,44 @@ def state_mounts(state: Path, as_root: bool) -> list[Mount]:
         if target:
             mounts.append(Mount(state / name, target, env_name, writable=True))
     return mounts
+
+
+def env_tables(task: dict[str, Any], phase: str) -> set[str]:
+    """The task's env tables a sandbox of `phase` needs (task_spec.env_tables_for)."""
+    return env_tables_for(task, grading=phase == GRADE_PHASE)
+
+
+def agent_task(task: dict[str, Any]) -> dict[str, Any]:
+    """The task as its agent's sandbox holds it (agent_view), without the env tables it has
+    no use for (their text, literals included, is not the agent's to read)."""
+    view = agent_view(task)
+    env = view.get("env")
+    if not env:
+        return view
+    wanted = env_tables(task, AGENT_PHASE)
+    kept = {table: value for table, value in env.items() if table in wanted}
+    view = {name: value for name, value in view.items() if name != "env"}
+    return view | {"env": kept} if kept else view
+
+
+def task_env_values(task: dict[str, Any], phase: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The host's values of the task's ${VAR} templates this sandbox's tables use, under the
+    runner's names (TASK_ENV_PREFIX + VAR); a VAR `environ` lacks is left to its default
+    (the backend refused the batch when one had none)."""
+    wanted = env_tables(task, phase)
+    return {
+        TASK_ENV_PREFIX + var: environ[var]
+        for table, _, var, _ in env_templates(task)
+        if table in wanted and var in environ
+    }
+
+
+def secret_fd(plan: SandboxPlan) -> int | None:
+    """A memory file holding the plan's secret variables as bwrap's --args (None when it has
+    none, or runs without bwrap: then they are in its env). The caller closes it."""
+    if not plan.secret_env or plan.argv[0] != "bwrap":
+        return None
+    fd = os.memfd_create("rollout-task-env", os.MFD_CLOEXEC)
+    os.write(fd, secret_args(plan.secret_env))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -7,7 +7,7 @@ import os
 import re
 import resource
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,24 @@ class SandboxPlan:
     # The host user that starts the sandbox when the supervisor runs as root: bwrap's user
     # namespace then maps the sandbox's uid 1000 to host uid 1000, never to host root.
     run_as: tuple[int, int] | None
+    # Variables the runner gets that may hold a resolved ${VAR} of a task (a secret): with
+    # bwrap never on its command line (any host user can read that in /proc), but through
+    # `--args FD` (`argv_with_secrets`) at `secret_at`; without bwrap in `env` already.
+    secret_env: dict[str, str] = field(default_factory=dict)
+    secret_at: int = 0
+
+    def argv_with_secrets(self, fd: int) -> list[str]:
+        """bwrap's argv reading the secret variables' --setenv from `fd`."""
+        if not self.secret_env or self.argv[0] != "bwrap":
+            return list(self.argv)
+        return [*self.argv[: self.secret_at], "--args", str(fd), *self.argv[self.secret_at :]]
+
+
+def secret_args(env: Mapping[str, str]) -> bytes:
+    """bwrap's `--args` data: NUL-separated --setenv NAME VALUE (no value holds a NUL: the
+    environment cannot carry one)."""
+    words = [word for name, value in env.items() for word in ("--setenv", name, value)]
+    return b"".join(word.encode() + b"\0" for word in words)
 
 
 def _system_mounts() -> list[str]:
@@ -131,6 +149,7 @@ def plan_sandbox(
     tmp: Path | None = None,
     root: ImageRoot | None = None,
     workdir: str | None = None,
+    secret_env: Mapping[str, str] | None = None,
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
@@ -140,7 +159,9 @@ def plan_sandbox(
     find the first one's /tmp as it was left). `root` (bwrap only): the task's image as the
     sandbox's root, its interpreter running the episode, the workspace at the image's WORKDIR.
     `workdir` (bwrap, no `root`): the task's own path for the workspace instead of /workspace.
+    `secret_env`: variables kept off the command line (SandboxPlan.secret_env).
     """
+    secrets = dict(secret_env or {})
     base_env = {
         "EPISODE_ID": episode_id,
         "ROLLOUT_ACTION": action,
@@ -153,7 +174,8 @@ def plan_sandbox(
     if isolation == "none":
         env = base_env | {"ROLLOUT_WORKSPACE": str(workspace), "HOME": str(workspace)}
         env |= {m.env: str(m.host) for m in mounts if m.env}
-        return SandboxPlan([python, "-B", str(compiled or program)], env, str(workspace), run_as)
+        argv = [python, "-B", str(compiled or program)]
+        return SandboxPlan(argv, env | secrets, str(workspace), run_as, secrets)
     if isolation != "bwrap":
         raise ValueError(f"unknown isolation {isolation!r}")
     if workdir and root is not None:
@@ -183,7 +205,8 @@ def plan_sandbox(
         *(arg for key, value in env.items() for arg in ("--setenv", key, value)),
         *("--", python, "-B", COMPILED_MOUNT if compiled else PROGRAM_MOUNT),
     ]
-    return SandboxPlan(argv, {}, str(workspace), run_as)
+    # Before "--" and after --clearenv and the --setenv above (bwrap applies them in order).
+    return SandboxPlan(argv, {}, str(workspace), run_as, secrets, len(argv) - 4)
 
 
 def _namespaces(status_fd: int | None) -> list[str]:

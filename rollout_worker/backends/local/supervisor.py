@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_wire.request import BatchSpec
-from rollout_wire.tasksets import agent_view, demo_task
+from rollout_wire.tasksets import demo_task
 from rollout_worker.backends.local.files import (
     RunDir,
     TreeCopy,
@@ -47,10 +47,13 @@ from rollout_worker.backends.local.output import (
 from rollout_worker.backends.local.phases import (
     AGENT_PHASE,
     GRADE_PHASE,
+    agent_task,
     baseline_tests,
     phase_env,
+    secret_fd,
     state_mounts,
     state_phase,
+    task_env_values,
 )
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
@@ -113,7 +116,7 @@ class Supervisor:
             for position, task in enumerate(spec.tasks or [demo_task()]):
                 # The agent's sandbox never holds what it must not see: the tests (and the
                 # solution, but for the oracle); the grader's gets the whole task.
-                write_json_atomic(self.task_file(position), [agent_view(task)])
+                write_json_atomic(self.task_file(position), [agent_task(task)])
                 write_json_atomic(self.task_file(position, GRADE_PHASE), [task])
 
     def task_file(self, position: int, phase: str = AGENT_PHASE) -> Path:
@@ -254,6 +257,7 @@ class Supervisor:
             tmp=tmp,
             root=root,
             workdir=workdir if root is None else None,
+            secret_env=task_env_values(self.task_of(index), phase, os.environ),
         )
         if plan.run_as:
             for folder, _, files in os.walk(workspace):
@@ -300,9 +304,11 @@ class Supervisor:
             if phase == AGENT_PHASE
             else open(self.dir.log(index), "ab")  # noqa: SIM115
         )
+        secrets = secret_fd(plan)
         with open(self.dir.stderr(index), "wb") as err:
             proc = subprocess.Popen(
-                plan.argv,
+                plan.argv_with_secrets(secrets) if secrets is not None else plan.argv,
+                pass_fds=() if secrets is None else (secrets,),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -314,6 +320,8 @@ class Supervisor:
                 group=plan.run_as[1] if plan.run_as else None,
                 extra_groups=[] if plan.run_as else None,
             )
+        if secrets is not None:
+            os.close(secrets)
         assert proc.stdout is not None
         out = proc.stdout.fileno()
         os.set_blocking(out, False)
@@ -350,9 +358,10 @@ class Supervisor:
         free = min(len(self.pending), self.parallelism - len(self.running))
         if not pool_path or free <= 0 or self.pool_empty:
             return
-        if any("tests" in task for task in self.spec.tasks):
+        if any("tests" in task or "env" in task for task in self.spec.tasks):
             # A warm sandbox has no grader's sandbox behind it and would be handed the tests
-            # with its task: such episodes start cold (two sandboxes each).
+            # with its task: such episodes start cold (two sandboxes each), as do tasks with
+            # env tables (a hand-over line carries no secret).
             return
         taken = take(PoolDir(Path(pool_path)), free, refill=True)
         if not taken and not PoolDir(Path(pool_path)).alive():

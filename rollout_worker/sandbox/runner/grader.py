@@ -8,7 +8,7 @@ import shutil
 import sys
 import tempfile
 
-from .errors import EpisodeError
+from .errors import EpisodeError, InfrastructureError
 from .events import truncate
 from .harness import HARNESS_KEY_BYTES, harness_plan, harness_source
 from .judging import (
@@ -31,6 +31,7 @@ from .judging import (
 )
 from .processes import kill_leftovers, resolve_argv, run_process
 from .rewards import MAX_REWARD_FILE_BYTES, RewardFileProblem, read_reward
+from .taskenv import resolve_task_env, take_host_values
 from .workspace import fresh_dir, write_files
 
 TESTS_TIMEOUT_SECONDS = 60
@@ -68,6 +69,24 @@ class Grader:
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
         }
+        # The task's env tables, resolved here (a missing ${VAR} is refused by need_task_env
+        # before anything runs); the tests see [environment.env] then [verifier.env], as in
+        # Harbor, whose verifier runs in the environment's container with its own env added.
+        self.task_env, self.task_env_missing = resolve_task_env(task, take_host_values())
+        self.test_env = {
+            **self.task_env.get("environment", {}),
+            **self.task_env.get("verifier", {}),
+        }
+
+    def need_task_env(self) -> None:
+        """Refuse an episode whose task's ${VAR} had no value where its sandbox started (the
+        backends' preflights refuse such a batch first): the task would run without it. Not
+        the agent's doing: never a reward-0 sample."""
+        if self.task_env_missing:
+            raise InfrastructureError(
+                f"task {self.task.get('id')!r}: no value for "
+                f"{', '.join(self.task_env_missing)} where the sandbox started"
+            )
 
     def test_argv(self) -> list:
         """The task's test command, naming the directory that stands in for /tests (when the
@@ -127,7 +146,7 @@ class Grader:
         except (OSError, ValueError) as exc:
             raise EpisodeError(f"the task's test_files cannot be written: {exc}") from None
         shutil.rmtree(os.path.join(self.root, "__pycache__"), ignore_errors=True)
-        env = dict(self.env, **(extra_env or {}))
+        env = {**self.env, **self.test_env, **(extra_env or {})}
         argv = self.test_argv()
         plan = harness_plan(argv)
         key = os.urandom(HARNESS_KEY_BYTES).hex()

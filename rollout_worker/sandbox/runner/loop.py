@@ -77,6 +77,7 @@ class AgentLoop:
     task: dict
     root: str
     env: dict
+    agent_env: dict
     identity: dict
     policy: Policy | None
     max_steps: int
@@ -118,7 +119,7 @@ class AgentLoop:
             if not isinstance(command, str):
                 return "error: run needs a string 'command'", False
             timeout = min(COMMAND_TIMEOUT_SECONDS, deadline - time.time())
-            code, output = run_command(command, timeout, self.env)
+            code, output = run_command(command, timeout, self.agent_env)
             return f"exit code {code}\n{output}", False
         return f"error: unknown tool {name!r}; use write_file, read_file, run or submit", False
 

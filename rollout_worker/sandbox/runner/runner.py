@@ -39,6 +39,9 @@ class Runner(Grader, AgentLoop):
         self.time_limit = float(task.get("time_limit_seconds", 60))
         self.agent: typing.Any = task.get("agent")
         self.mode = "agent" if self.agent is None else ORACLE if self.agent == ORACLE else "command"
+        # What the agent's processes (the built-in loop's commands too) run with: the task's
+        # [environment.env], never [verifier.env] or [solution.env].
+        self.agent_env = {**self.env, **self.task_env.get("environment", {})}
 
     def wants_baseline(self) -> bool:
         """The tests must fail before the agent acts, unless the task says otherwise or its
@@ -54,6 +57,7 @@ class Runner(Grader, AgentLoop):
 
     def run(self) -> int:
         """The episode up to its outcome: reward, or grade_pending with `grade: fresh`."""
+        self.need_task_env()
         policy = None if self.mode == ORACLE else self.need_policy()
         self.setup()
         ready: dict = {"mode": self.mode}
@@ -103,6 +107,7 @@ class Runner(Grader, AgentLoop):
                 except OSError as exc:
                     raise EpisodeError(f"{shared} cannot be emptied for grading: {exc}") from None
             remove_special_files(self.root)
+        self.need_task_env()
         emit("ready", mode="grade", **self.identity)
         # The agent's sandbox's baseline counts, passed on by the backend from its
         # grade_pending (written before the agent acted).
@@ -118,7 +123,7 @@ class Runner(Grader, AgentLoop):
         """Run the agent command (or the oracle's solve.sh) to its end or its time limit, then
         emit agent_exit. The outcome's fields; InfrastructureError when the policy was lost,
         StalePolicy when it moved on too far."""
-        env = dict(self.env)
+        env = dict(self.agent_env)
         statement = str(self.task["statement"])
         handle, statement_file = tempfile.mkstemp(prefix="rollout-statement-", suffix=".txt")
         with os.fdopen(handle, "w") as out:
@@ -134,6 +139,7 @@ class Runner(Grader, AgentLoop):
             except (OSError, ValueError) as exc:
                 raise EpisodeError(f"the task's solution cannot be written: {exc}") from None
             env["ROLLOUT_SOLUTION_DIR"] = solution
+            env.update(self.task_env.get("solution", {}))  # Harbor's [solution.env]
             argv = ["bash", os.path.join(solution, "solve.sh")]
         else:
             own = dict(self.agent.get("env") or {})
