@@ -27,7 +27,9 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
   [environment] build_timeout_sec accepted with a warning: `rollout tasks build` builds first
   [environment] mcp_servers       refused unless empty (no MCP servers)
   [environment] skills_dir        refused (skills are not copied to agents)
-  [environment] healthcheck       refused (not run: the agent would start before it passed)
+  [environment.healthcheck]       `healthcheck`: run in the sandbox before the agent (Docker's
+                                  HEALTHCHECK rules, Harbor's defaults) until it passes; one
+                                  that never does fails the episode as infrastructure
   [environment] memory, storage   refused (deprecated: write memory_mb, storage_mb)
   [environment.env], [verifier.env], [solution.env]
                                   the task's `env`, as written: text, ${VAR} or
@@ -54,7 +56,11 @@ from pathlib import Path
 from typing import Any
 
 from rollout_wire.harbor_files import TEST_SCRIPT
-from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS, check_task_env
+from rollout_wire.task_spec import (
+    DEFAULT_TASK_TIME_LIMIT_SECONDS,
+    check_healthcheck,
+    check_task_env,
+)
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
@@ -133,8 +139,6 @@ REFUSED_KEYS: dict[str, str] = {
     "artifacts": "artifacts are not collected into the records",
     "verifier.environment": "a separate verifier environment definition is not supported "
     '(environment_mode = "separate" grades in a fresh sandbox of the task\'s own environment)',
-    "environment.healthcheck": "healthchecks are not run (the agent would start before the "
-    "environment is ready)",
     "environment.skills_dir": "skills are not copied to agents",
     "environment.memory": "deprecated; write memory_mb",
     "environment.storage": "deprecated; write storage_mb",
@@ -276,6 +280,7 @@ def honour(
         )
         problems.append(f"{where}: [{section}] user = {user!r}: {why}")
     _env_tables(task, tables, where, problems)
+    _healthcheck(task, environment.get("healthcheck"), where, problems)
     for key, why in (
         ("storage_mb", "no per-sandbox disk limit here"),
         ("build_timeout_sec", "`rollout tasks build` builds the image before the batch"),
@@ -301,6 +306,37 @@ def _env_tables(task: dict[str, Any], tables: TomlTables, where: str, problems: 
         check_task_env(env, f"{where}: env", problems)
         if len(problems) == before:
             task["env"] = env
+
+
+# Harbor's [environment.healthcheck] keys -> the task's healthcheck fields.
+HEALTHCHECK_KEYS = {
+    "command": "command",
+    "interval_sec": "interval_seconds",
+    "timeout_sec": "timeout_seconds",
+    "start_period_sec": "start_period_seconds",
+    "start_interval_sec": "start_interval_seconds",
+    "retries": "retries",
+}
+
+
+def _healthcheck(task: dict[str, Any], value: Any, where: str, problems: list[str]) -> None:
+    """[environment.healthcheck] as the task's `healthcheck` (run before the agent starts), or
+    refused by name: a key outside Harbor's, or a value out of task_spec's bounds."""
+    if not _present(value):
+        return
+    label = f"{where}: [environment.healthcheck]"
+    if not isinstance(value, dict):
+        problems.append(f"{label} must be a table")
+        return
+    unknown = sorted(set(value) - set(HEALTHCHECK_KEYS))
+    if unknown:
+        problems.append(f"{label}: unknown keys {unknown}; Harbor's are {list(HEALTHCHECK_KEYS)}")
+        return
+    check = {HEALTHCHECK_KEYS[key]: item for key, item in value.items()}
+    before = len(problems)
+    check_healthcheck(check, label, problems)
+    if len(problems) == before:
+        task["healthcheck"] = check
 
 
 def _seconds(value: Any, label: str, where: str, problems: list[str]) -> int:

@@ -60,6 +60,10 @@ TASK_FIELDS = {
     "workdir": "absolute path: where the agent and the tests run (default: the backend's "
     "workspace, /workspace or the image's WORKDIR)",
     "max_steps": "the agent loop's step limit",
+    "healthcheck": "{command, interval_seconds, timeout_seconds, start_period_seconds, "
+    "start_interval_seconds, retries}: run (sh -c) in the sandbox before the agent, until it "
+    "exits 0; `retries` failures in a row (outside the start period) fail the episode as "
+    "infrastructure, never a reward",
     "env": "{environment|verifier|solution: {NAME: text}}: Harbor's env tables; a value is text "
     "or a template ${VAR} / ${VAR:-default} resolved where the sandbox starts (the worker's "
     "environment, or the Kubernetes Secret `task_env_secret`), never before: the agent sees "
@@ -204,6 +208,8 @@ def _check_task(task: Mapping[str, Any], seen: set[str], problems: list[str]) ->
     _check_place(task, problems)
     if "env" in task:
         check_task_env(task["env"], f"task {tid!r}: env", problems)
+    if "healthcheck" in task:
+        check_healthcheck(task["healthcheck"], f"task {tid!r}: healthcheck", problems)
 
 
 def _check_reward(task: Mapping[str, Any], problems: list[str]) -> None:
@@ -344,3 +350,46 @@ def missing_task_env(tasks: Sequence[Mapping[str, Any]], present: Any) -> list[s
         for table, name, var, default in env_templates(task)
         if default is None and not present(var)
     ]
+
+
+# A task's healthcheck (Harbor's [environment.healthcheck], Docker's HEALTHCHECK options):
+# field -> (Harbor's default, the largest allowed). Bounded: each attempt and pause is
+# sandbox time before the agent starts.
+HEALTHCHECK_FIELDS = {
+    "interval_seconds": (5.0, 3600.0),
+    "timeout_seconds": (30.0, 3600.0),
+    "start_period_seconds": (0.0, 3600.0),
+    "start_interval_seconds": (5.0, 3600.0),
+    "retries": (3, 100),
+}
+MAX_HEALTHCHECK_COMMAND = 4096
+
+
+def check_healthcheck(value: Any, where: str, problems: list[str]) -> None:
+    if not isinstance(value, Mapping) or set(value) - {"command", *HEALTHCHECK_FIELDS}:
+        problems.append(f"{where} must be an object of command and {sorted(HEALTHCHECK_FIELDS)}")
+        return
+    command = value.get("command")
+    if (
+        not isinstance(command, str)
+        or not command.strip()
+        or len(command) > MAX_HEALTHCHECK_COMMAND
+        or "\0" in command
+    ):
+        problems.append(
+            f"{where}.command must be a shell command of 1..{MAX_HEALTHCHECK_COMMAND} characters"
+        )
+    for name, (_, top) in HEALTHCHECK_FIELDS.items():
+        number = value.get(name)
+        if number is None:
+            continue
+        low = 1 if name == "retries" else 0
+        wrong_type = isinstance(number, bool) or not isinstance(
+            number, int if name == "retries" else (int, float)
+        )
+        if (
+            wrong_type
+            or not low <= number <= top
+            or (name.endswith("interval_seconds") and number <= 0)
+        ):
+            problems.append(f"{where}.{name} must be a number within {low}..{top:g}")

@@ -28,6 +28,7 @@ RUNNER_MODULES = (
     "policy",
     "workspace",
     "processes",
+    "health",
     "comparisons",
     "vault",
     "harness",

@@ -99,7 +99,7 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
     "environment.skills_dir": ('[environment]\nskills_dir = "/s"', ("refused", "skills_dir in")),
     "environment.healthcheck": (
         '[environment.healthcheck]\ncommand = "true"',
-        ("refused", "healthcheck in"),
+        ("task", "healthcheck", {"command": "true"}),
     ),
     "environment.workdir": (
         '[environment]\nworkdir = "/custom-workdir"',

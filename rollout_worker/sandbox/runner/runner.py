@@ -14,6 +14,7 @@ from .errors import EpisodeError, InfrastructureError
 from .events import emit, record_outcome, truncate
 from .grader import Grader
 from .handoff import BASELINE_TESTS_ENV, GRADER_ENV, SHARED_DIRS_ENV, hand_over, handed_over
+from .health import run_healthcheck
 from .loop import AgentLoop
 from .policy import Policy
 from .processes import kill_leftovers, resolve_argv, run_agent
@@ -60,6 +61,9 @@ class Runner(Grader, AgentLoop):
         self.need_task_env()
         policy = None if self.mode == ORACLE else self.need_policy()
         self.setup()
+        if self.task.get("healthcheck"):
+            # Before `ready`: the agent starts only in an environment that passed it.
+            run_healthcheck(self.task["healthcheck"], self.agent_env, self.root)
         ready: dict = {"mode": self.mode}
         if policy is not None:
             ready["policy_base_url"] = policy.base_url
