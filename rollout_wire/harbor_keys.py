@@ -40,7 +40,10 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
                                   the oracle environment's + solution's; runner names
                                   (ROLLOUT_*, PATH, HOME, OPENAI_*) refused
   [verifier.environment]          refused (a separate verifier environment definition)
-  artifacts                       refused (not collected into the records)
+  artifacts                       `artifacts`: paths (or tables of `source`) read from the
+                                  sandbox after the tests into the reward event (the
+                                  episode's log record): bounded, never through a link, each
+                                  refusal named; a table's other keys refused
   [[steps]], multi_step_reward_strategy
                                   refused (multi-step tasks); so is a steps/ folder
 
@@ -58,6 +61,7 @@ from typing import Any
 from rollout_wire.harbor_files import TEST_SCRIPT
 from rollout_wire.task_spec import (
     DEFAULT_TASK_TIME_LIMIT_SECONDS,
+    check_artifacts,
     check_healthcheck,
     check_task_env,
 )
@@ -136,7 +140,6 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
 REFUSED_KEYS: dict[str, str] = {
     "steps": "multi-step tasks ([[steps]]) are not supported",
     "multi_step_reward_strategy": "multi-step tasks are not supported",
-    "artifacts": "artifacts are not collected into the records",
     "verifier.environment": "a separate verifier environment definition is not supported "
     '(environment_mode = "separate" grades in a fresh sandbox of the task\'s own environment)',
     "environment.skills_dir": "skills are not copied to agents",
@@ -281,6 +284,7 @@ def honour(
         problems.append(f"{where}: [{section}] user = {user!r}: {why}")
     _env_tables(task, tables, where, problems)
     _healthcheck(task, environment.get("healthcheck"), where, problems)
+    _artifacts(task, tables.config.get("artifacts"), where, problems)
     for key, why in (
         ("storage_mb", "no per-sandbox disk limit here"),
         ("build_timeout_sec", "`rollout tasks build` builds the image before the batch"),
@@ -337,6 +341,34 @@ def _healthcheck(task: dict[str, Any], value: Any, where: str, problems: list[st
     check_healthcheck(check, label, problems)
     if len(problems) == before:
         task["healthcheck"] = check
+
+
+def _artifacts(task: dict[str, Any], value: Any, where: str, problems: list[str]) -> None:
+    """Top-level `artifacts` (Harbor: paths, or tables whose `source` is one) as the task's
+    `artifacts`, read from the sandbox after the tests; a table's other keys (where Harbor puts
+    a copy on its host, what it leaves out) are refused by name: records keep a file at its
+    own path."""
+    if not _present(value):
+        return
+    if not isinstance(value, list):
+        problems.append(f"{where}: artifacts must be a list of paths")
+        return
+    paths = []
+    for item in value:
+        if isinstance(item, dict):
+            other = sorted(set(item) - {"source"})
+            if other:
+                problems.append(
+                    f"{where}: artifacts entry {item.get('source')!r}: keys {other} are not "
+                    "honoured (a record keeps each file under its sandbox path)"
+                )
+                continue
+            item = item.get("source")
+        paths.append(item)
+    before = len(problems)
+    check_artifacts(paths, f"{where}: artifacts", problems)
+    if len(problems) == before:
+        task["artifacts"] = paths
 
 
 def _seconds(value: Any, label: str, where: str, problems: list[str]) -> int:

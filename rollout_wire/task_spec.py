@@ -60,6 +60,9 @@ TASK_FIELDS = {
     "workdir": "absolute path: where the agent and the tests run (default: the backend's "
     "workspace, /workspace or the image's WORKDIR)",
     "max_steps": "the agent loop's step limit",
+    "artifacts": "paths (absolute, or relative to the workspace) read from the sandbox after "
+    "the tests into the reward event (the episode's log): each file's path, bytes, sha256 and "
+    "text or base64, bounded, never through a link; what is refused listed with why",
     "healthcheck": "{command, interval_seconds, timeout_seconds, start_period_seconds, "
     "start_interval_seconds, retries}: run (sh -c) in the sandbox before the agent, until it "
     "exits 0; `retries` failures in a row (outside the start period) fail the episode as "
@@ -208,6 +211,8 @@ def _check_task(task: Mapping[str, Any], seen: set[str], problems: list[str]) ->
     _check_place(task, problems)
     if "env" in task:
         check_task_env(task["env"], f"task {tid!r}: env", problems)
+    if "artifacts" in task:
+        check_artifacts(task["artifacts"], f"task {tid!r}: artifacts", problems)
     if "healthcheck" in task:
         check_healthcheck(task["healthcheck"], f"task {tid!r}: healthcheck", problems)
 
@@ -393,3 +398,30 @@ def check_healthcheck(value: Any, where: str, problems: list[str]) -> None:
             or (name.endswith("interval_seconds") and number <= 0)
         ):
             problems.append(f"{where}.{name} must be a number within {low}..{top:g}")
+
+
+# A task's artifacts (Harbor's top-level `artifacts`): paths read from the sandbox after the
+# tests (the runner's artifacts.py bounds what it reads).
+MAX_ARTIFACT_PATHS = 20
+_NO_ARTIFACTS_UNDER = ("proc", "sys", "dev")
+
+
+def check_artifacts(value: Any, where: str, problems: list[str]) -> None:
+    if not isinstance(value, list) or len(value) > MAX_ARTIFACT_PATHS:
+        problems.append(f"{where} must be a list of at most {MAX_ARTIFACT_PATHS} paths")
+        return
+    for path in value:
+        parts = path.split("/") if isinstance(path, str) else []
+        if (
+            not isinstance(path, str)
+            or not path.strip("/")
+            or len(path) > 256
+            or "\0" in path
+            or ".." in parts
+            or (path.startswith("/") and parts[1] in _NO_ARTIFACTS_UNDER)
+        ):
+            problems.append(
+                f"{where}: {str(path)[:260]!r} must be a path (absolute, or relative to the "
+                "workspace) of at most 256 characters, without '..', not / itself nor under "
+                "/proc, /sys or /dev"
+            )

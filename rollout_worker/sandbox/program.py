@@ -34,6 +34,7 @@ RUNNER_MODULES = (
     "harness",
     "judging",
     "rewards",
+    "artifacts",
     "taskenv",
     "grader",
     "handoff",

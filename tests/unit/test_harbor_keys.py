@@ -34,7 +34,7 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
     "schema_version": ('schema_version = "1.1"', ("described", None)),
     "version": ('version = "1.0"', ("described", None)),
     "source": ('source = "https://example.com/set"', ("described", None)),
-    "artifacts": ('artifacts = ["/logs/out.txt"]', ("refused", "artifacts in")),
+    "artifacts": ('artifacts = ["/logs/out.txt"]', ("task", "artifacts", ["/logs/out.txt"])),
     "steps": ('[[steps]]\nname = "one"', ("refused", "steps in")),
     "multi_step_reward_strategy": (
         'multi_step_reward_strategy = "mean"',

@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 
+from .artifacts import collect_artifacts
 from .errors import EpisodeError, InfrastructureError
 from .events import truncate
 from .harness import HARNESS_KEY_BYTES, harness_plan, harness_source
@@ -253,7 +254,12 @@ class Grader:
             if verdict["grade_cause"] == CAUSE_TAMPERED:
                 run.output += f"\n[the code under test replaced {', '.join(tampered(run.runs))}]"
         shown, _ = truncate(run.output)
+        # Harbor's artifacts, after the tests as Harbor collects them: into the reward event,
+        # so into the episode's log (a record of the batch).
+        listed = self.task.get("artifacts")
+        collected = collect_artifacts(listed, self.root) if listed else {}
         return {
+            **collected,
             **verdict,
             "reward_rule": rule,
             "reward_details": details,
