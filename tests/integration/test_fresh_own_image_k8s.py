@@ -109,7 +109,9 @@ def test_fresh_grading_of_a_task_in_its_own_image_on_the_real_node(real_node, re
     # The red team in the same image and workdir, graded fresh: each task's files are written
     # into the seeded workspace, its hidden tests reach only the grader.
     tricks = [t | {"image": own["image"], "workdir": "/app"} for t in red_team_tasks("fresh")]
-    tasks = [own | {"agent": "oracle"}, *tricks]
+    # A workdir the image does not have: the seed fails the episode, saying so (its own Job).
+    missing = own | {"id": "no-workdir", "workdir": "/no-such-folder", "agent": "oracle"}
+    tasks = [own | {"agent": "oracle"}, missing, *tricks]
     client = RolloutClient(real_stack.redis_url)
     try:
         batch = client.submit(
@@ -134,6 +136,9 @@ def test_fresh_grading_of_a_task_in_its_own_image_on_the_real_node(real_node, re
         oracle["tests_output"],
     )
     assert oracle["status"] == "ok" and oracle["grade_cause"] is None
+    lost = rows.pop("no-workdir")
+    assert (lost["reward"], lost["status"], lost["failure_kind"]) == (0, "failed", "episode"), lost
+    assert "'/no-such-folder' is not a folder" in lost["failure_cause"], lost
     assert_expected_grades({t: row for t, row in rows.items() if t != "own-fresh"})
     assert all(row["status"] == "ok" for row in rows.values())
     found = rows["harbor-look-for-tests"]["agent_output"]

@@ -81,6 +81,7 @@ def test_a_fresh_task_in_its_own_image_seeds_its_workspace_then_runs_agent_and_g
     # The seed: the runner's seed phase copies the image's workdir into the workspace volume.
     assert seed["command"] == ["python", "-B", "/demo/episode.py"]
     assert env(seed) == {
+        "EPISODE_ID": None,  # the Pod's name
         "ROLLOUT_PHASE": "seed",
         "ROLLOUT_SEED_FROM": "/app",
         "ROLLOUT_SEED_TO": "/rollout-seed",
@@ -179,6 +180,11 @@ def test_a_seed_that_failed_ends_the_episode():
     }
     obs = observe_pods(handle, 0, {"a": failed})
     assert (obs.phase, obs.exit_code, obs.termination_message) == ("Failed", 3, "no /app")
+    # Its log, with the error event, comes first; a seed that succeeded is not read.
+    assert obs.log_containers == ["seed", "agent", "episode"]
+    seeded = failed["status"]["initContainerStatuses"][0]["state"]["terminated"]
+    seeded["exitCode"] = 0
+    assert observe_pods(handle, 0, {"a": failed}).log_containers == ["agent", "episode"]
 
 
 def test_the_seed_copies_the_images_folder_as_the_local_backend_copies_a_workspace(tmp_path):
@@ -222,6 +228,7 @@ def test_the_seed_copies_the_images_folder_as_the_local_backend_copies_a_workspa
         [sys.executable, "-B", str(script)],
         env={
             "PATH": os.environ["PATH"],
+            "EPISODE_ID": "rollout-0-x",
             "ROLLOUT_PHASE": "seed",
             "ROLLOUT_SEED_FROM": str(tmp_path / "nowhere"),
             "ROLLOUT_SEED_TO": str(tmp_path / "volume"),
@@ -230,8 +237,10 @@ def test_the_seed_copies_the_images_folder_as_the_local_backend_copies_a_workspa
         text=True,
         timeout=60,
     )
-    assert missing.returncode == 3 and "is not a folder" in missing.stderr
-    json.dumps(run.stderr)  # plain text
+    assert missing.returncode == 3
+    (event,) = [json.loads(line) for line in missing.stdout.splitlines()]
+    assert (event["event"], event["kind"]) == ("error", "episode")
+    assert "nowhere' is not a folder: No such file or directory" in event["cause"]
 
 
 def test_the_seed_stops_at_its_entry_cap(tmp_path, monkeypatch):

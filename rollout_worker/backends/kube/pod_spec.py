@@ -368,6 +368,7 @@ def _seed_workspace(pod_spec: dict[str, Any], workdir: str) -> None:
     seed["name"] = SEED_CONTAINER
     seed["workingDir"] = "/"
     seed["env"] = [
+        {"name": "EPISODE_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "ROLLOUT_PHASE", "value": "seed"},
         {"name": "ROLLOUT_SEED_FROM", "value": workdir},
         {"name": "ROLLOUT_SEED_TO", "value": SEED_DIR},

@@ -207,32 +207,7 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         state.get("terminated") or (container.get("lastState") or {}).get("terminated") or {}
     )
     running = state.get("running") or {}
-    agent = next(
-        (s for s in status.get("initContainerStatuses") or [] if s.get("name") == AGENT_CONTAINER),
-        None,
-    )
-    agent_started = None
-    if agent is not None:
-        # Graded apart: the agent's init container ran first, so the sandbox started with it;
-        # an agent that failed is the episode's end (its grader never runs).
-        agent_state = agent.get("state") or {}
-        ended = agent_state.get("terminated") or {}
-        if not terminated and not running and ended.get("exitCode") not in (None, 0):
-            terminated = ended
-        agent_started = (agent_state.get("running") or ended).get("startedAt")
-        seeded: dict[str, Any] = next(
-            (
-                s
-                for s in status.get("initContainerStatuses") or []
-                if s.get("name") == SEED_CONTAINER
-            ),
-            {},
-        )
-        seed_ended = (seeded.get("state") or {}).get("terminated") or {}
-        if not terminated and not running and seed_ended.get("exitCode") not in (None, 0):
-            # The workspace's seed failed (the image has no such workdir): neither the agent
-            # nor the grader ran.
-            terminated = seed_ended
+    terminated, agent_started, log_containers = _init_containers(status, terminated, running)
     conditions = {
         c["type"]: ts(c.get("lastTransitionTime")) for c in status.get("conditions") or []
     }
@@ -260,7 +235,7 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
         restart_count=int(container.get("restartCount", 0)),
         reason=reason,
         termination_message=terminated.get("message") or None,
-        log_containers=[AGENT_CONTAINER, CONTAINER_NAME] if agent is not None else [],
+        log_containers=log_containers,
         # A warm Pod has no ready probe (it started long before its episode): no signal.
         ready=phase == "Running" and container.get("started") is True and claimed is None,
         timing={
@@ -274,6 +249,31 @@ def _observe_pod(index: int, pod: dict[str, Any]) -> EpisodeObservation:
             **({"pool_created_at": pool_created} if pool_created is not None else {}),
         },
     )
+
+
+def _init_containers(
+    status: dict[str, Any], terminated: dict[str, Any], running: dict[str, Any]
+) -> tuple[dict[str, Any], str | None, list[str]]:
+    """What a Pod graded apart adds: (how the episode ended, when its agent's init container
+    started, the containers whose logs make the episode's log)."""
+    inits = {s.get("name"): s for s in status.get("initContainerStatuses") or []}
+    agent = inits.get(AGENT_CONTAINER)
+    if agent is None:
+        return terminated, None, []
+    # Graded apart: the agent's init container ran first, so the sandbox started with it;
+    # an agent that failed is the episode's end (its grader never runs).
+    logs = [AGENT_CONTAINER, CONTAINER_NAME]
+    agent_state = agent.get("state") or {}
+    ended = agent_state.get("terminated") or {}
+    if not terminated and not running and ended.get("exitCode") not in (None, 0):
+        terminated = ended
+    seed_ended = ((inits.get(SEED_CONTAINER) or {}).get("state") or {}).get("terminated") or {}
+    if not terminated and not running and seed_ended.get("exitCode") not in (None, 0):
+        # The workspace's seed failed (the image has no such workdir): neither the agent nor
+        # the grader ran, and its log (read only then) says why.
+        terminated = seed_ended
+        logs = [SEED_CONTAINER, *logs]
+    return terminated, (agent_state.get("running") or ended).get("startedAt"), logs
 
 
 def _pod_phase(

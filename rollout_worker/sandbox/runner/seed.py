@@ -15,6 +15,7 @@ import stat
 import sys
 
 from .errors import EXIT_EPISODE_ERROR
+from .events import emit, record_outcome
 
 SEED_MAX_BYTES = 2**30
 SEED_MAX_ENTRIES = 100_000
@@ -55,7 +56,9 @@ def seed(source: str, dest: str) -> int:
     try:
         src = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        print(f"the image's workdir {source!r} is not a folder: {exc}", file=sys.stderr)
+        # The termination message carries it to the row: neither the agent nor the grader runs.
+        cause = f"the image's workdir {source!r} is not a folder: {exc.strerror}"
+        record_outcome(emit("error", kind="episode", cause=cause))
         return EXIT_EPISODE_ERROR
     try:
         dst = os.open(dest, _SEED_DIR)
