@@ -120,6 +120,9 @@ def test_fresh_grading_of_a_task_in_its_own_image_on_the_real_node(real_node, re
             tasks=tasks,
             samples_per_task=1,
             parallelism=4,
+            # The Job's podFailurePolicy then names the seed's container too (the API server
+            # checks it); the seed's episode error is not retried.
+            infra_retries=1,
             policy=NEVER_ASKED,
             capacity_check="warn",
         )
