@@ -10,10 +10,11 @@ the default reliability settings (visibility timeout 40 s, kombu's unacked resto
 10 s): nothing here shortens the real recovery path.
 
 Where the kills land: two batches without a kill are run first and the second is timed; trial
-i of the j-th kind then kills at a seeded random moment of window i + j (cycling): while `submit_batch`
-runs (between its receipt and the chord's publication: the worst case for the control worker,
-whose unacknowledged submit then comes back only after the visibility timeout), during the
-collection, and in the last second before the report (the last rows and the chord callback).
+i of the j-th kind then kills at a seeded random moment of window i + j (cycling): while
+`submit_batch` runs (between its receipt and the chord's publication: the worst case for the
+control worker, whose unacknowledged submit then comes back only after the visibility timeout),
+during the collection, and in the last second before the report (the last rows and the chord
+callback).
 
 Every kill must land before the batch's report, or the trial would prove no recovery: once the
 victim is dead the report must still be absent. A batch whose report was already out is not
