@@ -40,6 +40,7 @@ from rollout_wire.task_spec import REWARD_FILES as REWARD_FILES
 from rollout_wire.task_spec import REWARD_RULES as REWARD_RULES
 from rollout_wire.task_spec import SOLVE_SCRIPT as SOLVE_SCRIPT
 from rollout_wire.task_spec import TASK_FIELDS as TASK_FIELDS
+from rollout_wire.task_spec import Task as Task
 from rollout_wire.task_spec import countable as countable
 
 BACKENDS = ("local", "kubernetes")
@@ -106,7 +107,7 @@ class BatchSpec:
     # Real rollouts: the tasks (resolved to data at the client's edge), samples per task
     # (group size) and the policy the agent runner asks for actions. No tasks: the guide's
     # demo task, `count` samples of it (one group); no policy: the demo's fixed `action`.
-    tasks: list[dict[str, Any]] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
     samples_per_task: int = 1
     policy: PolicyEndpoint | None = None
     # Retry budget: how many times an episode that failed for infrastructure reasons (the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Required, TypedDict, cast
 
 import orjson
 
@@ -75,6 +75,34 @@ TASK_FIELDS = {
     "image": "the image the task needs (kubernetes)",
     "description": "free text for people (not shown to the policy)",
 }
+
+
+class Task(TypedDict, total=False):
+    """A task as the request carries it (TASK_FIELDS says what each field means). Typed for
+    the code that reads tasks; on the wire it stays the JSON object it always was."""
+
+    id: Required[str]
+    statement: Required[str]
+    files: Required[dict[str, str]]
+    test_command: Required[list[str]]
+    test_files: dict[str, str]
+    reward: str
+    agent: str | dict[str, Any]
+    baseline: bool
+    tests: dict[str, str]
+    solution: dict[str, str]
+    grade: str
+    time_limit_seconds: int
+    test_timeout_seconds: int
+    workdir: str
+    max_steps: int
+    artifacts: list[Any]
+    healthcheck: dict[str, Any]
+    env: dict[str, dict[str, str]]
+    image: str
+    description: str
+
+
 # The runner's own test time limit (episode.py TESTS_TIMEOUT_SECONDS) when a task sets none.
 DEFAULT_TEST_TIMEOUT_SECONDS = 60
 _WORKDIR = re.compile(r"^/[A-Za-z0-9_.-]{1,100}(/[A-Za-z0-9_.-]{1,100}){0,15}$")
@@ -151,7 +179,7 @@ def oracle_problems(tasks: list[Any]) -> list[str]:
     ]
 
 
-def parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
+def parse_tasks(value: Any, problems: list[str]) -> list[Task]:
     """Tasks are data: each one checked here, every problem listed; [] when any has one."""
     if value is None:
         return []
@@ -173,7 +201,8 @@ def parse_tasks(value: Any, problems: list[str]) -> list[dict[str, Any]]:
         _check_task(task, seen, problems)
     if len(problems) > before:
         return []
-    return [dict(t) for t in value]
+    # Every field was checked above: each object now is what Task describes.
+    return [cast(Task, dict(t)) for t in value]
 
 
 def _check_task(task: Mapping[str, Any], seen: set[str], problems: list[str]) -> None:

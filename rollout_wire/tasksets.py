@@ -13,12 +13,12 @@ import warnings
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from rollout_wire.errors import InvalidSpec, TaskWarning
-from rollout_wire.task_spec import MAX_TASK_WARNING_CHARS, MAX_TASK_WARNINGS
+from rollout_wire.task_spec import MAX_TASK_WARNING_CHARS, MAX_TASK_WARNINGS, Task
 
 BUNDLED = "bundled"
 _BUNDLED_FILE = "data/bundled-tasks.json"
@@ -36,16 +36,16 @@ def bundled_tasks() -> list[dict[str, Any]]:
     return _tasks_of(orjson.loads(raw), BUNDLED)
 
 
-def demo_task() -> dict[str, Any]:
+def demo_task() -> Task:
     """The guide's demo as a task (what a policy sees when a batch has a policy but no tasks):
     the bundled shipping task under the demo's id."""
     from rollout_wire.request import DEMO_TASK_ID
 
     task = next(t for t in bundled_tasks() if t["id"] == "shipping-boundary")
-    return dict(task, id=DEMO_TASK_ID)
+    return cast(Task, dict(task, id=DEMO_TASK_ID))
 
 
-def agent_view(task: dict[str, Any]) -> dict[str, Any]:
+def agent_view(task: Mapping[str, Any]) -> dict[str, Any]:
     """What an agent's sandbox may hold of its task: not the tests it is graded by, and the
     solution only when the agent is the oracle (every backend hands the agent this part)."""
     hidden = {"tests"} | (set() if task.get("agent") == "oracle" else {"solution"})

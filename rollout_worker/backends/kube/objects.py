@@ -9,7 +9,7 @@ batch labels; cleanup refuses anything without them.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +229,9 @@ def job_parts(spec: BatchSpec, warm: Collection[int] = ()) -> list[JobPart]:
         if index in warm:
             continue
         episode = spec.episode(index)
-        task = spec.tasks[episode.task_index] if episode.task_index is not None else {}
+        task: Mapping[str, Any] = (
+            spec.tasks[episode.task_index] if episode.task_index is not None else {}
+        )
         shape = (task_image(spec, task), task.get("workdir"))
         if ranges and previous == (shape, index - 1):
             ranges[-1] = (shape, ranges[-1][1], ranges[-1][2] + 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rollout_wire.request import BatchSpec
+from rollout_wire.request import BatchSpec, Task
 from rollout_worker.backends.warm import task_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
@@ -56,7 +56,7 @@ EPISODE_STORAGE_REQUEST = "0"
 AGENT_DIRS = {"agent-logs": "/logs", "agent-tests": "/tests", "agent-solution": "/solution"}
 
 
-def tasks_of(spec: BatchSpec, image: str | None) -> list[dict[str, Any]]:
+def tasks_of(spec: BatchSpec, image: str | None) -> list[Task]:
     """The tasks whose episodes run `image` (every task when None): one Job's, decided alike."""
     if image is None:
         return list(spec.tasks)

@@ -45,7 +45,7 @@ def baseline_tests(line: bytes) -> str:
     return orjson.dumps(value).decode() if isinstance(value, dict) else "null"
 
 
-def phase_env(task: dict[str, Any], phase: str, baseline: str | None) -> dict[str, str]:
+def phase_env(task: Mapping[str, Any], phase: str, baseline: str | None) -> dict[str, str]:
     """What tells the runner which sandbox it is in: the grader's (with the agent's
     `baseline` counts), or an agent's whose tests come with a grader's sandbox."""
     if phase == GRADE_PHASE:
@@ -57,7 +57,7 @@ def phase_env(task: dict[str, Any], phase: str, baseline: str | None) -> dict[st
     return {}
 
 
-def state_phase(task: dict[str, Any], phase: str) -> str:
+def state_phase(task: Mapping[str, Any], phase: str) -> str:
     """Whose /tmp and /logs a sandbox gets: grading `same` finds the agent's as they were
     left; `fresh` its own."""
     return GRADE_PHASE if phase == GRADE_PHASE and task.get("grade") == "fresh" else AGENT_PHASE
@@ -76,12 +76,12 @@ def state_mounts(state: Path, as_root: bool) -> list[Mount]:
     return mounts
 
 
-def env_tables(task: dict[str, Any], phase: str) -> set[str]:
+def env_tables(task: Mapping[str, Any], phase: str) -> set[str]:
     """The task's env tables a sandbox of `phase` needs (task_spec.env_tables_for)."""
     return env_tables_for(task, grading=phase == GRADE_PHASE)
 
 
-def agent_task(task: dict[str, Any]) -> dict[str, Any]:
+def agent_task(task: Mapping[str, Any]) -> dict[str, Any]:
     """The task as its agent's sandbox holds it (agent_view), without the env tables it has
     no use for (their text, literals included, is not the agent's to read)."""
     view = agent_view(task)
@@ -94,7 +94,9 @@ def agent_task(task: dict[str, Any]) -> dict[str, Any]:
     return view | {"env": kept} if kept else view
 
 
-def task_env_values(task: dict[str, Any], phase: str, environ: Mapping[str, str]) -> dict[str, str]:
+def task_env_values(
+    task: Mapping[str, Any], phase: str, environ: Mapping[str, str]
+) -> dict[str, str]:
     """The host's values of the task's ${VAR} templates this sandbox's tables use, under the
     runner's names (TASK_ENV_PREFIX + VAR); a VAR `environ` lacks is left to its default
     (the backend refused the batch when one had none)."""

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ class Supervisor:
         """An episode's /tmp, /logs, /tests and /solution, kept beside its workspace."""
         return self.dir.workspace(index).parent / f"{index}.{phase}"
 
-    def task_of(self, index: int) -> dict[str, Any]:
+    def task_of(self, index: int) -> Mapping[str, Any]:
         """Episode `index`'s task ({} for the guide's demo, which has none)."""
         if not self.spec.tasks:
             return {}
@@ -170,7 +171,7 @@ class Supervisor:
             mounts.append(Mount(sock, "/sandbox/policy.sock", "ROLLOUT_POLICY_SOCKET"))
         if self.spec.agent_env:
             mounts.append(Mount(Path(self.spec.agent_env), self.spec.agent_env, ""))
-        task = self.spec.tasks[position] if self.spec.tasks else {}
+        task: Mapping[str, Any] = self.spec.tasks[position] if self.spec.tasks else {}
         if "agent" not in task:
             return env, mounts, None
         baseline = self.baselines.pop(index, "null") if phase == GRADE_PHASE else None
