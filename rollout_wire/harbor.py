@@ -45,6 +45,7 @@ from rollout_wire.harbor_files import (
     MAX_FILE_BYTES,
     TASK_TOML,
     TEST_SCRIPT,
+    dockerfile_workdir,
     has_folder,
     is_kind,
     kind_of,
@@ -57,6 +58,7 @@ from rollout_wire.harbor_keys import (
     REFUSED_KEYS,
     TomlTables,
     check_keys,
+    check_workdir,
     honour,
     refuse_unsupported,
     requirements,
@@ -305,10 +307,23 @@ def _read_environment(
         if len(problems) == seen:
             build_dir = env_dir
             task["image"] = local_image_name(str(task["id"]), env_dir)
+            if environment.get("workdir") is None:
+                _dockerfile_workdir(task, env_dir, where, problems)
         task["files"] = {}
     else:
         task["files"] = read_tree(env_dir, where, problems) if has_env else {}
     return build_dir
+
+
+def _dockerfile_workdir(
+    task: dict[str, Any], env_dir: Path, where: str, problems: list[str]
+) -> None:
+    """Without [environment] workdir, the Dockerfile's own WORKDIR is the task's: else
+    Kubernetes would run the agent in /workspace where the local backend uses the image's."""
+    text = read_text(env_dir / "Dockerfile", where, problems, "environment/Dockerfile")
+    workdir = dockerfile_workdir(text) if text is not None else None
+    if workdir is not None:
+        check_workdir(task, workdir, "environment/Dockerfile WORKDIR", where, problems)
 
 
 def _read_tests_and_solution(

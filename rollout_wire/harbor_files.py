@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +22,7 @@ TEST_SCRIPT = "test.sh"
 MAX_FILE_BYTES = 1024 * 1024
 # Clutter that is never part of a task (editors, VCS, bytecode).
 SKIPPED = frozenset({".git", "__pycache__", ".DS_Store", ".gitkeep"})
+_LITERAL_PATH = re.compile(r"^/[^\s$\"'\\`]*$")
 LINK_WHY = "; a task folder is read without following links (it could name a host file)"
 
 
@@ -92,6 +94,26 @@ def read_text(path: Path, where: str, problems: list[str], name: str | None = No
     except UnicodeDecodeError:
         problems.append(f"{where}: {name} is a binary file; only UTF-8 text can be carried")
         return None
+
+
+def dockerfile_workdir(text: str) -> str | None:
+    """The last WORKDIR of a Dockerfile's final stage when it is an absolute, literal path;
+    None otherwise (none, relative, quoted, or using $VAR/ARG substitution), since only a
+    path known without building the image can be given to both backends."""
+    workdir: str | None = None
+    # A line ending in a backslash continues on the next: joined first.
+    for line in re.sub(r"\\[ \t]*\r?\n", " ", text).splitlines():
+        words = line.split(None, 1)
+        if not words:
+            continue
+        instruction = words[0].upper()
+        if instruction == "FROM":
+            workdir = None  # a new stage starts from its base's WORKDIR, unknown here
+        elif instruction == "WORKDIR":
+            value = words[1].strip() if len(words) > 1 else ""
+            # "/app/" is /app; "/" is no workdir of the task's own (the backend's default).
+            workdir = (value.rstrip("/") or None) if _LITERAL_PATH.match(value) else None
+    return workdir
 
 
 def walk(root: Path) -> Iterable[tuple[str, Path]]:

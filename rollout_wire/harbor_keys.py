@@ -12,7 +12,10 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
   [agent] timeout_sec             `time_limit_seconds` (rounded up)
   [verifier] timeout_sec          `test_timeout_seconds`: the test command's own limit
   [verifier] environment_mode     shared -> `grade: same`, separate -> `grade: fresh`
-  [environment] workdir           `workdir`: the agent's and the tests' working directory
+  [environment] workdir           `workdir`: the agent's and the tests' working directory;
+                                  unset, an environment/Dockerfile's last literal absolute
+                                  WORKDIR (final stage, no $VAR) is the task's, so both
+                                  backends work in the image's folder
   [environment] docker_image      `image`
   [environment] cpus, memory_mb   the batch's --cpu-limit / --memory-limit default to the
                                   largest stated; a smaller flag is refused (rollout run)
@@ -240,20 +243,7 @@ def honour(
             )
     workdir = environment.get("workdir")
     if workdir is not None:
-        if (
-            not isinstance(workdir, str)
-            or len(workdir) > 200
-            or not _WORKDIR.match(workdir)
-            or any(part in (".", "..") for part in workdir.split("/"))
-            or workdir.split("/")[1] in _SYSTEM_DIRS
-        ):
-            problems.append(
-                f"{where}: [environment] workdir {workdir!r} must be an absolute path of "
-                "letters, digits, '_', '.', '-', outside /proc, /dev, /sys, /tmp, /logs, "
-                "/tests, /solution and /sandbox"
-            )
-        else:
-            task["workdir"] = workdir
+        check_workdir(task, workdir, "[environment] workdir", where, problems)
     for section, table in (("agent", agent), ("verifier", verifier), ("environment", environment)):
         network = table.get("network_mode")
         if network is not None and network not in NO_NETWORK:
@@ -293,6 +283,26 @@ def honour(
         if value is not None:
             _seconds(value, f"[environment] {key}", where, problems)  # still a number
             warnings.append(f"{where}: [environment] {key} = {value!r} not enforced: {why}")
+
+
+def check_workdir(
+    task: dict[str, Any], workdir: Any, label: str, where: str, problems: list[str]
+) -> None:
+    """`workdir` as the task's, or a problem naming where it came from (`label`)."""
+    if (
+        not isinstance(workdir, str)
+        or len(workdir) > 200
+        or not _WORKDIR.match(workdir)
+        or any(part in (".", "..") for part in workdir.split("/"))
+        or workdir.split("/")[1] in _SYSTEM_DIRS
+    ):
+        problems.append(
+            f"{where}: {label} {workdir!r} must be an absolute path of "
+            "letters, digits, '_', '.', '-', outside /proc, /dev, /sys, /tmp, /logs, "
+            "/tests, /solution and /sandbox"
+        )
+    else:
+        task["workdir"] = workdir
 
 
 def _env_tables(task: dict[str, Any], tables: TomlTables, where: str, problems: list[str]) -> None:
