@@ -18,7 +18,12 @@ from typing import Any, cast
 import orjson
 
 from rollout_wire.errors import InvalidSpec, TaskWarning
-from rollout_wire.task_spec import MAX_TASK_WARNING_CHARS, MAX_TASK_WARNINGS, Task
+from rollout_wire.task_spec import (
+    MAX_TASK_WARNING_CHARS,
+    MAX_TASK_WARNINGS,
+    Task,
+    env_tables_for,
+)
 
 BUNDLED = "bundled"
 _BUNDLED_FILE = "data/bundled-tasks.json"
@@ -50,6 +55,20 @@ def agent_view(task: Mapping[str, Any]) -> dict[str, Any]:
     solution only when the agent is the oracle (every backend hands the agent this part)."""
     hidden = {"tests"} | (set() if task.get("agent") == "oracle" else {"solution"})
     return {name: value for name, value in task.items() if name not in hidden}
+
+
+def agent_task(task: Mapping[str, Any]) -> dict[str, Any]:
+    """The task as its agent's sandbox or container holds it on every backend (agent_view),
+    without the env tables its runner does not hand the agent (env_tables_for): their text,
+    literals included, is not the agent's to read."""
+    view = agent_view(task)
+    env = view.get("env")
+    if not env:
+        return view
+    wanted = env_tables_for(task, grading=False)
+    kept = {table: value for table, value in env.items() if table in wanted}
+    view = {name: value for name, value in view.items() if name != "env"}
+    return view | {"env": kept} if kept else view
 
 
 def load_task_set(

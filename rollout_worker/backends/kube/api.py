@@ -30,6 +30,7 @@ from rollout_worker.backends.kube.watch import RawWatch
 from rollout_worker.settings import Settings
 
 REQUEST_TIMEOUT = 30
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 Objects = dict[str, dict[str, Any]]
 
@@ -49,6 +50,22 @@ def translate(exc: Exception, what: str) -> BackendError:
             return TransientBackendError(text)
         return BackendError(text)
     return TransientBackendError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def workers_namespace(settings: Settings) -> str:
+    """The workers' own namespace (where the user's task env Secret lives): the kubeconfig
+    context's namespace ("default" when it names none), else, in a Pod, its service account's."""
+    kubeconfig = settings.kubeconfig or os.path.expanduser("~/.kube/config")
+    try:
+        if settings.kubeconfig or os.path.exists(kubeconfig):
+            contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+            name = settings.kube_context or active["name"]
+            context = next((c for c in contexts if c["name"] == name), active)
+            return str((context.get("context") or {}).get("namespace") or "default")
+        with open(SERVICE_ACCOUNT_NAMESPACE, encoding="utf-8") as file:
+            return file.read().strip() or "default"
+    except (config.ConfigException, OSError, KeyError, TypeError) as exc:
+        raise BackendUnavailable(f"the workers' namespace is unknown: {exc}") from exc
 
 
 def api_client(settings: Settings) -> tuple[client.ApiClient, str]:

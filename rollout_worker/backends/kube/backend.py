@@ -39,7 +39,7 @@ from rollout_worker.backends.base import (
     RunHandle,
     handle_as,
 )
-from rollout_worker.backends.kube import api, objects, read, task_env, verdicts
+from rollout_worker.backends.kube import api, objects, read, task_env, task_secret, verdicts
 from rollout_worker.backends.kube.feed import feed
 from rollout_worker.backends.kube.namespaces import delete_batch_namespace
 from rollout_worker.backends.kube.objects import (
@@ -130,9 +130,7 @@ class KubernetesBackend:
 
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
-        refused = task_env.refuse_templates(spec.tasks)  # until the Secret copy is wired
-        if refused:
-            raise BackendError("; ".join(refused))
+        task_secret.source_for(self._call, self.core, spec, self.settings)
         try:
             runtime = self._call(
                 f"RuntimeClass {spec.runtime}", self.nodes_api.read_runtime_class, spec.runtime
@@ -215,7 +213,9 @@ class KubernetesBackend:
     def _create_namespace(
         self, spec: BatchSpec, namespace: str, record: ReceiptUpdate
     ) -> dict[str, Any]:
-        """The batch's namespace (its UID recorded at once), its ConfigMap and NetworkPolicy."""
+        """The batch's namespace (its UID recorded at once), its task env Secret (read first:
+        kube/task_secret.py), ConfigMap and NetworkPolicy."""
+        source = task_secret.source_for(self._call, self.core, spec, self.settings)
         ns = api.create_or_adopt(
             spec.batch_id,
             "namespace",
@@ -225,6 +225,7 @@ class KubernetesBackend:
             namespace,
         )
         record({"uid": ns["metadata"]["uid"]})
+        task_secret.create_copy(self._call, self.core, spec, source, namespace)
         try:
             configmap = configmap_manifest(spec, self.program)
         except ValueError as exc:  # the tasks do not fit in a ConfigMap
@@ -548,8 +549,8 @@ class KubernetesBackend:
     def pool_key(self, spec: BatchSpec) -> str | None:
         # A warm Pod is one container: a batch that grades in a second one starts cold; one
         # whose runner grades in its agent's container (stashes_tests) takes warm Pods, its
-        # hidden tests handed over apart from the task.
-        if grades_apart(spec):
+        # hidden tests handed over apart from the task. Env tables start cold (task_env).
+        if grades_apart(spec) or task_env.has_env(spec.tasks):
             return None
         return warm.pool_key(spec, self.program, grades_within=True)
 

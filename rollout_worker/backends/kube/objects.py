@@ -17,7 +17,7 @@ import orjson
 
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
-from rollout_wire.tasksets import agent_view, demo_task
+from rollout_wire.tasksets import agent_task, demo_task
 from rollout_worker.backends.kube.pod_spec import (
     AGENT_CONTAINER,
     AGENT_TASKS_KEY,
@@ -88,7 +88,7 @@ def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
         data[TASKS_KEY] = tasks
     images = {task_image(spec, t) for t in spec.tasks}
     if any(grades_apart(spec, i) or stashes_tests(spec, i) for i in images):
-        data[AGENT_TASKS_KEY] = orjson.dumps([agent_view(t) for t in spec.tasks]).decode()
+        data[AGENT_TASKS_KEY] = orjson.dumps([agent_task(t) for t in spec.tasks]).decode()
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
     if size > CONFIGMAP_MAX_BYTES:
         raise ValueError(

@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 from rollout_wire.request import BatchSpec, Task
+from rollout_worker.backends.kube import task_env
 from rollout_worker.backends.warm import task_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
@@ -151,6 +152,8 @@ def sandbox_pod_spec(
         _grade_apart(pod_spec)
     elif stashes_tests(spec, image) and not warm:
         _stash_tests(pod_spec)
+    if not warm:  # a warm Pod's task comes later; such batches never take one (pool_key)
+        task_env.add_task_env(pod_spec, tasks_of(spec, image))
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

@@ -9,8 +9,7 @@ Secret of its own namespace, and each batch has a namespace of its own, so the u
 copies the keys the tasks use into the batch's namespace as TASK_ENV_SECRET when it makes the
 namespace (`batch_secret`), and each container references that copy for the tables its runner
 hands on (`add_task_env`). `preflight_problems` refuses a batch before anything is created
-when a ${VAR} without a default has no key to come from. Until the backend makes that copy,
-`refuse_templates` is its preflight's answer: a template is refused by name.
+when a ${VAR} without a default has no key to come from. The API calls are task_secret.py's.
 """
 
 from __future__ import annotations
@@ -105,32 +104,29 @@ def preflight_problems(
 
 
 def batch_secret(
-    tasks: Sequence[Mapping[str, Any]], source: Mapping[str, str], namespace: str
+    tasks: Sequence[Mapping[str, Any]],
+    source: Mapping[str, str],
+    namespace: str,
+    labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """The batch namespace's Secret: the keys of the user's Secret (`source`, its `data` as
     the API returns it, base64) that the tasks' templates use, nothing else; None when they
-    use none."""
+    use none. `labels`: the batch's owner labels, as on everything the service creates."""
     data = {var: source[var] for var in sorted(needed_keys(tasks)) if var in source}
     if not data:
         return None
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": TASK_ENV_SECRET, "namespace": namespace},
+        "metadata": {"name": TASK_ENV_SECRET, "namespace": namespace}
+        | ({"labels": dict(labels)} if labels else {}),
         "type": "Opaque",
         "immutable": True,
         "data": data,
     }
 
 
-def refuse_templates(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Every ${VAR} template of the tasks, refused by name: what the Kubernetes backend says
-    while it does not copy the task_env_secret into the batch's namespace (an episode would
-    otherwise run on the template's default, or not start)."""
-    return [
-        f"task {task.get('id')!r}: [{table}.env] {name} = ${{{var}...}}: ${{VAR}} templates "
-        "are not resolved on Kubernetes yet (the local backend resolves them from its "
-        "workers' environment; or write the value)"
-        for task in tasks
-        for table, name, var, _ in env_templates(task)
-    ]
+def has_env(tasks: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a task has env tables: its batch starts cold, since a warm Pod holds no Secret
+    reference and its hand-over line carries no secret (as on the local backend)."""
+    return any("env" in task for task in tasks)

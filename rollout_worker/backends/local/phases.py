@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from rollout_wire.task_spec import TASK_ENV_PREFIX, env_tables_for, env_templates
-from rollout_wire.tasksets import agent_view
+from rollout_wire.tasksets import agent_task as shared_agent_task
 from rollout_worker.backends.local.sandbox import (
     SANDBOX_GID,
     SANDBOX_UID,
@@ -82,16 +82,8 @@ def env_tables(task: Mapping[str, Any], phase: str) -> set[str]:
 
 
 def agent_task(task: Mapping[str, Any]) -> dict[str, Any]:
-    """The task as its agent's sandbox holds it (agent_view), without the env tables it has
-    no use for (their text, literals included, is not the agent's to read)."""
-    view = agent_view(task)
-    env = view.get("env")
-    if not env:
-        return view
-    wanted = env_tables(task, AGENT_PHASE)
-    kept = {table: value for table, value in env.items() if table in wanted}
-    view = {name: value for name, value in view.items() if name != "env"}
-    return view | {"env": kept} if kept else view
+    """The task as its agent's sandbox holds it (tasksets.agent_task, shared with Kubernetes)."""
+    return shared_agent_task(task)
 
 
 def task_env_values(
