@@ -75,7 +75,7 @@ def _names(container):
 
 def test_an_agent_container_never_gets_the_verifiers_keys_and_the_grader_gets_them():
     hidden = TASK | {"env": ENV, "tests": {"test.sh": "true"}}
-    spec, pod = _pod([hidden])  # sandbox_pod_spec adds them to a cold Pod
+    _, pod = _pod([hidden])  # sandbox_pod_spec adds them to a cold Pod
     (agent,) = [c for c in pod["initContainers"] if c["name"] == "agent"]
     (grader,) = pod["containers"]
     assert _names(agent) == ["ROLLOUT_TASKENV_HOST_D", "ROLLOUT_TASKENV_HOST_E"]
@@ -85,7 +85,7 @@ def test_an_agent_container_never_gets_the_verifiers_keys_and_the_grader_gets_th
         "ROLLOUT_TASKENV_HOST_V",
     ]
     # One container that acts and grades (no hidden tests) needs all it hands on.
-    spec, pod = _pod([TASK | {"env": ENV, "agent": "oracle", "solution": {"solve.sh": "true"}}])
+    _, pod = _pod([TASK | {"env": ENV, "agent": "oracle", "solution": {"solve.sh": "true"}}])
     assert "initContainers" not in pod
     assert _names(pod["containers"][0]) == [
         "ROLLOUT_TASKENV_HOST_D",
