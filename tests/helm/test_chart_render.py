@@ -61,6 +61,24 @@ def test_warm_pools_add_exactly_the_pool_permissions(render):
     assert role["rules"][: len(permissions.PERMISSIONS)] == permissions.rbac_rules()
 
 
+def test_a_task_env_secret_adds_secret_create_and_a_role_for_that_secret_only(render):
+    objects = render("rbac.taskEnvSecret=task-keys")
+    role = one(objects, "ClusterRole")
+    assert role["rules"] == permissions.rbac_rules(task_env=True)
+    named = one(objects, "Role")
+    assert named["metadata"]["namespace"] == "rollout"
+    assert named["rules"] == permissions.task_env_role_rules("task-keys")
+    binding = one(objects, "RoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": named["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-rollout", "namespace": "rollout"}
+    ]
+
+
 def test_readme_table_is_the_generated_one():
     text = (CHART / "README.md").read_text()
     block = re.search(r"<!-- permissions:start -->\n(.*?)\n<!-- permissions:end -->", text, re.S)

@@ -35,7 +35,13 @@ def test_all_granted_is_one_line_per_permission(monkeypatch):
     fake, (lines, problems) = review(monkeypatch, NEEDED)
     assert problems == []
     pool_verbs = sum(len(p.verbs) for p in permissions.POOL_PERMISSIONS)
-    assert len(lines) == len(NEEDED) + pool_verbs + len(permissions.MUST_NOT)
+    # The task env Secret's get is limited to a name only a batch gives: not asked here.
+    task_env_verbs = 1
+    assert len(lines) == len(NEEDED) + pool_verbs + task_env_verbs + len(permissions.MUST_NOT)
+    assert (
+        "task env create core/secrets (batch namespaces): denied (${VAR} templates refused)"
+        in lines
+    )
     # Warm pools are optional: denied, they are a line, not a problem.
     assert (
         "warm pools create core/pods/attach (pool namespaces): denied (batches run cold)" in lines
@@ -62,5 +68,12 @@ def test_rules_and_table_cover_the_same_permissions():
     every = permissions.PERMISSIONS + permissions.POOL_PERMISSIONS
     assert len(permissions.rbac_rules(warm_pools=True)) == len(every)
     table = permissions.markdown_table().splitlines()
-    assert len(table) == 2 + len(every)
+    assert len(table) == 2 + len(every) + len(permissions.TASK_ENV_PERMISSIONS)
     assert not NEEDED & set(permissions.MUST_NOT)
+    # Task env: create cluster-wide, get only of the one named Secret (never all of them).
+    assert permissions.rbac_rules(task_env=True)[len(rules) :] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}
+    ]
+    assert permissions.task_env_role_rules("keys") == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["keys"]}
+    ]

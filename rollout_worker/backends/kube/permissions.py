@@ -129,6 +129,31 @@ POOL_PERMISSIONS: tuple[Permission, ...] = (
     ),
 )
 
+WORKERS_NAMESPACE = "workers' namespace"
+
+# Only with Harbor env tables' ${VAR} templates on Kubernetes (the chart's `rbac.taskEnvSecret`,
+# the name of the user's Secret): the workers read that one Secret in their own namespace (a
+# Role limited to it by resourceNames) and copy the keys a batch uses into the batch's
+# namespace (kube/task_secret.py). Without them a batch with templates is refused by name.
+TASK_ENV_PERMISSIONS: tuple[Permission, ...] = (
+    Permission(
+        "",
+        "secrets",
+        ("create",),
+        BATCH_NAMESPACES,
+        "start_run creates rollout-task-env, the batch's labelled copy of the keys its tasks' "
+        "${VAR} templates use, once the namespace's UID is recorded (never read back)",
+    ),
+    Permission(
+        "",
+        "secrets",
+        ("get",),
+        WORKERS_NAMESPACE,
+        "preflight and start_run read the task_env_secret a batch names (a Role in the "
+        "workers' namespace, resourceNames: that Secret only)",
+    ),
+)
+
 # What the workers must NOT be able to do (the tests check these with the workers' identity;
 # `rollout check` reports them too, as "denied (as it should)").
 MUST_NOT: tuple[tuple[str, str, str], ...] = (
@@ -144,11 +169,25 @@ MUST_NOT: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def rbac_rules(warm_pools: bool = False) -> list[dict[str, Any]]:
-    """The ClusterRole's rules, in the order of PERMISSIONS (then POOL_PERMISSIONS)."""
+def rbac_rules(warm_pools: bool = False, task_env: bool = False) -> list[dict[str, Any]]:
+    """The ClusterRole's rules, in the order of PERMISSIONS (then POOL_PERMISSIONS, then the
+    cluster-wide TASK_ENV_PERMISSIONS)."""
+    task_env_rules = tuple(p for p in TASK_ENV_PERMISSIONS if p.scope != WORKERS_NAMESPACE)
     return [
         {"apiGroups": [p.group], "resources": [p.resource], "verbs": list(p.verbs)}
-        for p in PERMISSIONS + (POOL_PERMISSIONS if warm_pools else ())
+        for p in PERMISSIONS
+        + (POOL_PERMISSIONS if warm_pools else ())
+        + (task_env_rules if task_env else ())
+    ]
+
+
+def task_env_role_rules(secret: str) -> list[dict[str, Any]]:
+    """The workers' namespace Role's rules: the task env Secret `secret`, and nothing else."""
+    return [
+        {"apiGroups": [p.group], "resources": [p.resource], "verbs": list(p.verbs)}
+        | {"resourceNames": [secret]}
+        for p in TASK_ENV_PERMISSIONS
+        if p.scope == WORKERS_NAMESPACE
     ]
 
 
@@ -157,7 +196,7 @@ def markdown_table() -> str:
         "| API group | resource | verbs | scope | needed by |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for p in PERMISSIONS + POOL_PERMISSIONS:
+    for p in PERMISSIONS + POOL_PERMISSIONS + TASK_ENV_PERMISSIONS:
         lines.append(
             f"| {p.api_group} | {p.resource} | {', '.join(p.verbs)} | {p.scope} | {p.why} |"
         )
@@ -208,6 +247,16 @@ def access_review(api_client: Any) -> tuple[list[str], list[str]]:
             what = f"{verb} {p.api_group}/{p.resource} ({p.scope})"
             verdict = "granted" if allowed else "denied (batches run cold)"
             lines.append(f"warm pools {what}: {verdict}")
+    for p in TASK_ENV_PERMISSIONS:
+        if p.scope == WORKERS_NAMESPACE:
+            # Limited to one Secret's name, which only a batch names: its preflight asks then
+            # (a 403 names the Secret and the namespace).
+            continue
+        for verb in p.verbs:
+            allowed, _ = _review(authz, p.group, p.resource, verb)
+            what = f"{verb} {p.api_group}/{p.resource} ({p.scope})"
+            verdict = "granted" if allowed else "denied (${VAR} templates refused)"
+            lines.append(f"task env {what}: {verdict}")
     for group, resource, verb in MUST_NOT:
         allowed, _ = _review(authz, group, resource, verb)
         what = f"{verb} {group or 'core'}/{resource}"
