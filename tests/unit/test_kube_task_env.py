@@ -240,3 +240,21 @@ def test_the_agents_tasks_file_holds_only_the_tables_its_runner_hands_it():
     (agent,) = orjson.loads(data[pod_spec.AGENT_TASKS_KEY])
     assert agent["env"] == {"environment": ENV["environment"]}
     assert "HOST_V" not in data[pod_spec.AGENT_TASKS_KEY]
+
+
+def test_a_container_that_acts_and_grades_reads_only_its_agents_tables():
+    # No hidden tests: one container; a non-oracle agent there never reads [solution.env].
+    task = TASK | {"env": ENV, "solution": {"solve.sh": "true"}}
+    spec = _env_spec(ENV, tasks=[task])
+    pod = pod_spec.sandbox_pod_spec(spec, spec.image, [], 100)
+    assert "initContainers" not in pod
+    (program,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/demo"]
+    assert program["name"] == "agent-program"
+    data = objects.configmap_manifest(spec, "PROGRAM")["data"]
+    (agent,) = orjson.loads(data[pod_spec.AGENT_TASKS_KEY])
+    assert agent["env"] == {"environment": ENV["environment"], "verifier": ENV["verifier"]}
+    assert "solution" not in agent
+    # Without env tables the same batch keeps today's Pod and ConfigMap.
+    plain = _env_spec({}, tasks=[TASK | {"solution": {"solve.sh": "true"}}])
+    assert pod_spec.AGENT_TASKS_KEY not in objects.configmap_manifest(plain, "P")["data"]
+    assert "agent-program" not in str(pod_spec.sandbox_pod_spec(plain, plain.image, [], 100))

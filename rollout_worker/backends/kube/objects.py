@@ -34,6 +34,7 @@ from rollout_worker.backends.kube.pod_spec import (
     seeds_workspace,
     stashes_tests,
 )
+from rollout_worker.backends.kube.task_env import has_env
 from rollout_worker.backends.warm import pool_image, task_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
@@ -87,7 +88,7 @@ def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
     if tasks is not None:
         data[TASKS_KEY] = tasks
     images = {task_image(spec, t) for t in spec.tasks}
-    if any(grades_apart(spec, i) or stashes_tests(spec, i) for i in images):
+    if any(grades_apart(spec, i) or stashes_tests(spec, i) for i in images) or has_env(spec.tasks):
         data[AGENT_TASKS_KEY] = orjson.dumps([agent_task(t) for t in spec.tasks]).decode()
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
     if size > CONFIGMAP_MAX_BYTES:

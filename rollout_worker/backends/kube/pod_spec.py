@@ -152,6 +152,8 @@ def sandbox_pod_spec(
         _grade_apart(pod_spec)
     elif stashes_tests(spec, image) and not warm:
         _stash_tests(pod_spec)
+    elif task_env.has_env(tasks_of(spec, image)):
+        _agent_tasks_only(pod_spec)
     if not warm:  # a warm Pod's task comes later; such batches never take one (pool_key)
         task_env.add_task_env(pod_spec, tasks_of(spec, image))
     if spec.node_selector:
@@ -263,6 +265,20 @@ def _agent_program_volume() -> dict[str, Any]:
         {"key": AGENT_TASKS_KEY, "path": TASKS_KEY},
     ]
     return {"name": "agent-program", "configMap": {"name": CONFIGMAP_NAME, "items": items}}
+
+
+def _agent_tasks_only(pod_spec: dict[str, Any]) -> None:
+    """The one container of tasks with env tables, that acts and grades: it mounts the tasks as
+    its agent may read them (AGENT_TASKS_KEY: the env tables its runner hands on and no
+    other's text), as a local sandbox does. Its runner needs nothing else: no hidden tests."""
+    container = pod_spec["containers"][0]
+    container["volumeMounts"] = [
+        {"name": "agent-program", "mountPath": PROGRAM_DIR, "readOnly": True}
+        if m["name"] == "program"
+        else m
+        for m in container["volumeMounts"]
+    ]
+    pod_spec["volumes"].append(_agent_program_volume())
 
 
 def _stash_tests(pod_spec: dict[str, Any]) -> None:
