@@ -64,6 +64,7 @@ from rollout_wire.harbor_keys import (
     requirements,
     time_limit,
 )
+from rollout_wire.harbor_steps import map_steps
 from rollout_wire.task_spec import SOLVE_SCRIPT
 
 # Re-exported: the names this module had before the key table and the folder reading moved.
@@ -255,11 +256,22 @@ def _map_task(
     description = _description(tables.config)
     if description:
         task["description"] = description
-    _read_statement(task, folder, where, problems)
+    multi_step = "steps" in tables.config
+    if not multi_step:
+        _read_statement(task, folder, where, problems)
     build_dir = _read_environment(task, folder, tables.environment, where, problems)
-    _read_tests_and_solution(task, folder, where, problems)
+    if not multi_step:
+        _read_tests_and_solution(task, folder, where, problems)
+    else:
+        task["test_command"], task["reward"], task["baseline"] = list(TEST_COMMAND), "file", False
     task["time_limit_seconds"] = time_limit(tables.agent.get("timeout_sec"), where, problems)
     honour(task, tables, where, problems, warnings)
+    if multi_step:
+        map_steps(task, folder, tables.config, where, problems)
+        # Harbor never shows the root instruction.md of a task with steps: the task's
+        # statement (for people, and a step's default) is the first step's.
+        if task.get("steps"):
+            task["statement"] = task["steps"][0]["statement"]
     if len(problems) > before:
         return None
     return HarborTask(

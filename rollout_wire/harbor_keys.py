@@ -48,7 +48,9 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
                                   episode's log record): bounded, never through a link, each
                                   refusal named; a table's other keys refused
   [[steps]], multi_step_reward_strategy
-                                  refused (multi-step tasks); so is a steps/ folder
+                                  `steps` and `step_reward_strategy` (mean, final): each
+                                  step's keys and folder in rollout_wire.harbor_steps; a
+                                  steps/ folder without [[steps]] refused
 
 Also refused: docker-compose environments (one sandbox per episode) and Windows tests.
 """
@@ -61,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_wire.harbor_files import TEST_SCRIPT
+from rollout_wire.harbor_files import TASK_TOML, TEST_SCRIPT
 from rollout_wire.task_spec import (
     DEFAULT_TASK_TIME_LIMIT_SECONDS,
     check_artifacts,
@@ -141,8 +143,6 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
 }
 # Refused whenever present (with any value), and why.
 REFUSED_KEYS: dict[str, str] = {
-    "steps": "multi-step tasks ([[steps]]) are not supported",
-    "multi_step_reward_strategy": "multi-step tasks are not supported",
     "verifier.environment": "a separate verifier environment definition is not supported "
     '(environment_mode = "separate" grades in a fresh sandbox of the task\'s own environment)',
     "environment.skills_dir": "skills are not copied to agents",
@@ -207,7 +207,9 @@ def refuse_unsupported(
             "sandbox per episode; give the task an environment/Dockerfile instead"
         )
     if not config.get("steps") and (folder / "steps").is_dir():
-        problems.append(f"{where}: multi-step tasks (steps/) are not supported")
+        problems.append(f"{where}: a steps/ folder without [[steps]] in {TASK_TOML}")
+    if "steps" not in config and "multi_step_reward_strategy" in config:
+        problems.append(f"{where}: multi_step_reward_strategy without [[steps]]")
     gpus = environment.get("gpus", 0)
     if gpus:
         problems.append(f"{where}: [environment] gpus = {gpus!r}: GPUs are not supported")

@@ -553,6 +553,7 @@ _TABLE: tuple[Field | Check, ...] = (
     Check(request_checks.fresh_grade_in_the_batch_image),
     Check(request_checks.agent_env_only_local),
     Check(request_checks.warm_pool_without_workdir),
+    Check(request_checks.steps_where_they_run),
     Field("image_pull_policy", choice("image_pull_policy", "IfNotPresent", PULL_POLICIES), str),
     Field("capacity_check", choice("capacity_check", "error", CAPACITY_CHECKS), str),
     Field("node_selector", _node_selector, dict),

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from rollout_wire.field_table import ParseState
 from rollout_wire.policy import PolicyEndpoint
 from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS, ORACLE, oracle_problems
+from rollout_wire.task_steps import kubernetes_step_problems
 
 
 def fresh_grade_in_the_batch_image(request: ParseState) -> None:
@@ -40,6 +41,16 @@ def fresh_grade_in_the_batch_image(request: ParseState) -> None:
                 f"grade: fresh on Kubernetes for a task in its own image needs its workdir "
                 f"(Harbor [environment] workdir, the image's WORKDIR): {no_workdir[:3]} have none"
             )
+
+
+def steps_where_they_run(request: ParseState) -> None:
+    """Tasks with steps: never on Kubernetes (task_steps.kubernetes_step_problems), never from
+    a warm pool (a warm sandbox is handed its task on a line the agent's sandbox holds, and has
+    nowhere else to keep the later steps' tests)."""
+    if request["backend"] == "kubernetes":
+        request.problems.extend(kubernetes_step_problems(request["tasks"]))
+    if request.data.get("warm_pool") and any(t.get("steps") for t in request["tasks"]):
+        request.problems.append("warm_pool cannot go with tasks with steps: they start cold")
 
 
 def agent_env_only_local(request: ParseState) -> None:

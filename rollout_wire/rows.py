@@ -109,6 +109,10 @@ class EpisodeRow:
     agent_seconds: float | None = None
     # A `file` reward's other numbers (Harbor's reward.json may hold several).
     reward_details: dict[str, float] | None = None
+    # A task with steps (Harbor's [[steps]]): each step that ran, in order, {name, reward,
+    # grade_cause, tests_exit}; `reward` is their combination (the task's
+    # step_reward_strategy). None for a task without steps.
+    step_rewards: list[dict[str, Any]] | None = None
     # What the episode used (COST_SECONDS, COST_COUNTS, COST_PEAK, cpu_source, wall); None when
     # its runner measured nothing (an older runner, or one that never reached its outcome).
     cost: dict[str, Any] | None = None

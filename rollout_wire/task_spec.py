@@ -10,6 +10,8 @@ from typing import Any, Required, TypedDict, cast
 
 import orjson
 
+from rollout_wire.task_steps import check_steps, oracle_step_problems
+
 MAX_DEADLINE_SECONDS = 7 * 24 * 3600
 # A container image reference: [registry[:port]/]path[:tag][@digest], lower-case path parts.
 IMAGE_REFERENCE = re.compile(
@@ -72,6 +74,12 @@ TASK_FIELDS = {
     "environment, or the Kubernetes Secret `task_env_secret`), never before: the agent sees "
     "environment's, the tests environment's and verifier's, the oracle environment's and "
     "solution's",
+    "steps": "[{name, statement, tests, solution?, min_reward?, time_limit_seconds?, "
+    "test_timeout_seconds?}] (1..20): Harbor's [[steps]], run in order in one sandbox (local "
+    "backend): each step's agent on its statement, then its tests (placed only then); a step "
+    "below its min_reward ends the episode; each step's reward kept on the row (step_rewards)",
+    "step_reward_strategy": "mean (default: the mean of the steps that ran) | final (the last "
+    "run step's): Harbor's multi_step_reward_strategy",
     "image": "the image the task needs (kubernetes)",
     "description": "free text for people (not shown to the policy)",
 }
@@ -99,6 +107,8 @@ class Task(TypedDict, total=False):
     artifacts: list[Any]
     healthcheck: dict[str, Any]
     env: dict[str, dict[str, str]]
+    steps: list[dict[str, Any]]
+    step_reward_strategy: str
     image: str
     description: str
 
@@ -175,8 +185,10 @@ def oracle_problems(tasks: list[Any]) -> list[str]:
     return [
         f"task {task.get('id')!r}: the oracle agent needs solution/{SOLVE_SCRIPT}"
         for task in tasks
-        if task.get("agent") == ORACLE and SOLVE_SCRIPT not in (task.get("solution") or {})
-    ]
+        if task.get("agent") == ORACLE
+        and not task.get("steps")  # each step's solution: task_steps.check_steps
+        and SOLVE_SCRIPT not in (task.get("solution") or {})
+    ] + [p for task in tasks if task.get("agent") == ORACLE for p in oracle_step_problems(task)]
 
 
 def parse_tasks(value: Any, problems: list[str]) -> list[Task]:
@@ -244,6 +256,7 @@ def _check_task(task: Mapping[str, Any], seen: set[str], problems: list[str]) ->
         check_artifacts(task["artifacts"], f"task {tid!r}: artifacts", problems)
     if "healthcheck" in task:
         check_healthcheck(task["healthcheck"], f"task {tid!r}: healthcheck", problems)
+    check_steps(task, problems)
 
 
 def _check_reward(task: Mapping[str, Any], problems: list[str]) -> None:

@@ -43,6 +43,7 @@ RUNNER_MODULES = (
     "loop",
     "proxy_server",
     "proxy",
+    "multistep",
     "runner",
     "main",
 )

@@ -15,6 +15,7 @@ from rollout_worker.validation.episode import (
     finite,
     number,
 )
+from rollout_worker.validation.steps import expected_agent_exits, step_rewards
 
 # How the runner marks a message list or response it left out (too large to carry).
 _MARKER_KEYS = {"omitted_bytes", "sha256"}
@@ -59,6 +60,7 @@ def _agent_reward(row: EpisodeRow, reward: Event, summary: Event, errors: list[s
     if isinstance(reported, bool) or not isinstance(reported, (int, float)):
         errors.append(f"reward is {reported!r}, expected a number within 0..1")
         return
+    step_rewards(row, reward, errors)
     details = reward.get("reward_details")
     if details is not None:
         if isinstance(details, dict) and all(
@@ -163,10 +165,18 @@ def _agent_exit(episode: Episode, ready: Event, outcome: Event) -> None:
         episode.errors,
         episode.row,
     )
-    if len(exits) != 1:
-        errors.append(f"expected one agent_exit event, got {len(exits)}")
+    wanted = expected_agent_exits(episode.reward)
+    if len(exits) != wanted:
+        what = (
+            "one agent_exit event" if wanted == 1 else f"{wanted} agent_exit events (a step each)"
+        )
+        errors.append(f"expected {what}, got {len(exits)}")
         return
-    agent_exit = exits[0]
+    agent_exit = exits[-1]  # with steps, the last step's (each earlier one before it)
+    times = [number(e, "at") for e in exits]
+    known = [t for t in times if t is not None]
+    if len(known) != len(times) or known != sorted(known):
+        errors.append("the agent_exit events are out of time order")
     code, timed_out = agent_exit.get("exit_code"), agent_exit.get("timed_out")
     seconds = number(agent_exit, "seconds")
     check_names_the_episode(episode, ready, agent_exit, "agent_exit event")

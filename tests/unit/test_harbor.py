@@ -178,7 +178,8 @@ def test_every_unsupported_or_broken_task_is_listed_at_once(tmp_path):
     text = refusal(tmp_path)
     for expected in [
         "task 'compose': environment/docker-compose.yaml (several containers) is not supported",
-        "task 'steps': steps in steps/task.toml: multi-step tasks ([[steps]]) are not supported",
+        # [[steps]] is honoured (rollout_wire.harbor_steps): a step without its folder is not.
+        "task 'steps': [[steps]] 1 (one): no steps/one",
         "task 'binary': environment/data.bin is a binary file",
         "task 'latin': environment/notes.txt is a binary file",
         f"task 'huge': environment/big.txt is {MAX_FILE_BYTES + 1} bytes",

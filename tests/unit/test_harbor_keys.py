@@ -35,10 +35,12 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
     "version": ('version = "1.0"', ("described", None)),
     "source": ('source = "https://example.com/set"', ("described", None)),
     "artifacts": ('artifacts = ["/logs/out.txt"]', ("task", "artifacts", ["/logs/out.txt"])),
-    "steps": ('[[steps]]\nname = "one"', ("refused", "steps in")),
+    # Honoured (test_harbor_steps.py): a step needs its steps/<name>/ folder, and the
+    # strategy its steps.
+    "steps": ('[[steps]]\nname = "one"', ("refused", "no steps/one")),
     "multi_step_reward_strategy": (
         'multi_step_reward_strategy = "mean"',
-        ("refused", "multi_step_reward_strategy in"),
+        ("refused", "multi_step_reward_strategy without [[steps]]"),
     ),
     "metadata": ('[metadata]\ndifficulty = "easy"\nanything = 1', ("described", None)),
     "task.name": ('[task]\nname = "org/name"', ("described", None)),

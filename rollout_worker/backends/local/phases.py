@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from rollout_wire.task_spec import TASK_ENV_PREFIX, env_tables_for, env_templates
+from rollout_wire.task_steps import agent_steps
 from rollout_wire.tasksets import agent_task as shared_agent_task
 from rollout_worker.backends.local.sandbox import (
     SANDBOX_GID,
@@ -82,8 +83,32 @@ def env_tables(task: Mapping[str, Any], phase: str) -> set[str]:
 
 
 def agent_task(task: Mapping[str, Any]) -> dict[str, Any]:
-    """The task as its agent's sandbox holds it (tasksets.agent_task, shared with Kubernetes)."""
-    return shared_agent_task(task)
+    """The task as its agent's sandbox holds it (tasksets.agent_task, shared with Kubernetes);
+    of its steps, only their names and limits (the rest comes apart: hidden_steps_mount)."""
+    view = shared_agent_task(task)
+    if task.get("steps"):
+        view["steps"] = agent_steps(task["steps"])
+    return view
+
+
+# Where a task's steps wait for the runner (runner/task.py HIDDEN_STEPS_ENV, HIDDEN_STEPS_FILE).
+HIDDEN_STEPS_ENV = "ROLLOUT_HIDDEN_STEPS_DIR"
+HIDDEN_STEPS_FILE = "steps.json"
+
+
+def hidden_steps_mount(task: Mapping[str, Any], state: Path, as_root: bool) -> list[Mount]:
+    """A task with steps: its steps in full, in a folder of the agent's sandbox that its runner
+    empties before any agent process exists (the agent's tasks file has their names only)."""
+    if not task.get("steps"):
+        return []
+    folder = state / "steps"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / HIDDEN_STEPS_FILE
+    path.write_bytes(orjson.dumps({task["id"]: task["steps"]}))
+    if as_root:
+        os.chown(folder, SANDBOX_UID, SANDBOX_GID)
+        os.chown(path, SANDBOX_UID, SANDBOX_GID)
+    return [Mount(folder, "/sandbox/steps", HIDDEN_STEPS_ENV, writable=True)]
 
 
 def task_env_values(

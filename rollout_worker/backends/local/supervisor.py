@@ -50,6 +50,7 @@ from rollout_worker.backends.local.phases import (
     GRADE_PHASE,
     agent_task,
     baseline_tests,
+    hidden_steps_mount,
     phase_env,
     secret_fd,
     state_mounts,
@@ -177,7 +178,7 @@ class Supervisor:
         baseline = self.baselines.pop(index, "null") if phase == GRADE_PHASE else None
         env |= phase_env(task, phase, baseline)
         state = self.state_dir(index, state_phase(task, phase))
-        mounts += state_mounts(state, self.as_root)
+        mounts += state_mounts(state, self.as_root) + hidden_steps_mount(task, state, self.as_root)
         return env, mounts, state / "tmp"
 
     def attempt(self, index: int) -> int:
@@ -359,7 +360,7 @@ class Supervisor:
         free = min(len(self.pending), self.parallelism - len(self.running))
         if not pool_path or free <= 0 or self.pool_empty:
             return
-        if any("tests" in task or "env" in task for task in self.spec.tasks):
+        if any({"tests", "env", "steps"} & set(task) for task in self.spec.tasks):
             # A warm sandbox has no grader's sandbox behind it and would be handed the tests
             # with its task: such episodes start cold (two sandboxes each), as do tasks with
             # env tables (a hand-over line carries no secret).

@@ -82,6 +82,8 @@ class AgentLoop:
     policy: Policy | None
     max_steps: int
     time_limit: float
+    # A task with steps runs the loop once per step: its step events go on numbering.
+    step_offset = 0
 
     def need_policy(self) -> Policy:
         if self.policy is None:
@@ -199,7 +201,7 @@ class AgentLoop:
             token_request = self.need_policy().token_request
             tokens, sequence, shown = turn_record(token_request, response, raw, sequence)
             fields = {
-                "step": step,
+                "step": self.step_offset + step,
                 "tokens": tokens,
                 "actions": records,
                 "error": problem,

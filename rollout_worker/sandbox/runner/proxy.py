@@ -69,6 +69,7 @@ class Proxy:
         self.lock = threading.Lock()
         self.stop = threading.Event()  # the agent must go: stale, or the policy is lost
         self.steps = 0
+        self.offset = 0  # a task's earlier steps' exchanges: the step events go on numbering
         self.previous: list | None = None
         self.sequence: list = []  # the last answered turn's prompt + completion ids
         self.first_version: str | None = None
@@ -281,7 +282,7 @@ class Proxy:
                     token_request, response, raw, self.sequence
                 )
             fields: dict = {
-                "step": self.steps,
+                "step": self.offset + self.steps,
                 "request": {k: v for k, v in sent.items() if k != "messages"},
                 "new_messages": new,
                 "messages_reset": reset,

@@ -16,6 +16,7 @@ from .grader import Grader
 from .handoff import BASELINE_TESTS_ENV, GRADER_ENV, SHARED_DIRS_ENV, hand_over, handed_over
 from .health import run_healthcheck
 from .loop import AgentLoop
+from .multistep import run_steps
 from .policy import Policy
 from .processes import kill_leftovers, resolve_argv, run_agent
 from .proxy import Proxy
@@ -70,6 +71,11 @@ class Runner(Grader, AgentLoop):
         if self.mode == "command":
             ready["agent_command"] = list(self.agent["command"])
         emit("ready", **ready, **self.identity)
+        if self.task.get("steps"):
+            fields = run_steps(self)
+            fields |= {"baseline_exit": None, "baseline_tests": None}
+            record_outcome(emit("reward", **fields, grade="same", **self.identity))
+            return 0
         baseline_exit = None
         if self.wants_baseline():
             baseline = self.run_tests()
@@ -156,6 +162,7 @@ class Runner(Grader, AgentLoop):
         if self.mode == "command":
             policy = self.need_policy()
             proxy = Proxy(policy, self.identity).start()
+            proxy.offset = self.step_offset
             env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = proxy.base_url
             env["OPENAI_API_KEY"] = API_KEY
             env["OPENAI_MODEL"] = policy.model

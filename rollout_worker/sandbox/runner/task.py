@@ -36,6 +36,30 @@ def take_hidden_tests() -> dict:
     return {t["id"]: t["tests"] for t in tasks if isinstance(t, dict) and t.get("tests")}
 
 
+# A folder holding the episode's steps in full (statements, tests, solutions), for a task
+# with steps on the local backend: read into memory and removed before any agent process
+# exists; the tasks file holds only the steps' names and limits (an earlier step's agent must
+# not read a later step's tests, nor its statement).
+HIDDEN_STEPS_ENV = "ROLLOUT_HIDDEN_STEPS_DIR"
+HIDDEN_STEPS_FILE = "steps.json"
+
+
+def take_hidden_steps() -> dict:
+    """{task id: steps} from HIDDEN_STEPS_ENV's folder ({} when not set), the file gone when
+    this returns (an InfrastructureError when it cannot be removed)."""
+    folder = os.environ.get(HIDDEN_STEPS_ENV)
+    if not folder:
+        return {}
+    path = os.path.join(folder, HIDDEN_STEPS_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            steps = json.load(handle)
+        os.unlink(path)
+    except (OSError, ValueError) as exc:
+        raise InfrastructureError(f"the steps cannot be taken out of reach: {exc}") from None
+    return steps if isinstance(steps, dict) else {}
+
+
 def load_task(identity: dict, hidden: dict | None = None) -> dict:
     with open(os.environ["ROLLOUT_TASKS_FILE"]) as handle:
         tasks = json.load(handle)
@@ -44,7 +68,13 @@ def load_task(identity: dict, hidden: dict | None = None) -> dict:
     for task in tasks:
         if task.get("id") == identity["task_id"]:
             tests = (hidden or {}).get(task["id"])
-            return dict(task, tests=tests) if tests else task
+            task = dict(task, tests=tests) if tests else task
+            if task.get("steps"):
+                steps = take_hidden_steps().get(task["id"])
+                if not isinstance(steps, list) or len(steps) != len(task["steps"]):
+                    raise InfrastructureError("the task's steps were not handed over")
+                task = dict(task, steps=steps)
+            return task
     raise InfrastructureError(f"task {identity['task_id']!r} is not in the tasks file")
 
 

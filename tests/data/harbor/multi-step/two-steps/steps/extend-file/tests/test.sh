@@ -1,0 +1,2 @@
+#!/bin/bash
+bash /tests/reward.sh "$(printf 'one\ntwo')"

@@ -1,0 +1,150 @@
+"""Harbor's multi-step tasks ([[steps]]) end to end on the local backend (real Redis, workers
+and bubblewrap sandboxes): `rollout run --tasks DIR --agent oracle --all-in-one --output`.
+Each step's agent then its tests run in the episode's one sandbox, in order; the row keeps
+each step's reward and the episode's is the strategy's combination. The oracle earns full
+reward; one that solves step 1 only earns step 1's; a step below its min_reward ends the
+episode; no step's agent can read a later step's tests or statement (nor an earlier step's
+tests); a planted reward file or tests that exit 0 without a verdict earn the step 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.redis, pytest.mark.workers]
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "harbor" / "multi-step" / "two-steps"
+# Reward 1 when step.txt reads exactly $1.
+REWARD_IF = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat step.txt 2>/dev/null)" = "{want}" ]; then echo 1; else echo 0; fi \\
+    > /logs/verifier/reward.txt
+"""
+# Split so that the scripts holding it (step 1's own solution) do not match themselves.
+SECRET = "LATER" + "-STEP-" + "SECRET-8841"
+PEEK = f"""#!/bin/bash
+# Step 1's agent: look for step 2's tests and statement wherever this sandbox lets it look.
+found=$(grep -rl "{SECRET[:5]}""{SECRET[5:]}" /tests /sandbox /solution /logs /tmp . 2>/dev/null)
+ls -A /tests > tests-seen.txt 2>&1
+if [ -z "$found" ]; then echo none > peek.txt; else echo "$found" > peek.txt; fi
+echo one > step.txt
+"""
+PEEK_TEST = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat peek.txt)" = none ] && [ ! -s tests-seen.txt ]; then echo 1; else echo 0; fi \\
+    > /logs/verifier/reward.txt
+"""
+# Step 2's agent: step 1's tests are gone from /tests before it starts.
+AFTER = """#!/bin/bash
+ls -A /tests > tests-seen-2.txt 2>&1
+echo two >> step.txt
+"""
+AFTER_TEST = f"""#!/bin/bash
+# {SECRET}
+mkdir -p /logs/verifier
+if [ ! -s tests-seen-2.txt ] && [ "$(cat step.txt)" = "$(printf 'one\\ntwo')" ]; then echo 1
+else echo 0; fi > /logs/verifier/reward.txt
+"""
+PLANT = """#!/bin/bash
+mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo 1 > /logs/verifier/reward.json
+"""
+EXIT_0 = "#!/bin/bash\nexit 0\n"
+
+
+def steps_task(root: Path, name: str, steps: list[dict[str, Any]], head: str = "") -> None:
+    """A multi-step Harbor task: each step {name, statement, test, solve, toml}."""
+    folder = root / name
+    (folder / "environment").mkdir(parents=True)
+    (folder / "environment" / "README").write_text("a multi-step task\n")
+    toml = head + "[agent]\ntimeout_sec = 20\n[verifier]\ntimeout_sec = 20\n"
+    for step in steps:
+        toml += f'[[steps]]\nname = "{step["name"]}"\n{step.get("toml", "")}'
+        base = folder / "steps" / step["name"]
+        (base / "tests").mkdir(parents=True)
+        (base / "solution").mkdir()
+        (base / "instruction.md").write_text(step["statement"])
+        (base / "tests" / "test.sh").write_text(step["test"])
+        (base / "solution" / "solve.sh").write_text(step["solve"])
+    (folder / "task.toml").write_text(toml)
+
+
+def one_two(**first: Any) -> list[dict[str, Any]]:
+    """Step 1 writes `one` to step.txt, step 2 appends `two` (each graded on the whole file)."""
+    return [
+        {
+            "name": "first",
+            "statement": "Write one to step.txt.\n",
+            "test": REWARD_IF.format(want="one"),
+            "solve": "#!/bin/bash\necho one > step.txt\n",
+        }
+        | first,
+        {
+            "name": "second",
+            "statement": "Append two to step.txt.\n",
+            "test": REWARD_IF.format(want="$(printf 'one\\ntwo')"),
+            "solve": "#!/bin/bash\necho two >> step.txt\n",
+        },
+    ]
+
+
+def test_steps_run_in_order_in_one_sandbox_and_the_row_keeps_each_reward(tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    shutil.copytree(FIXTURE, tasks / "two-steps")
+    only_first = one_two()
+    only_first[1]["solve"] = "#!/bin/bash\ntrue\n"  # solves step 1 only
+    steps_task(tasks, "only-first-mean", only_first)
+    steps_task(tasks, "only-first-final", only_first, 'multi_step_reward_strategy = "final"\n')
+    gated = one_two(solve="#!/bin/bash\necho wrong > step.txt\n", toml="min_reward = 1.0\n")
+    steps_task(tasks, "gated", gated)
+    hidden = one_two(solve=PEEK, test=PEEK_TEST)
+    hidden[1] |= {"statement": f"Append two. {SECRET}\n", "solve": AFTER, "test": AFTER_TEST}
+    steps_task(tasks, "no-peek", hidden)
+    steps_task(tasks, "planted", one_two(solve=PLANT))
+    planted_exit = one_two(solve=PLANT, test=EXIT_0)
+    steps_task(tasks, "exit-zero", planted_exit)
+    output = tmp_path / "records"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.cli", "run", "--tasks", str(tasks)),
+            *("--agent", "oracle", "--json", "--all-in-one", "--output", str(output)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["task_id"]: r for r in json.loads((output / "results.json").read_text())["pods"]}
+    assert all(r["status"] == "ok" and not r["errors"] for r in rows.values()), rows
+
+    def rewards(task: str) -> list[tuple[str, float]]:
+        return [(s["name"], s["reward"]) for s in rows[task]["step_rewards"]]
+
+    # The oracle earns full reward, each step its own.
+    assert rows["two-steps"]["reward"] == 1
+    assert rewards("two-steps") == [("make-file", 1), ("extend-file", 1)]
+    # Step 1 solved, step 2 not: the mean of both, or the last one's.
+    assert rewards("only-first-mean") == [("first", 1), ("second", 0)]
+    assert rows["only-first-mean"]["reward"] == 0.5
+    assert rows["only-first-mean"]["grade_cause"] == "reward_file"
+    assert rewards("only-first-final") == [("first", 1), ("second", 0)]
+    assert rows["only-first-final"]["reward"] == 0
+    # Below its min_reward, step 1 ends the episode: step 2 never runs (Harbor leaves it out).
+    assert rewards("gated") == [("first", 0)] and rows["gated"]["reward"] == 0
+    # Step 1's agent found neither step 2's tests nor its statement, and /tests was empty for
+    # both agents (step 2's tests check step 2's view).
+    assert rewards("no-peek") == [("first", 1), ("second", 1)], rows["no-peek"]
+    # A reward file planted by the agent is gone before the step's tests; tests that exit 0
+    # without writing one earn nothing either.
+    assert rewards("planted") == [("first", 0), ("second", 0)]
+    assert rows["planted"]["step_rewards"][0]["grade_cause"] == "reward_file"
+    assert rewards("exit-zero") == [("first", 0), ("second", 0)]
+    assert rows["exit-zero"]["reward"] == 0
