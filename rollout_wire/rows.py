@@ -44,6 +44,10 @@ COST_PEAK = "peak_memory_bytes"
 # A `file` reward beyond this magnitude is refused (the runner's MAX_REWARD_MAGNITUDE): a file
 # the code under test can write must not hand the trainer 1e308.
 MAX_FILE_REWARD = 1000.0
+# The runner's bounds on artifacts_refused (runner/artifacts.py MAX_ARTIFACT_REFUSALS; a path
+# is cut to 200 characters, its reason is the runner's own short text).
+MAX_ARTIFACT_REFUSALS = 50
+MAX_ARTIFACT_REFUSAL_CHARS = 1000
 COST_SOURCES = ("cgroup", "proc")  # `cpu_source`: where the CPU and memory figures come from
 # `wall`: sandbox seconds per phase, from the row's own timestamps and the runner's events:
 # start (created or claimed -> ready), agent (the agent's turns, or its command),
@@ -113,6 +117,9 @@ class EpisodeRow:
     # grade_cause, tests_exit}; `reward` is their combination (the task's
     # step_reward_strategy). None for a task without steps.
     step_rewards: list[dict[str, Any]] | None = None
+    # The task's artifacts the runner would not read, each "path: why" (a link, a FIFO, over
+    # its bounds); None when the task lists no artifacts. The files read are in the log.
+    artifacts_refused: list[str] | None = None
     # What the episode used (COST_SECONDS, COST_COUNTS, COST_PEAK, cpu_source, wall); None when
     # its runner measured nothing (an older runner, or one that never reached its outcome).
     cost: dict[str, Any] | None = None

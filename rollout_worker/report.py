@@ -152,8 +152,20 @@ def _verdict_section(
         "status": status,
         "errors": errors,
         # What loading the tasks warned of first (keys let through, keys not enforced).
-        "warnings": [*spec.task_warnings, *warnings],
+        "warnings": [*spec.task_warnings, *warnings, *_artifact_warnings(read)],
     }
+
+
+def _artifact_warnings(read: _Rows) -> list[str]:
+    """One line when episodes had artifacts refused: they still count, the files are lost."""
+    refused = [(r.index, r.artifacts_refused) for r in read.ordered if r.artifacts_refused]
+    if not refused:
+        return []
+    index, reasons = refused[0]
+    more = " ..." if len(reasons) > 1 else ""
+    return [
+        f"{len(refused)} episode(s) had artifacts refused (episode {index}: {reasons[0]!r}{more})"
+    ]
 
 
 def _episodes_section(spec: BatchSpec, read: _Rows) -> dict[str, Any]:
@@ -177,6 +189,7 @@ def _episodes_section(spec: BatchSpec, read: _Rows) -> dict[str, Any]:
         "infra_retries": spec.infra_retries,
         "retried_episodes": sum(1 for r in ordered if r.retried),
         "retries": sum(len(r.retried) for r in ordered),
+        "artifacts_refused_episodes": sum(1 for r in ordered if r.artifacts_refused),
     }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from rollout_wire.rows import MAX_FILE_REWARD, EpisodeRow
 from rollout_wire.states import EventKind, GradeCause, GradedBy
+from rollout_worker.validation.artifacts import artifacts_refused
 from rollout_worker.validation.episode import (
     Episode,
     Event,
@@ -61,6 +62,7 @@ def _agent_reward(row: EpisodeRow, reward: Event, summary: Event, errors: list[s
         errors.append(f"reward is {reported!r}, expected a number within 0..1")
         return
     step_rewards(row, reward, errors)
+    artifacts_refused(row, reward, errors)
     details = reward.get("reward_details")
     if details is not None:
         if isinstance(details, dict) and all(

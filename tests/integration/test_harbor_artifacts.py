@@ -61,3 +61,8 @@ def test_listed_files_reach_the_records_and_a_planted_link_is_refused(tmp_path):
         "/logs/agent/host-file: a symbolic link (never followed)",
         "/logs/none.txt: No such file or directory",
     ]
+    # The refusals reach the row and the report, not only the log.
+    report = json.loads((records / "results.json").read_text())
+    assert report["pods"][0]["artifacts_refused"] == reward["artifacts_refused"]
+    assert report["artifacts_refused_episodes"] == 1
+    assert any("had artifacts refused" in w for w in report["warnings"]), report["warnings"]
