@@ -148,3 +148,43 @@ def test_steps_run_in_order_in_one_sandbox_and_the_row_keeps_each_reward(tmp_pat
     assert rows["planted"]["step_rewards"][0]["grade_cause"] == "reward_file"
     assert rewards("exit-zero") == [("first", 0), ("second", 0)]
     assert rows["exit-zero"]["reward"] == 0
+
+
+def test_the_built_in_loop_runs_once_per_step_and_its_steps_go_on_numbering(open_tmp_path):
+    """The built-in agent loop on the fixture, with the scripted policy: each step a fresh
+    conversation on the step's statement (the policy's turn counter starts again, so one plan
+    serves both steps), its step events numbered on across the steps, the row valid."""
+    from rollout_wire.harbor import scan
+    from rollout_wire.request import parse_spec
+    from rollout_wire.trajectory import trajectory_from_log
+    from rollout_worker.backends.local.backend import LocalBackend
+    from rollout_worker.cli.policy_server import running
+    from rollout_worker.settings import Settings
+    from rollout_worker.validation import validate_episode
+
+    (mapped,) = scan(FIXTURE)
+    grow = "if [ -f step.txt ]; then echo two >> step.txt; else echo one > step.txt; fi"
+    plan = [{"tool": "run", "arguments": {"command": grow}}, {"tool": "submit", "arguments": {}}]
+    script = {"name": "steps", "tasks": {"two-steps": {"plans": [plan]}}}
+    backend = LocalBackend(
+        Settings(local_root=open_tmp_path / "runs", redis_url="redis://127.0.0.1:9/0")
+    )
+    with running(script=script) as server:
+        policy = {"model": "scripted", "request_timeout_seconds": 10, "max_retries": 0}
+        spec = parse_spec(
+            {"tasks": [mapped.task], "policy": policy | {"url": server.url}}, max_episodes=10
+        )
+        handle = backend.start_run(spec, lambda fields: None)
+        observed = backend.wait_episode(handle, 0, 120)
+        log = backend.read_output(handle, observed)
+        row = validate_episode(observed, log, handle.origin)
+        backend.finish_run(spec, handle)
+        backend.delete_run(handle)
+    assert row.status == "ok", (row.errors, log[:3000])
+    assert [(s["name"], s["reward"]) for s in row.step_rewards or []] == [
+        ("make-file", 1),
+        ("extend-file", 1),
+    ]
+    assert row.reward == 1 and row.steps == 4
+    trajectory = trajectory_from_log(log)
+    assert [s["step"] for s in trajectory["steps"]] == [1, 2, 3, 4]

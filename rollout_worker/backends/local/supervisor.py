@@ -173,7 +173,7 @@ class Supervisor:
         if self.spec.agent_env:
             mounts.append(Mount(Path(self.spec.agent_env), self.spec.agent_env, ""))
         task: Mapping[str, Any] = self.spec.tasks[position] if self.spec.tasks else {}
-        if "agent" not in task:
+        if "agent" not in task and "steps" not in task:  # steps: their folders, any agent
             return env, mounts, None
         baseline = self.baselines.pop(index, "null") if phase == GRADE_PHASE else None
         env |= phase_env(task, phase, baseline)
