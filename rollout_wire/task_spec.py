@@ -77,7 +77,8 @@ TASK_FIELDS = {
     "steps": "[{name, statement, tests, solution?, min_reward?, time_limit_seconds?, "
     "test_timeout_seconds?}] (1..20): Harbor's [[steps]], run in order in one sandbox (local "
     "backend): each step's agent on its statement, then its tests (placed only then); a step "
-    "below its min_reward ends the episode; each step's reward kept on the row (step_rewards)",
+    "below its min_reward ends the episode; each step's reward kept on the row (step_rewards); "
+    "the task's time_limit_seconds and test_timeout_seconds are the steps' shared budget",
     "step_reward_strategy": "mean (default: the mean of the steps that ran) | final (the last "
     "run step's): Harbor's multi_step_reward_strategy",
     "image": "the image the task needs (kubernetes)",

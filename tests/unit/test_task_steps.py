@@ -19,7 +19,7 @@ from rollout_wire.task_steps import (
     kubernetes_step_problems,
 )
 from rollout_worker.backends.local.phases import agent_task, hidden_steps_mount
-from rollout_worker.sandbox.runner.multistep import combine_rewards
+from rollout_worker.sandbox.runner.multistep import combine_rewards, step_limit
 from rollout_worker.validation import validate_episode
 from tests.unit.test_agent_validation import ORIGIN, agent_log, obs
 
@@ -235,3 +235,14 @@ def test_the_row_keeps_each_steps_reward():
 def test_a_forged_step_reward_fails_the_episode(steps, reward, strategy, error):
     row = validate_episode(obs(), step_log(steps, reward, strategy), ORIGIN)
     assert row.status != "ok" and any(error in e for e in row.errors), row.errors
+
+
+def test_the_steps_share_the_tasks_limits_as_a_budget():
+    """The task's time_limit_seconds and test_timeout_seconds bound the episode (its timeout
+    was checked against them): a step's own limit is cut to what is left, a step without one
+    may use all that is left, and none gets less than a second."""
+    name = "time_limit_seconds"
+    assert step_limit({name: 30}, name, {name: 20.0}) == 20
+    assert step_limit({name: 5}, name, {name: 20.0}) == 5
+    assert step_limit({}, name, {name: 12.5}) == 12.5
+    assert step_limit({name: 5}, name, {name: -3.0}) == 1

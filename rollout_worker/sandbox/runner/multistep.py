@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import typing
 
 from .grader import TESTS_DIR
@@ -24,25 +25,39 @@ def combine_rewards(strategy: str, rewards: list) -> float:
     return float(sum(rewards) / len(rewards))
 
 
-def run_step(runner: typing.Any, task: dict, step: dict, done: int) -> tuple:
+def step_limit(step: dict, name: str, budget: dict) -> float:
+    """A step's own limit, within what is left of the task's: the task's time_limit_seconds
+    and test_timeout_seconds are the whole episode's budget for its steps (what the episode
+    timeout was checked against), so no step runs past it. At least a second."""
+    own = float(step.get(name, budget[name]))
+    return max(1.0, min(own, budget[name]))
+
+
+def spend(budget: dict, name: str, since: float) -> None:
+    budget[name] = budget[name] - (time.monotonic() - since)
+
+
+def run_step(runner: typing.Any, task: dict, step: dict, done: int, budget: dict) -> tuple:
     """One step: its agent on its statement, then its tests. (agent fields, grade fields)."""
     runner.task = dict(
         task, statement=step["statement"], tests=step["tests"], solution=step.get("solution") or {}
     )
-    runner.time_limit = float(step.get("time_limit_seconds", task.get("time_limit_seconds", 60)))
-    runner.test_timeout = float(
-        step.get("test_timeout_seconds", task.get("test_timeout_seconds", 60))
-    )
+    runner.time_limit = step_limit(step, "time_limit_seconds", budget)
+    runner.test_timeout = step_limit(step, "test_timeout_seconds", budget)
     runner.step_offset = done
+    began = time.monotonic()
     if runner.mode == "agent":
         count, stop_reason = runner.loop()
         acted: dict = {"steps": done + count, "stop_reason": stop_reason}
     else:
         acted = runner.act()
         acted["steps"] = done + acted["steps"]
+    spend(budget, "time_limit_seconds", began)
+    began = time.monotonic()
     try:
         graded = runner.grade()
     finally:
+        spend(budget, "test_timeout_seconds", began)
         # This step's tests gone before the next step's agent: /tests holds nothing between.
         # (grade emptied the same folders before placing the tests: no other is touched.)
         placed_in = {runner.places["ROLLOUT_TESTS_DIR"]}
@@ -64,9 +79,13 @@ def run_steps(runner: typing.Any) -> dict:
     results: list = []
     acted: dict = {"steps": 0}
     graded: dict = {}
+    budget = {
+        "time_limit_seconds": float(task.get("time_limit_seconds", 60)),
+        "test_timeout_seconds": float(task.get("test_timeout_seconds", 60)),
+    }
     try:
         for step in task["steps"]:
-            acted, graded = run_step(runner, task, step, acted["steps"])
+            acted, graded = run_step(runner, task, step, acted["steps"], budget)
             reward = graded.get("reward", 0)
             results.append(
                 {
