@@ -401,7 +401,25 @@ def group_figures(
         "cost": cost_figures([r for r in rows if r is not None], sum(rewards)),
         # The spread of policy versions its samples saw: (oldest first turn, newest last turn).
         "policy_versions": _version_spread(versions),
+        **_step_figures(valid),
         "status": status,
+    }
+
+
+def _step_figures(valid: Sequence[EpisodeRow]) -> dict[str, Any]:
+    """A task with steps: each step's mean reward over the valid samples that ran it, and how
+    many did (a step a min_reward gated off is left out, as from the reward); {} otherwise."""
+    runs: dict[str, list[float]] = {}
+    for row in valid:
+        for step in row.step_rewards or ():
+            runs.setdefault(str(step["name"]), []).append(float(step["reward"]))
+    if not runs:
+        return {}
+    return {
+        "step_rewards": [
+            {"name": name, "runs": len(values), "mean": statistics.fmean(values)}
+            for name, values in runs.items()
+        ]
     }
 
 

@@ -122,7 +122,15 @@ def test_steps_run_in_order_in_one_sandbox_and_the_row_keeps_each_reward(tmp_pat
         env=dict(os.environ),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["task_id"]: r for r in json.loads((output / "results.json").read_text())["pods"]}
+    report = json.loads((output / "results.json").read_text())
+    rows = {r["task_id"]: r for r in report["pods"]}
+    groups = {g["task_id"]: g for g in report["groups"]}
+    # The report's groups say how each step fared across the samples that ran it.
+    assert groups["only-first-mean"]["step_rewards"] == [
+        {"name": "first", "runs": 1, "mean": 1.0},
+        {"name": "second", "runs": 1, "mean": 0.0},
+    ]
+    assert groups["gated"]["step_rewards"] == [{"name": "first", "runs": 1, "mean": 0.0}]
     assert all(r["status"] == "ok" and not r["errors"] for r in rows.values()), rows
 
     def rewards(task: str) -> list[tuple[str, float]]:

@@ -246,3 +246,40 @@ def test_the_steps_share_the_tasks_limits_as_a_budget():
     assert step_limit({name: 5}, name, {name: 20.0}) == 5
     assert step_limit({}, name, {name: 12.5}) == 12.5
     assert step_limit({name: 5}, name, {name: -3.0}) == 1
+
+
+def test_the_report_gives_each_steps_mean_over_the_samples_that_ran_it():
+    from rollout_wire.rows import EpisodeRow
+    from rollout_worker.backends.base import RunHandle
+    from rollout_worker.report import build_report
+
+    task = TASK | {"steps": [STEP, STEP | {"name": "two"}]}
+    spec = parse_spec(
+        {"tasks": [task], "samples_per_task": 2, "policy": {"url": "http://p:1"}},
+        max_episodes=10,
+    )
+
+    def row(index: int, steps: list[dict[str, Any]]) -> EpisodeRow:
+        e = spec.episode(index)
+        reward = combine_step_rewards("mean", [s["reward"] for s in steps])
+        return EpisodeRow(
+            index=index,
+            pod=f"p-{index}",
+            status="ok",
+            reward=reward,
+            task_id=e.task_id,
+            sample=e.sample,
+            group_id=e.group_id,
+            step_rewards=steps,
+        )
+
+    rows = [row(0, [one_step("one", 1), one_step("two", 0.5)]), row(1, [one_step("one", 0)])]
+    run = RunHandle("local", spec.batch_id, ORIGIN, "p", "local:x")
+    report = build_report(spec, rows, run, None, finalized_by="chord", reported_at=ORIGIN)
+    (group,) = report["groups"]
+    assert group["step_rewards"] == [
+        {"name": "one", "runs": 2, "mean": 0.5},
+        {"name": "two", "runs": 1, "mean": 0.5},
+    ]
+    plain = build_report(spec, [], run, None, finalized_by="chord", reported_at=ORIGIN)
+    assert "step_rewards" not in plain["groups"][0]  # no sample ran a step
