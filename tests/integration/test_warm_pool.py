@@ -326,6 +326,9 @@ def test_warm_pods_serve_episodes_with_hidden_tests_that_only_their_runner_holds
     )
     assert built.returncode == 0, built.stderr
     (task,) = load_task_set(str(harbor), ["image-task"])
+    # A pool's Pods work in /workspace, so a task's workdir (here the Dockerfile's WORKDIR)
+    # refuses a warm pool; this task's solution and tests name /app by absolute path.
+    task = {name: value for name, value in task.items() if name != "workdir"}
     look = {"command": ["python", "-c", look_for("from greet import ", "greeting")]}
     fields = real_node.batch_fields() | {
         "backend": "kubernetes",
