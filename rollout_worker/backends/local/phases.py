@@ -58,6 +58,19 @@ def phase_env(task: Mapping[str, Any], phase: str, baseline: str | None) -> dict
     return {}
 
 
+def two_sandboxes(task: Mapping[str, Any]) -> bool:
+    """Whether an episode gets its own /tests, /logs and /solution and may grade in a second
+    sandbox: any agent (the built-in loop too) of a task with hidden tests, `grade: fresh` or
+    steps, and any agent command or oracle. Only a built-in loop over visible test files
+    (the bundled tasks, the demo) grades in place without them."""
+    return (
+        "agent" in task
+        or "steps" in task
+        or bool(task.get("tests"))
+        or task.get("grade") == "fresh"
+    )
+
+
 def state_phase(task: Mapping[str, Any], phase: str) -> str:
     """Whose /tmp and /logs a sandbox gets: grading `same` finds the agent's as they were
     left; `fresh` its own."""

@@ -56,6 +56,7 @@ from rollout_worker.backends.local.phases import (
     state_mounts,
     state_phase,
     task_env_values,
+    two_sandboxes,
 )
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
 from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
@@ -173,7 +174,7 @@ class Supervisor:
         if self.spec.agent_env:
             mounts.append(Mount(Path(self.spec.agent_env), self.spec.agent_env, ""))
         task: Mapping[str, Any] = self.spec.tasks[position] if self.spec.tasks else {}
-        if "agent" not in task and "steps" not in task:  # steps: their folders, any agent
+        if not two_sandboxes(task):
             return env, mounts, None
         baseline = self.baselines.pop(index, "null") if phase == GRADE_PHASE else None
         env |= phase_env(task, phase, baseline)
