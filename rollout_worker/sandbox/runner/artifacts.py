@@ -82,6 +82,15 @@ def _open_parent(path: str) -> tuple[int, str]:
     return fd, parts[-1] if parts else "."
 
 
+def _open_entry(found: Collected, path: str, name: str, parent: int, flags: int) -> int | None:
+    """The entry opened read-only, never through a link; None (refused, with why) when not."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flags, dir_fd=parent)
+    except OSError as exc:
+        found.refuse(path, exc.strerror or "cannot be read")
+        return None
+
+
 def _take(found: Collected, path: str, parent: int, name: str, depth: int) -> None:
     """The entry `name` of the folder `parent`: a file read, a folder walked, else refused."""
     try:
@@ -92,12 +101,8 @@ def _take(found: Collected, path: str, parent: int, name: str, depth: int) -> No
     if stat.S_ISLNK(info.st_mode):
         found.refuse(path, "a symbolic link (never followed)")
     elif stat.S_ISREG(info.st_mode):
-        try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent
-            )
-        except OSError as exc:
-            found.refuse(path, exc.strerror or "cannot be read")
+        fd = _open_entry(found, path, name, parent, os.O_NONBLOCK)
+        if fd is None:
             return
         try:
             size = os.fstat(fd).st_size
@@ -108,12 +113,8 @@ def _take(found: Collected, path: str, parent: int, name: str, depth: int) -> No
         if depth >= MAX_ARTIFACT_DEPTH:
             found.refuse(path, f"deeper than the {MAX_ARTIFACT_DEPTH} folders walked")
             return
-        try:
-            fd = os.open(
-                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent
-            )
-        except OSError as exc:
-            found.refuse(path, exc.strerror or "cannot be read")
+        fd = _open_entry(found, path, name, parent, os.O_DIRECTORY)
+        if fd is None:
             return
         try:
             names = sorted(os.listdir(fd))[: MAX_ARTIFACT_FILES + MAX_ARTIFACT_REFUSALS]

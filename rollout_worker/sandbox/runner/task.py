@@ -27,13 +27,20 @@ def take_hidden_tests() -> dict:
     path = os.environ.get(HIDDEN_TASKS_ENV)
     if not path:
         return dict(HANDED_TESTS)
+    tasks = _take_json(path, "the hidden tests")
+    return {t["id"]: t["tests"] for t in tasks if isinstance(t, dict) and t.get("tests")}
+
+
+def _take_json(path: str, what: str) -> typing.Any:
+    """The JSON of `path`, the file gone when this returns (an InfrastructureError naming
+    `what` when it cannot be read or removed: the agent must never find it)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            tasks = json.load(handle)
+            value = json.load(handle)
         os.unlink(path)
     except (OSError, ValueError) as exc:
-        raise InfrastructureError(f"the hidden tests cannot be taken out of reach: {exc}") from None
-    return {t["id"]: t["tests"] for t in tasks if isinstance(t, dict) and t.get("tests")}
+        raise InfrastructureError(f"{what} cannot be taken out of reach: {exc}") from None
+    return value
 
 
 # A folder holding the episode's steps in full (statements, tests, solutions), for a task
@@ -50,13 +57,7 @@ def take_hidden_steps() -> dict:
     folder = os.environ.get(HIDDEN_STEPS_ENV)
     if not folder:
         return {}
-    path = os.path.join(folder, HIDDEN_STEPS_FILE)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            steps = json.load(handle)
-        os.unlink(path)
-    except (OSError, ValueError) as exc:
-        raise InfrastructureError(f"the steps cannot be taken out of reach: {exc}") from None
+    steps = _take_json(os.path.join(folder, HIDDEN_STEPS_FILE), "the steps")
     return steps if isinstance(steps, dict) else {}
 
 
