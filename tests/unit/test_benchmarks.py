@@ -118,3 +118,17 @@ def test_json_records(tmp_path: Path) -> None:
     assert handle.getvalue() == '{"a": 1, "b": Infinity}\n[1]\n'
     harness.write_json(tmp_path / "out.json", {"b": 1, "a": 2})
     assert json.loads((tmp_path / "out.json").read_text()) == {"a": 2, "b": 1}
+
+
+def test_the_program_swap_gives_workers_another_episode_program(tmp_path: Path) -> None:
+    # bench_grading --real-node's seam: the workers' backends build their ConfigMaps from it.
+    program = tmp_path / "before.py"
+    program.write_text("# another revision's program\n")
+    code = "from rollout_worker.sandbox import episode_program_text as p; print(p(), end='')"
+    swap = ROOT / "benchmarks" / "program_swap"
+    env = dict(os.environ, PYTHONPATH=f"{swap}:{ROOT}", ROLLOUT_BENCH_PROGRAM=str(program))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout == program.read_text(), done.stderr
+    env.pop("ROLLOUT_BENCH_PROGRAM")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.startswith('"""'), done.stderr  # today's program without it
