@@ -1,5 +1,6 @@
 """A task's healthcheck (Harbor's [environment.healthcheck]): run in the sandbox before the
-agent starts, until it passes or its retries run out."""
+agent starts, and again in a fresh grader's sandbox before the tests, until it passes or its
+retries run out."""
 
 from __future__ import annotations
 
@@ -48,3 +49,16 @@ def run_healthcheck(check: dict, env: dict, cwd: str) -> dict:
                 )
         pause = "start_interval_seconds" if in_start_period else "interval_seconds"
         time.sleep(float(check.get(pause, 5)))
+
+
+def check_fresh_grader(task: dict, env: dict, cwd: str) -> dict | None:
+    """A `grade: fresh` grader's sandbox is a new environment (Harbor's separate verifier
+    environment, whose healthcheck passed before its verifier ran): the task's healthcheck runs
+    there too, before the tests, with what it ran with in the agent's sandbox (`env`: the
+    task's [environment.env]) and in the workspace handed over. One that never passes is the
+    same InfrastructureError as in the agent's sandbox: the tests never ran in a ready
+    environment, so no reward is given. A `same` grader continues the agent's environment
+    (whose check passed): nothing runs; None."""
+    if task.get("grade", "same") != "fresh" or not task.get("healthcheck"):
+        return None
+    return run_healthcheck(task["healthcheck"], env, cwd)

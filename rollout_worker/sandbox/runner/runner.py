@@ -14,7 +14,7 @@ from .errors import EpisodeError, InfrastructureError
 from .events import emit, record_outcome, truncate
 from .grader import Grader
 from .handoff import BASELINE_TESTS_ENV, GRADER_ENV, SHARED_DIRS_ENV, hand_over, handed_over
-from .health import run_healthcheck
+from .health import check_fresh_grader, run_healthcheck
 from .loop import AgentLoop
 from .multistep import run_steps
 from .policy import Policy
@@ -118,6 +118,7 @@ class Runner(Grader, AgentLoop):
                     raise EpisodeError(f"{shared} cannot be emptied for grading: {exc}") from None
             remove_special_files(self.root)
         self.need_task_env()
+        check_fresh_grader(self.task, self.agent_env, self.root)  # before `ready`, as run()'s
         emit("ready", mode="grade", **self.identity)
         # The agent's sandbox's baseline counts, passed on by the backend from its
         # grade_pending (written before the agent acted).
