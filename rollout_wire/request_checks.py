@@ -44,7 +44,8 @@ def fresh_grade_in_the_batch_image(request: ParseState) -> None:
 
 
 def steps_where_they_run(request: ParseState) -> None:
-    """Tasks with steps: never on Kubernetes (task_steps.kubernetes_step_problems), never from
+    """Tasks with steps: on Kubernetes not in their own image (task_steps.kubernetes_step_problems),
+    never from
     a warm pool (a warm sandbox is handed its task on a line the agent's sandbox holds, and has
     nowhere else to keep the later steps' tests)."""
     if request["backend"] == "kubernetes":

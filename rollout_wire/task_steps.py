@@ -3,9 +3,10 @@ their rewards make the episode's (Harbor's multi_step_reward_strategy), and what
 that cannot run them refuses.
 
 A step is {name, statement, tests, solution?, min_reward?, time_limit_seconds?,
-test_timeout_seconds?}. The runner runs the steps in order in the episode's one sandbox: the
-step's agent on its statement, then its tests (placed only then, graded as a task's are); a
-step whose reward is below its `min_reward` ends the episode, the later steps not run.
+test_timeout_seconds?}. The runner runs the steps in order in the episode's one sandbox (on
+Kubernetes, in the Pod's containers one after the other): the step's agent on its statement,
+then its tests (placed only then, graded as a task's are); a step whose reward is below its
+`min_reward` ends the episode, the later steps not run.
 """
 
 from __future__ import annotations
@@ -150,12 +151,16 @@ def agent_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def kubernetes_step_problems(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Tasks with steps on Kubernetes, refused: its Pod runs the agent (an init container) and
-    then the tests (the container after), never agent, tests, agent in one sandbox."""
-    multi = [str(t.get("id")) for t in tasks if t.get("steps")]
-    if not multi:
+    """Tasks with steps on Kubernetes: their Pod runs each step's agent and each step's tests
+    in containers of their own, in order, over the Pod's workspace volume (kube pod_steps.py).
+    A task in its own image (an environment/Dockerfile, docker_image) is refused: it works in
+    its image's own folders, which a container does not share with the next."""
+    own = [str(t.get("id")) for t in tasks if t.get("steps") and t.get("image")]
+    if not own:
         return []
     return [
-        f"tasks with steps (Harbor [[steps]]) run on the local backend only: a Kubernetes Pod "
-        f"runs its agent, then its tests, never a second agent after them: {multi[:3]}"
+        f"tasks with steps (Harbor [[steps]]) in their own image (environment/Dockerfile or "
+        f"docker_image) run on the local backend only: on Kubernetes each step runs in "
+        f"containers of its own, which share a workspace volume, not the image's folders: "
+        f"{own[:3]}"
     ]

@@ -160,17 +160,24 @@ def test_strategy_without_steps_is_refused():
     assert "step_reward_strategy needs steps" in " | ".join(info.value.problems)
 
 
-def test_steps_never_run_on_kubernetes_nor_from_a_warm_pool():
+def test_steps_run_on_kubernetes_but_not_in_their_own_image_nor_from_a_warm_pool():
     task = TASK | {"steps": [STEP | {"solution": {"solve.sh": "true"}}]}
+    # Each step's agent and tests in the Pod's containers, over its workspace volume.
+    spec = parse_spec(
+        {"tasks": [task], "agent": "oracle", "backend": "kubernetes"}, max_episodes=None
+    )
+    assert spec.tasks[0]["steps"][0]["name"] == STEP["name"]
+    # In its own image, its folders are the image's: a second container would not share them.
+    own = task | {"image": "rollout.local/harbor-t:1"}
     with pytest.raises(InvalidSpec) as info:
-        parse_spec({"tasks": [task], "agent": "oracle", "backend": "kubernetes"}, max_episodes=None)
-    assert "run on the local backend only" in " | ".join(info.value.problems)
+        parse_spec({"tasks": [own], "agent": "oracle", "backend": "kubernetes"}, max_episodes=None)
+    assert "in their own image" in " | ".join(info.value.problems)
     with pytest.raises(InvalidSpec) as info:
         parse_spec({"tasks": [task], "agent": "oracle", "warm_pool": 1}, max_episodes=None)
     assert "warm_pool cannot go with tasks with steps" in " | ".join(info.value.problems)
-    # The Kubernetes backend's preflight check, as a pure function.
-    assert kubernetes_step_problems([TASK, {"id": "plain"}])[0].endswith("['t']")
-    assert kubernetes_step_problems([{"id": "plain"}]) == []
+    # The Kubernetes backend's check, as a pure function.
+    assert kubernetes_step_problems([TASK | {"image": "x"}, {"id": "plain"}])[0].endswith("['t']")
+    assert kubernetes_step_problems([TASK, {"id": "plain"}]) == []
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import orjson
 
 from rollout_wire import constants as k
 from rollout_wire.request import BatchSpec
-from rollout_wire.tasksets import agent_task, demo_task
+from rollout_wire.tasksets import demo_task
 from rollout_worker.backends.kube.pod_spec import (
     AGENT_CONTAINER,
     AGENT_TASKS_KEY,
@@ -33,6 +33,13 @@ from rollout_worker.backends.kube.pod_spec import (
     sandbox_pod_spec,
     seeds_workspace,
     stashes_tests,
+    tasks_of,
+)
+from rollout_worker.backends.kube.pod_steps import (
+    agent_tasks,
+    container_names,
+    step_count,
+    step_data,
 )
 from rollout_worker.backends.kube.task_env import has_env
 from rollout_worker.backends.warm import pool_image, task_image
@@ -89,7 +96,9 @@ def configmap_manifest(spec: BatchSpec, program: str) -> dict[str, Any]:
         data[TASKS_KEY] = tasks
     images = {task_image(spec, t) for t in spec.tasks}
     if any(grades_apart(spec, i) or stashes_tests(spec, i) for i in images) or has_env(spec.tasks):
-        data[AGENT_TASKS_KEY] = orjson.dumps([agent_task(t) for t in spec.tasks]).decode()
+        data[AGENT_TASKS_KEY] = orjson.dumps(agent_tasks(spec.tasks)).decode()
+    if step_count(spec.tasks):
+        data |= step_data(spec.tasks)
     size = sum(len(key) + len(value.encode()) for key, value in data.items())
     if size > CONFIGMAP_MAX_BYTES:
         raise ValueError(
@@ -168,7 +177,10 @@ def pod_failure_policy(spec: BatchSpec, image: str | None = None) -> dict[str, A
     if seeds_workspace(spec, image):
         names = [SEED_CONTAINER, AGENT_CONTAINER, CONTAINER_NAME]
     elif grades_apart(spec, image):
-        names = [AGENT_CONTAINER, CONTAINER_NAME]
+        names = container_names(step_count(tasks_of(spec, image))) or [
+            AGENT_CONTAINER,
+            CONTAINER_NAME,
+        ]
     elif stashes_tests(spec, image):
         names = [STASH_CONTAINER, CONTAINER_NAME]
     count = [

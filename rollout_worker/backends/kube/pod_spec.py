@@ -12,6 +12,7 @@ from typing import Any
 
 from rollout_wire.request import BatchSpec, Task
 from rollout_worker.backends.kube import task_env
+from rollout_worker.backends.kube.pod_steps import chain_steps, step_count
 from rollout_worker.backends.warm import task_image
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
@@ -75,14 +76,14 @@ def seeds_workspace(spec: BatchSpec, image: str | None = None) -> bool:
 
 def grades_apart(spec: BatchSpec, image: str | None = None) -> bool:
     """Whether the agents and graders of `image`'s episodes (of the whole batch when None)
-    run in separate containers: tasks with hidden tests (`tests`) or `grade: fresh`, none of
+    run in separate containers: tasks with hidden tests (`tests`), steps or `grade: fresh`, none of
     which runs in its own image (whose folders, where such an agent works, a second container
     would not share), or a task in its own image graded `fresh` (seeds_workspace). The agent
     then runs in an init container that is given each task without its tests, and the Pod's
     container grades after it, over the same workspace, /tmp and /logs (`same`) or over the
     workspace alone, the rest emptied first or never shared (`fresh`)."""
     tasks = tasks_of(spec, image)
-    apart = any(t.get("tests") or t.get("grade") == "fresh" for t in tasks)
+    apart = any(t.get("tests") or t.get("steps") or t.get("grade") == "fresh" for t in tasks)
     own = any(t.get("image") for t in tasks)
     return (apart and not own) or seeds_workspace(spec, image)
 
@@ -144,12 +145,14 @@ def sandbox_pod_spec(
         "containers": [sandbox_container(spec, image, env, workspace)],
         "volumes": sandbox_volumes(),
     }
-    if any("agent" in task for task in spec.tasks):
+    if any("agent" in task or task.get("steps") for task in spec.tasks):
         _add_agent_dirs(pod_spec)
     if seeds_workspace(spec, image):
         _grade_apart(pod_spec, seeded=workspace)
     elif grades_apart(spec, image):
         _grade_apart(pod_spec)
+        if count := step_count(tasks_of(spec, image)):
+            chain_steps(pod_spec, count)  # agent, tests, agent, ... (pod_steps.py)
     elif stashes_tests(spec, image) and not warm:
         _stash_tests(pod_spec)
     elif task_env.has_env(tasks_of(spec, image)):

@@ -256,23 +256,25 @@ def _init_containers(
 ) -> tuple[dict[str, Any], str | None, list[str]]:
     """What a Pod graded apart adds: (how the episode ended, when its agent's init container
     started, the containers whose logs make the episode's log)."""
-    inits = {s.get("name"): s for s in status.get("initContainerStatuses") or []}
-    agent = inits.get(AGENT_CONTAINER)
+    statuses = status.get("initContainerStatuses") or []
+    agent = next((s for s in statuses if s.get("name") == AGENT_CONTAINER), None)
     if agent is None:
         return terminated, None, []
     # Graded apart: the agent's init container ran first, so the sandbox started with it;
-    # an agent that failed is the episode's end (its grader never runs).
-    logs = [AGENT_CONTAINER, CONTAINER_NAME]
+    # an init container that failed is the episode's end (the later ones never run). With
+    # steps (pod_steps.py) every step's agent and grader before the Pod's container.
+    logs = [s["name"] for s in statuses if s.get("name") != SEED_CONTAINER] + [CONTAINER_NAME]
     agent_state = agent.get("state") or {}
+    for init in statuses if not terminated and not running else []:
+        ended = (init.get("state") or {}).get("terminated") or {}
+        if ended.get("exitCode") not in (None, 0):
+            terminated = ended
+            if init.get("name") == SEED_CONTAINER:
+                # The workspace's seed failed (the image has no such workdir): neither the
+                # agent nor the grader ran, and its log (read only then) says why.
+                logs = [SEED_CONTAINER, *logs]
+            break
     ended = agent_state.get("terminated") or {}
-    if not terminated and not running and ended.get("exitCode") not in (None, 0):
-        terminated = ended
-    seed_ended = ((inits.get(SEED_CONTAINER) or {}).get("state") or {}).get("terminated") or {}
-    if not terminated and not running and seed_ended.get("exitCode") not in (None, 0):
-        # The workspace's seed failed (the image has no such workdir): neither the agent nor
-        # the grader ran, and its log (read only then) says why.
-        terminated = seed_ended
-        logs = [SEED_CONTAINER, *logs]
     return terminated, (agent_state.get("running") or ended).get("startedAt"), logs
 
 

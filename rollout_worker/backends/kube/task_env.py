@@ -68,7 +68,11 @@ def add_task_env(pod_spec: dict[str, Any], tasks: Sequence[Mapping[str, Any]]) -
         CONTAINER_NAME: [True] if apart else [False, True],
     }
     for container in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
-        grading = roles.get(container["name"])
+        name = container["name"]
+        # The steps' containers (pod_steps.py): agent-2, ... act; grade-1, ... grade.
+        grading = roles.get(name) or (
+            [False] if name.startswith("agent-") else [True] if name.startswith("grade-") else None
+        )
         if grading is None:
             continue
         tables = {

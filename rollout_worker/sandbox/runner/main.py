@@ -15,6 +15,7 @@ from .errors import (
     StalePolicy,
 )
 from .events import emit, record_outcome
+from .multistep import pod_part
 from .policy import Policy
 from .processes import harden
 from .runner import Runner
@@ -42,6 +43,9 @@ def agent(workspace: str) -> int:
     runner = Runner(task, policy, identity, root)
     harden()
     try:
+        decided = pod_part(runner, phase)
+        if decided is not None:
+            return decided
         return runner.grade_phase() if phase == "grade" else runner.run()
     except EpisodeError as exc:
         record_outcome(emit("error", kind="episode", cause=str(exc), **identity))

@@ -16,7 +16,7 @@ from .grader import Grader
 from .handoff import BASELINE_TESTS_ENV, GRADER_ENV, SHARED_DIRS_ENV, hand_over, handed_over
 from .health import check_fresh_grader, run_healthcheck
 from .loop import AgentLoop
-from .multistep import run_steps
+from .multistep import agent_part, pod_step, run_steps
 from .policy import Policy
 from .processes import kill_leftovers, resolve_argv, run_agent
 from .proxy import Proxy
@@ -72,8 +72,9 @@ class Runner(Grader, AgentLoop):
             ready["agent_command"] = list(self.agent["command"])
         emit("ready", **ready, **self.identity)
         if self.task.get("steps"):
+            if pod_step() is not None:  # step 1's agent; its tests in the next container
+                return agent_part(self, 1)
             fields = run_steps(self)
-            fields |= {"baseline_exit": None, "baseline_tests": None}
             record_outcome(emit("reward", **fields, grade="same", **self.identity))
             return 0
         baseline_exit = None
