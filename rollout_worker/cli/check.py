@@ -69,7 +69,29 @@ def limits(tasks: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
     return episode, episode + DEADLINE_MARGIN_SECONDS
 
 
+def resources(requirements: Sequence[Mapping[str, int]]) -> dict[str, str]:
+    """The batch's limits from what the tasks state ([environment] cpus and memory_mb, as
+    `rollout_wire.harbor` maps them): the largest of each, as `rollout run --tasks` takes them
+    without a flag, so every task is judged under the limits it asks for; {} when none states
+    any (the batch's defaults stand)."""
+    from rollout_worker.quantities import format_memory
+
+    cpus = max((r.get("cpus", 0) for r in requirements), default=0)
+    memory_mb = max((r.get("memory_mb", 0) for r in requirements), default=0)
+    found = {}
+    if cpus:
+        found["cpu_limit"] = str(cpus)
+    if memory_mb:
+        found["memory_limit"] = format_memory(memory_mb * 2**20)
+    return found
+
+
 def has_solution(task: Mapping[str, Any]) -> bool:
+    """Whether the oracle can run: the task's solve.sh, or for a task with steps each step's
+    (the oracle runs every step's own, and refuses a task where one lacks it)."""
+    steps = task.get("steps")
+    if steps:
+        return all("solve.sh" in (step.get("solution") or {}) for step in steps)
     return "solve.sh" in (task.get("solution") or {})
 
 

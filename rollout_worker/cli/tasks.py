@@ -49,6 +49,7 @@ def tasks() -> None:
 def summary_rows(task_list: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     """One row per task: id, statement's first line, image or files, tests, solution, limit."""
     from rollout_wire.request import DEFAULT_TASK_TIME_LIMIT_SECONDS
+    from rollout_worker.cli.check import has_solution
 
     rows = [["ID", "STATEMENT", "WORKSPACE", "TESTS", "SOLUTION", "LIMIT"]]
     for task in task_list:
@@ -67,7 +68,7 @@ def summary_rows(task_list: Sequence[Mapping[str, Any]]) -> list[list[str]]:
                 first,
                 workspace,
                 str(tests),
-                "yes" if "solve.sh" in (task.get("solution") or {}) else "no",
+                "yes" if has_solution(task) else "no",
                 f"{limit}s",
             ]
         )
@@ -288,6 +289,9 @@ def check(
         "deadline_seconds": deadline,
         **placement,
     }
+    stated = [h.requirements for h in mapped if h.task_id not in build_errors]
+    if limits := verdict.resources(stated):
+        common["resources"] = limits
     if oracle_list := verdict.oracle_tasks(runnable):
         requests["oracle"] = common | {"tasks": oracle_list}
     if nop and runnable:

@@ -79,7 +79,12 @@ def refusal(path: Path, only: list[str] | None = None) -> str:
 # tests/data/harbor's tasks, in folder order (its README says what each is for).
 FIXTURE_IDS = [
     "add-numbers",
+    "artifacts",
+    "env-tables",
+    "healthcheck",
     "image-task",
+    "limits",
+    "no-network",
     "no-solution",
     "partial-credit",
     "separate-grader",
@@ -120,6 +125,20 @@ def test_the_fixture_folder_maps_each_harbor_task_to_one_of_ours():
     assert image["files"] == {}  # the image holds the workspace
 
     assert "solution" not in tasks["no-solution"]
+
+    # A fixture per honoured key (tests/data/harbor/README.md): each carries it as mapped.
+    assert tasks["env-tables"]["env"]["solution"] == {
+        "HINT": "${ROLLOUT_FIXTURE_HINT:-oracle-only}",
+        "BOTH": "from-solution",
+    }
+    assert set(tasks["env-tables"]["env"]) == {"environment", "verifier", "solution"}
+    health = tasks["healthcheck"]
+    assert health["grade"] == "fresh"
+    assert health["healthcheck"]["start_period_seconds"] == 10.0
+    assert health["healthcheck"]["retries"] == 1
+    assert tasks["artifacts"]["artifacts"] == ["report.txt", "/logs/agent"]
+    assert tasks["limits"]["time_limit_seconds"] == 30
+    assert tasks["limits"]["test_timeout_seconds"] == 20
 
 
 def test_a_single_task_folder_is_a_task_set_of_one():

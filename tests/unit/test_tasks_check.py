@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollout_wire import harbor
 from rollout_wire.request import parse_spec
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli import base_images as cli_base
@@ -56,10 +57,27 @@ def test_the_batches_run_the_oracle_where_there_is_one_and_the_nop_everywhere():
     assert spec.count == len(tasks)
 
 
+def test_a_task_with_steps_has_an_oracle_when_every_step_has_a_solve_sh():
+    (two,) = load_task_set(str(FIXTURES / "multi-step"))
+    assert check.has_solution(two) and check.oracle_tasks([two])[0]["agent"] == "oracle"
+    one_short = dict(two, steps=[two["steps"][0], {**two["steps"][1], "solution": {}}])
+    assert not check.has_solution(one_short) and check.oracle_tasks([one_short]) == []
+
+
 def test_limits_fit_the_longest_task():
     assert check.limits([{"time_limit_seconds": 30}]) == (120, 240)
     assert check.limits([{"time_limit_seconds": 30}, {"time_limit_seconds": 300}]) == (360, 480)
     assert check.limits([]) == (120, 240)
+
+
+def test_the_batches_limits_are_the_largest_a_task_states():
+    # As `rollout run --tasks` without --cpu-limit / --memory-limit: a task is judged under
+    # the limits it asks for (the fixture `limits` needs its memory_mb).
+    stated = [{"cpus": 1, "memory_mb": 512}, {"memory_mb": 640}, {}]
+    assert check.resources(stated) == {"cpu_limit": "1", "memory_limit": "640Mi"}
+    assert check.resources([{}, {}]) == {}  # none stated: the batch's defaults
+    tasks = harbor.scan(FIXTURES)
+    assert check.resources([h.requirements for h in tasks])["memory_limit"] == "640Mi"
 
 
 def test_a_row_becomes_an_outcome_with_its_cause():

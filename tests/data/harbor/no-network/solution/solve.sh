@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+python3 -B probe.py > network.txt
