@@ -4,7 +4,8 @@ Each step's agent then its tests run in the episode's one sandbox, in order; the
 each step's reward and the episode's is the strategy's combination. The oracle earns full
 reward; one that solves step 1 only earns step 1's; a step below its min_reward ends the
 episode; no step's agent can read a later step's tests or statement (nor an earlier step's
-tests); a planted reward file or tests that exit 0 without a verdict earn the step 0."""
+tests); a planted reward file or tests that exit 0 without a verdict earn the step 0. An agent
+command of its own acts on each step by the statement it gets, and sees no later step."""
 
 from __future__ import annotations
 
@@ -196,3 +197,66 @@ def test_the_built_in_loop_runs_once_per_step_and_its_steps_go_on_numbering(open
     assert row.reward == 1 and row.steps == 4
     trajectory = trajectory_from_log(log)
     assert [s["step"] for s in trajectory["steps"]] == [1, 2, 3, 4]
+
+
+# An agent command of its own (not the oracle, not the built-in loop), acting on each step by
+# the statement it is given: the right fix for make-file, a wrong one for extend-file. At each
+# step it reports what it can see: /tests, and any trace of a later step's statement or tests
+# (extend-file's statement and its test's `one\ntwo`) outside its own statement. The patterns
+# are split so that this script, readable in its folder, never matches them itself.
+STEP_AGENT = r"""#!/bin/bash
+case "$ROLLOUT_STATEMENT" in
+    *"single line \`one\`"*) step=make-file; echo one > step.txt ;;
+    *"Append a sec""ond line"*) step=extend-file; echo three >> step.txt ;;
+    *) step=unknown ;;
+esac
+later=$( {
+    grep -rlF -e "Append a sec""ond" -e 'one\n''two' /tests /sandbox /solution /logs /tmp . \
+        2>/dev/null | grep -vxF "$ROLLOUT_STATEMENT_FILE"
+    env | grep -v '^ROLLOUT_STATEMENT=' | grep -F -e "Append a sec""ond" -e 'one\n''two' \
+        | cut -d= -f1
+} | tr '\n' ' ')
+echo "step=$step tests=[$(ls -A /tests 2>&1 | tr '\n' ' ')] later=[$later]"
+"""
+
+
+def test_an_agent_command_acts_on_each_step_and_never_sees_a_later_one(open_tmp_path):
+    """`rollout run --agent COMMAND` on the multi-step fixture: the command runs once per step
+    with that step's statement (its own file, shown read-only with --agent-env), does step 1
+    right and step 2 wrong; the row keeps each step's reward (1, then 0: step.txt reads one,
+    three) and the episode's is their mean; each run of the agent found /tests empty and no
+    trace of a later step's statement or tests."""
+    tasks = open_tmp_path / "tasks"
+    tasks.mkdir()
+    shutil.copytree(FIXTURE, tasks / "two-steps")
+    agent = open_tmp_path / "agent"
+    agent.mkdir()
+    (agent / "step_agent.sh").write_text(STEP_AGENT)
+    output = open_tmp_path / "records"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.cli", "run", "--tasks", str(tasks)),
+            *("--agent", f"bash {agent / 'step_agent.sh'}", "--agent-env", str(agent)),
+            *("--policy-url", "http://127.0.0.1:9", "--json", "--all-in-one"),
+            *("--output", str(output)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((output / "results.json").read_text())["pods"]
+    assert row["status"] == "ok" and not row["errors"], row
+    assert [(s["name"], s["reward"]) for s in row["step_rewards"]] == [
+        ("make-file", 1),
+        ("extend-file", 0),
+    ], row
+    assert row["reward"] == 0.5
+    (log,) = output.glob("rollout-*-0.log")
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    said = [e["output_tail"].strip() for e in events if e.get("event") == "agent_exit"]
+    assert said == [
+        "step=make-file tests=[] later=[]",
+        "step=extend-file tests=[] later=[]",
+    ], said
