@@ -32,6 +32,7 @@ RUNNER_MODULES = (
     "comparisons",
     "vault",
     "harness",
+    "harness_program",
     "judging",
     "rewards",
     "artifacts",

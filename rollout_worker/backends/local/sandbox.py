@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.sandbox import PROGRAM_MOUNT, compiled_path
+from rollout_worker.sandbox import HARNESS_COMPILED, PROGRAM_MOUNT, compiled_path
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 WORKSPACE_MOUNT = "/workspace"
 COMPILED_MOUNT = "/sandbox/episode.pyc"
+# The test harness's bytecode, beside the program's (the runner looks there).
+HARNESS_MOUNT = "/sandbox/" + HARNESS_COMPILED
 # rlimits every sandbox gets besides its memory and CPU (from the batch's resources).
 FILE_SIZE_LIMIT = 64 * 2**20
 OPEN_FILES_LIMIT = 256
@@ -272,10 +274,13 @@ def _episode_mounts(
     workspace_mount: str,
     mounts: Sequence[Mount],
 ) -> list[str]:
-    """The runner (and its bytecode), the workspace, then the episode's own mounts."""
+    """The runner (and its bytecode, and its harness's), the workspace, then the episode's own
+    mounts."""
+    harness = program.with_name(HARNESS_COMPILED)
     return [
         *("--ro-bind", str(program), PROGRAM_MOUNT),
         *(["--ro-bind", str(compiled), COMPILED_MOUNT] if compiled else []),
+        *(["--ro-bind", str(harness), HARNESS_MOUNT] if compiled and harness.exists() else []),
         *("--bind", str(workspace), workspace_mount),
         *(
             arg

@@ -11,7 +11,8 @@ import tempfile
 from .artifacts import collect_artifacts
 from .errors import EpisodeError, InfrastructureError
 from .events import truncate
-from .harness import HARNESS_KEY_BYTES, harness_plan, harness_source
+from .harness import HARNESS_KEY_BYTES, harness_plan
+from .harness_program import take_shipped_harness, write_harness
 from .judging import (
     CAUSE_EXITED,
     CAUSE_REWARD_FILE,
@@ -78,6 +79,8 @@ class Grader:
             **self.task_env.get("environment", {}),
             **self.task_env.get("verifier", {}),
         }
+        if harness_plan(list(task.get("test_command") or [])) is not None:
+            take_shipped_harness()  # now: before any agent runs
 
     def need_task_env(self) -> None:
         """Refuse an episode whose task's ${VAR} had no value where its sandbox started (the
@@ -177,13 +180,11 @@ class Grader:
         os.write(key_write, key.encode())
         os.close(key_write)
         # Written anew for every run, after the agent is gone: nothing it left can be the
-        # harness. -E and -s: no PYTHON* variable and no user site folder (under $HOME, the
-        # workspace) reaches the interpreter that runs the tests.
+        # harness (its bytecode is compiled once a process, by this one). -E and -s: no PYTHON*
+        # variable and no user site folder (under $HOME, the workspace) reaches the interpreter
+        # that runs the tests.
         folder = tempfile.mkdtemp(prefix="rollout-harness-")
-        program = os.path.join(folder, "harness.py")
-        with open(program, "w", encoding="utf-8") as handle:
-            handle.write(harness_source())
-        command = [sys.executable, "-E", "-s", *flags, program]
+        command = [sys.executable, "-E", "-s", *flags, write_harness(folder, flags)]
         command += [str(results_write), str(key_read), what, *args]
         try:
             code, output, _ = run_process(

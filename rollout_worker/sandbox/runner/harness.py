@@ -49,13 +49,10 @@ def harness_plan(argv: list) -> tuple[list, str, list] | None:
 HARNESS_KEY_BYTES = 16
 
 
-def _fingerprint(classes: list) -> dict:
-    """Each class's own attributes, by identity."""
-    return {
-        f"{c.__module__}.{c.__qualname__}.{name}": id(value)
-        for c in classes
-        for name, value in list(vars(c).items())
-    }
+def _fingerprint(classes: list) -> list:
+    """Each class's own attributes (names, in order) and their values, by identity: compared
+    after every test, so no name is formatted unless something changed."""
+    return [(list(vars(c)), [id(value) for value in list(vars(c).values())]) for c in classes]
 
 
 def _resolved(classes: list, modules: list) -> dict:
@@ -81,10 +78,19 @@ def _replaced(classes: list, modules: list, before: dict) -> list:
     return sorted(name for name, value in before.items() if now.get(name) != value)
 
 
-def _tampering(classes: list, before: dict) -> list:
+def _tampering(classes: list, before: list) -> list:
     """The attributes of `classes` replaced, added or removed since `before` (sorted)."""
-    now = _fingerprint(classes)
-    return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+    found = []
+    # zip without strict=: Python 3.9 runs this (a task's own image).
+    for c, then, now in zip(classes, before, _fingerprint(classes)):  # noqa: B905
+        if then != now:  # names (str) and ids (int): no method of the code under test runs
+            old, new = dict(zip(*then)), dict(zip(*now))  # noqa: B905
+            found += [
+                f"{c.__module__}.{c.__qualname__}.{name}"
+                for name in old.keys() | new.keys()
+                if old.get(name) != new.get(name)
+            ]
+    return sorted(found)
 
 
 def _unittest_machinery() -> list:
@@ -324,6 +330,12 @@ def harness(argv: list) -> int:
     run's counts and then the end on RESULT_FD, each line carrying the key read from KEY_FD
     (which only the vault keeps)."""
     result_fd, key_fd, what, args = int(argv[0]), int(argv[1]), argv[2], argv[3:]
+    # The real ones, before the workspace is on the path; and before the vault, which then
+    # does not look at their imports (no code under test has run yet).
+    import unittest
+
+    if what == "pytest":
+        import _pytest.assertion.rewrite  # noqa: F401  (the real one: its comparisons are watched)
     with os.fdopen(key_fd, "rb") as handle:
         script = "" if what in ("unittest", "pytest") else what
         lock_up(handle.read(HARNESS_KEY_BYTES * 2).decode(), result_fd, script)
@@ -331,10 +343,6 @@ def harness(argv: list) -> int:
     def report(counts: dict) -> None:
         tell("run", counts)
 
-    import unittest  # the real one, before the workspace is on the path
-
-    if what == "pytest":
-        import _pytest.assertion.rewrite  # noqa: F401  (the real one: its comparisons are watched)
     claims: set = set()
     watch_comparisons(claims)
     runner = _unittest_recorder(report, claims)
@@ -372,28 +380,3 @@ def harness(argv: list) -> int:
 
 
 # -- harness: end
-
-
-HARNESS_BEGIN = "# -- harness: begin"
-# The modules whose parts come before this one's, in the assembled program's order.
-HARNESS_PARTS = ("comparisons", "vault")
-HARNESS_END = "# -- harness: end"
-
-
-def harness_source() -> str:
-    """The harness as a program of its own: the parts between the markers of HARNESS_PARTS
-    and of this file (in that order in the assembled program too), their imports, its main."""
-    # Run as its compiled bytecode, the program's source lies beside it.
-    here = os.path.abspath(__file__[:-1] if __file__.endswith(".pyc") else __file__)
-    files = [here]
-    if os.path.basename(here) == "harness.py":  # the package itself, not the assembled program
-        files[:0] = [os.path.join(os.path.dirname(here), f"{m}.py") for m in HARNESS_PARTS]
-    parts = []
-    for path in files:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-        # Markers only at the start of a line (the constants above hold them in quotes).
-        for part in text.split("\n" + HARNESS_BEGIN)[1:]:
-            parts.append(HARNESS_BEGIN + part[: part.index("\n" + HARNESS_END)])
-    head = "from __future__ import annotations\nimport os, sys\n"
-    return head + "\n".join(parts) + "\nsys.exit(harness(sys.argv[1:]))\n"
