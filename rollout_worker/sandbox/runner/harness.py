@@ -50,16 +50,24 @@ HARNESS_KEY_BYTES = 16
 
 
 def _fingerprint(classes: list) -> list:
-    """Each class's own attributes (names, in order) and their values, by identity: compared
-    after every test, so no name is formatted unless something changed."""
-    return [(list(vars(c)), [id(value) for value in list(vars(c).values())]) for c in classes]
+    """Each class's own attributes: their names, in order, and their values (held, compared by
+    identity; not by id(), an audit event the vault would hear for every attribute)."""
+    found = []
+    for c in classes:
+        items = list(vars(c).items())
+        found.append(([name for name, _ in items], [value for _, value in items]))
+    return found
+
+
+def _same(values: list, others: list) -> bool:
+    return len(values) == len(others) and all(a is b for a, b in zip(values, others))  # noqa: B905
 
 
 def _resolved(classes: list, modules: list) -> dict:
     """What each attribute of `classes` resolves to (through the class's MRO: an override added
-    to a subclass counts), and each callable of `modules`, by identity."""
+    to a subclass counts), and each callable of `modules` (the objects, compared by identity)."""
     found = {
-        f"{c.__module__}.{c.__qualname__}.{name}": id(value)
+        f"{c.__module__}.{c.__qualname__}.{name}": value
         for c in classes
         for k in reversed(c.__mro__[:-1])
         for name, value in list(vars(k).items())
@@ -67,29 +75,30 @@ def _resolved(classes: list, modules: list) -> dict:
     for module in modules:
         for name, value in list(vars(module).items()):
             if callable(value):
-                found[f"{module.__name__}.{name}"] = id(value)
+                found[f"{module.__name__}.{name}"] = value
     return found
 
 
 def _replaced(classes: list, modules: list, before: dict) -> list:
     """Of what `before` held, what no longer resolves to the same object (sorted). Names
     added since are not counted: pytest imports and sets some of its own as it runs."""
-    now = _resolved(classes, modules)
-    return sorted(name for name, value in before.items() if now.get(name) != value)
+    now, absent = _resolved(classes, modules), object()
+    return sorted(name for name, value in before.items() if now.get(name, absent) is not value)
 
 
 def _tampering(classes: list, before: list) -> list:
     """The attributes of `classes` replaced, added or removed since `before` (sorted)."""
-    found = []
+    found, absent = [], object()
     # zip without strict=: Python 3.9 runs this (a task's own image).
     for c, then, now in zip(classes, before, _fingerprint(classes)):  # noqa: B905
-        if then != now:  # names (str) and ids (int): no method of the code under test runs
-            old, new = dict(zip(*then)), dict(zip(*now))  # noqa: B905
-            found += [
-                f"{c.__module__}.{c.__qualname__}.{name}"
-                for name in old.keys() | new.keys()
-                if old.get(name) != new.get(name)
-            ]
+        if then[0] == now[0] and _same(then[1], now[1]):  # the names are str: no method runs
+            continue
+        old, new = dict(zip(*then)), dict(zip(*now))  # noqa: B905
+        found += [
+            f"{c.__module__}.{c.__qualname__}.{name}"
+            for name in old.keys() | new.keys()
+            if old.get(name, absent) is not new.get(name, absent)
+        ]
     return sorted(found)
 
 
