@@ -14,6 +14,7 @@ from typing import Any
 
 from rollout_wire.request import parse_spec
 from rollout_worker.backends.kube.objects import configmap_manifest
+from rollout_worker.sandbox.runner.multistep import add_costs
 from tests.unit.test_agent_command import row_of, run_runner
 
 WANT = (
@@ -113,6 +114,19 @@ def test_the_containers_make_one_episode_with_the_local_backends_row(tmp_path):
     row = row_of(joined, started)
     assert row.status == "ok", row.errors
     assert row.reward == 1 and [s["reward"] for s in row.step_rewards or []] == [1, 1]
+    # The episode's ledger counts every container's reading, not the last one's alone.
+    handed = json.loads((tmp_path / "handoff" / "step-agent.json").read_text())["cost"]
+    assert handed["cpu_seconds"] > 0
+    assert reward["cost"]["cpu_seconds"] > handed["cpu_seconds"]
+
+
+def test_the_containers_ledgers_add_up():
+    own = {"cpu_seconds": 1.0, "peak_memory_bytes": 10, "policy_turns": 1, "cpu_source": "cgroup"}
+    agent = {"cpu_seconds": 2.0, "peak_memory_bytes": 30, "policy_turns": 4, "cpu_source": "cgroup"}
+    added = add_costs(dict(own), [agent, dict(agent, policy_turns=None)])
+    assert added["cpu_seconds"] == 5.0 and added["peak_memory_bytes"] == 30
+    assert added["policy_turns"] is None and added["cpu_source"] == "cgroup"
+    assert add_costs(dict(own), [None])["cpu_seconds"] is None
 
 
 def test_a_step_below_its_min_reward_leaves_the_later_containers_silent(tmp_path):

@@ -17,6 +17,7 @@ import tempfile
 import time
 import typing
 
+from .cost import LEDGER
 from .errors import InfrastructureError
 from .events import emit, record_outcome
 from .grader import TESTS_DIR
@@ -270,7 +271,8 @@ def agent_part(runner: typing.Any, number: int) -> int:
             empty_folder(tests)
     acted = act_step(runner, task, step, done, budget)
     kill_leftovers()
-    _write_json(handoff, AGENT_STATE, {"step": number, "acted": acted, "budget": budget})
+    moved = {"step": number, "acted": acted, "budget": budget, "cost": LEDGER.measure()}
+    _write_json(handoff, AGENT_STATE, moved)
     return 0
 
 
@@ -308,12 +310,17 @@ def grade_part(runner: typing.Any, number: int, last: bool) -> int:
         state["budget"], state["acted"] = budget, agent["acted"]
         state["results"].append(step_result(step, state["graded"]))
         state["closed"] = gated(step, state["results"][-1])
+        state["costs"] = [*state.get("costs", []), agent.get("cost")]
     if last:
         graded, acted = state.get("graded") or {}, state.get("acted") or {}
         fields = episode_fields(task, state["results"], graded, acted)
+        own = LEDGER.measure
+        # The episode's ledger: this container's reading with the earlier containers' added.
+        LEDGER.measure = lambda: add_costs(own(), state.get("costs", []))  # type: ignore[method-assign]
         record_outcome(emit("reward", **fields, grade="same", **runner.identity))
         return 0
     kill_leftovers()
+    state["costs"] = [*state.get("costs", []), LEDGER.measure()]
     _write_json(folder, GRADE_STATE, state)
     gate = os.path.join(os.environ.get(GATE_ENV, ""), GATE_CLOSED)
     try:
@@ -327,3 +334,37 @@ def grade_part(runner: typing.Any, number: int, last: bool) -> int:
     except OSError as exc:
         raise InfrastructureError(f"the steps' gate cannot be set: {exc}") from None
     return 0
+
+
+COST_SUMS = (
+    "cpu_seconds",
+    "cpu_user_seconds",
+    "cpu_system_seconds",
+    "policy_seconds",
+    "policy_retry_seconds",
+    "policy_turns",
+    "prompt_tokens",
+    "completion_tokens",
+    "policy_requests",
+)
+
+
+def _figure(value: object) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def add_costs(cost: dict, earlier: list) -> dict:
+    """`cost` (one container's ledger) with the earlier containers' added: each container
+    reads its own cgroup and its own policy figures. Sums, the larger peak; a figure one of
+    them lacks is unknown for the whole (as validation combines an agent's and a grader's)."""
+    for part in earlier:
+        part = part if isinstance(part, dict) else {}
+        for name in (*COST_SUMS, "peak_memory_bytes"):
+            mine, theirs = _figure(cost.get(name)), _figure(part.get(name))
+            if mine is None or theirs is None:
+                cost[name] = None
+            else:
+                cost[name] = max(mine, theirs) if name == "peak_memory_bytes" else mine + theirs
+        if part.get("cpu_source") != cost.get("cpu_source"):
+            cost["cpu_source"] = None
+    return cost
