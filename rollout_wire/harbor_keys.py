@@ -17,8 +17,12 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
                                   WORKDIR (final stage, no $VAR) is the task's, so both
                                   backends work in the image's folder
   [environment] docker_image      `image`
-  [environment] cpus, memory_mb   the batch's --cpu-limit / --memory-limit default to the
-                                  largest stated; a smaller flag is refused (rollout run)
+  [environment] cpus, memory_mb,  the batch's --cpu-limit / --memory-limit / --storage-limit
+  storage_mb                      default to the largest stated; a smaller flag is refused
+                                  (rollout run). storage_mb: Kubernetes' ephemeral-storage
+                                  limit and each disk emptyDir's sizeLimit; locally the
+                                  supervisor measures the episode's on-disk folders every
+                                  second. Past it the episode is the agent's failure
   [agent|verifier] user           1000 (the sandbox's uid) honoured; root and any other user
                                   refused (sandboxes run as uid 1000, never root)
   network_mode ([agent],          "no-network"/"none" honoured (sandboxes have no network);
@@ -26,7 +30,6 @@ this table is refused too, unless --allow-unknown-keys makes it a warning (`KNOW
   [environment] allow_internet    false honoured; true refused (no network)
   allowed_hosts (any section)     empty accepted; any host refused (no network)
   [environment] gpus, gpu_types   0 / empty accepted; GPUs refused
-  [environment] storage_mb        accepted with a warning: no per-sandbox disk limit here
   [environment] build_timeout_sec accepted with a warning: `rollout tasks build` builds first
   [environment] mcp_servers       refused unless empty (no MCP servers)
   [environment] skills_dir        refused (skills are not copied to agents)
@@ -277,10 +280,7 @@ def honour(
     _env_tables(task, tables, where, problems)
     _healthcheck(task, environment.get("healthcheck"), where, problems)
     _artifacts(task, tables.config.get("artifacts"), where, problems)
-    for key, why in (
-        ("storage_mb", "no per-sandbox disk limit here"),
-        ("build_timeout_sec", "`rollout tasks build` builds the image before the batch"),
-    ):
+    for key, why in (("build_timeout_sec", "`rollout tasks build` builds the image first"),):
         value = environment.get(key)
         if value is not None:
             _seconds(value, f"[environment] {key}", where, problems)  # still a number
@@ -391,10 +391,10 @@ def _seconds(value: Any, label: str, where: str, problems: list[str]) -> int:
 
 
 def requirements(environment: dict[str, Any], where: str, problems: list[str]) -> dict[str, int]:
-    """[environment] cpus and memory_mb as the task states them (unstated: nothing asked, the
-    batch's limits stand)."""
+    """[environment] cpus, memory_mb and storage_mb as the task states them (unstated: nothing
+    asked, the batch's limits stand)."""
     wanted: dict[str, int] = {}
-    for key in ("cpus", "memory_mb"):
+    for key in ("cpus", "memory_mb", "storage_mb"):
         value = environment.get(key)
         if value is None:
             continue

@@ -18,6 +18,10 @@ from rollout_wire import request_checks
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.field_table import Check, Field, ParseState, bounded, choice, matching
 from rollout_wire.policy import PolicyEndpoint, parse_policy
+
+# Re-exported: the batch's resources lived here before `rollout_wire.resources`.
+from rollout_wire.resources import Resources as Resources
+from rollout_wire.resources import parse_resources
 from rollout_wire.states import GroupFilter
 
 # Re-exported: a task's fields and limits lived here before `rollout_wire.task_spec`.
@@ -69,16 +73,6 @@ def new_batch_id() -> str:
 
 def is_batch_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and bool(_BATCH_ID.match(value))
-
-
-@dataclass(frozen=True)
-class Resources:
-    """Per-sandbox requests and limits, in Kubernetes quantity syntax."""
-
-    cpu_request: str = "100m"
-    memory_request: str = "64Mi"
-    cpu_limit: str = "500m"
-    memory_limit: str = "128Mi"
 
 
 @dataclass(frozen=True)
@@ -201,10 +195,6 @@ MAX_WARM_POOL = 256
 PULL_POLICIES = ("IfNotPresent", "Never", "Always")
 CAPACITY_CHECKS = ("error", "warn", "off")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
-# Which quantity forms a request may use (the policy); their values are compared by the workers
-# with the Kubernetes client's own parser (`rollout_worker.quantities`).
-_CPU_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?m?$")
-_MEMORY_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 
 
 # -- the field parsers (the table: `_TABLE`, the checks across fields: request_checks) ----------
@@ -381,28 +371,6 @@ def _policy(request: ParseState) -> PolicyEndpoint | None:
     return parse_policy(raw, request.problems)
 
 
-def _resources(request: ParseState) -> Resources:
-    data, problems = request.data.get("resources", {}), request.problems
-    if isinstance(data, Resources):
-        data = asdict(data)
-    if not isinstance(data, Mapping):
-        problems.append(f"resources must be an object, got {data!r}")
-        return Resources()
-    allowed = {f.name for f in fields(Resources)}
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        problems.append(f"unknown resources fields {unknown}; allowed: {sorted(allowed)}")
-        return Resources()
-    bad = False
-    for name, value in data.items():
-        pattern = _CPU_QUANTITY if name.startswith("cpu") else _MEMORY_QUANTITY
-        if not isinstance(value, str) or not pattern.match(value):
-            example = "'500m' or '1.5'" if name.startswith("cpu") else "'128Mi', '1Gi' or '500M'"
-            problems.append(f"resources: {name} {value!r} is not a quantity like {example}")
-            bad = True
-    return Resources() if bad else Resources(**data)
-
-
 def _is_image(value: Any) -> bool:
     return isinstance(value, str) and len(value) <= 255 and bool(IMAGE_REFERENCE.match(value))
 
@@ -481,7 +449,7 @@ _TABLE: tuple[Field | Check, ...] = (
             ),
         ),
     ),
-    Field("resources", _resources),
+    Field("resources", parse_resources),
     Field("action", choice("action", "fix", ACTIONS), str),
     Field("submitted_at", _submitted_at, float),
     Field("labels", _labels, dict),

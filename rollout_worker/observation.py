@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -11,6 +12,46 @@ import orjson
 # The agent runner's exit status for an infrastructure failure (sandbox/runner/errors.py uses the
 # same number): the only exit status the batch's retry budget (`infra_retries`) runs again.
 EXIT_INFRASTRUCTURE = 4
+
+# The reason of an episode ended for writing past its own disk limit (the batch's
+# `resources.storage_limit`): on Kubernetes the kubelet's eviction for a container's, the
+# Pod's or an emptyDir's own limit, locally the supervisor's measurement of its folders. The
+# episode's doing: validation makes it an `episode` failure (reward 0, never retried).
+STORAGE_LIMIT_REASON = "StorageLimitExceeded"
+# The kubelet's messages for those evictions (pkg/kubelet/eviction/helpers.go:
+# emptyDirMessageFmt, podEphemeralStorageMessageFmt, containerEphemeralStorageMessageFmt).
+# A node-pressure eviction ("The node was low on resource: ephemeral-storage. ...", with a
+# DisruptionTarget condition) is none of them: it stays `Evicted`, an infrastructure failure.
+_OWN_DISK_EVICTIONS = (
+    re.compile(r'^Usage of EmptyDir volume "[^"]*" exceeds the limit "[^"]*"\.\s*$'),
+    re.compile(
+        r"^Pod ephemeral local storage usage exceeds the total limit of containers \S+\.\s*$"
+    ),
+    re.compile(r'^Container \S+ exceeded its local ephemeral storage limit "[^"]*"\.\s*$'),
+)
+
+
+def own_disk_eviction(status: Mapping[str, object]) -> str | None:
+    """The episode's end reason when a Pod's status says the kubelet evicted it for its own
+    disk use (STORAGE_LIMIT_REASON and the kubelet's message), else None. Never for a Pod
+    with a DisruptionTarget condition (the node's pressure, a preemption)."""
+    message = status.get("message")
+    if status.get("reason") != "Evicted" or not isinstance(message, str):
+        return None
+    conditions = status.get("conditions")
+    if any(
+        isinstance(c, Mapping) and c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+        for c in (conditions if isinstance(conditions, list) else [])
+    ):
+        return None
+    if not any(pattern.match(message) for pattern in _OWN_DISK_EVICTIONS):
+        return None
+    return f"{STORAGE_LIMIT_REASON}: {message.strip()}"
+
+
+def over_storage_limit(reason: str | None) -> bool:
+    """Whether an episode's end reason says it wrote past its own disk limit."""
+    return (reason or "").startswith(STORAGE_LIMIT_REASON)
 
 
 @dataclass

@@ -8,10 +8,18 @@ from kubernetes.utils.quantity import parse_quantity
 
 from rollout_wire.request import Resources
 
-__all__ = ["format_memory", "parse_quantity", "resource_problems", "sandbox_limits"]
+__all__ = [
+    "format_memory",
+    "parse_quantity",
+    "resource_problems",
+    "sandbox_limits",
+    "storage_bytes",
+]
 
 # Python cannot start below this.
 MIN_MEMORY_LIMIT = 32 * 2**20
+# An episode's files (the runner's own included) need some disk.
+MIN_STORAGE_LIMIT = 2**20
 # Python maps far more address space than it touches: the local sandbox's RLIMIT_AS gets this
 # headroom over the memory limit so that the limit still bounds real use.
 ADDRESS_SPACE_HEADROOM = 256 * 2**20
@@ -39,7 +47,17 @@ def resource_problems(res: Resources) -> list[str]:
         problems.append(
             f"resources: memory_limit {res.memory_limit} is below 32Mi; Python cannot start in less"
         )
+    if parse_quantity(res.storage_limit) < MIN_STORAGE_LIMIT:
+        problems.append(
+            f"resources: storage_limit {res.storage_limit} is below 1Mi; an episode's own files "
+            "need more"
+        )
     return problems
+
+
+def storage_bytes(res: Resources) -> int:
+    """The episode's disk limit in bytes (`Resources.storage_limit`)."""
+    return int(parse_quantity(res.storage_limit))
 
 
 def sandbox_limits(res: Resources, episode_timeout: float) -> tuple[int, int]:

@@ -70,7 +70,7 @@ def limits(tasks: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
 
 
 def resources(requirements: Sequence[Mapping[str, int]]) -> dict[str, str]:
-    """The batch's limits from what the tasks state ([environment] cpus and memory_mb, as
+    """The batch's limits from what the tasks state ([environment] cpus, memory_mb, storage_mb, as
     `rollout_wire.harbor` maps them): the largest of each, as `rollout run --tasks` takes them
     without a flag, so every task is judged under the limits it asks for; {} when none states
     any (the batch's defaults stand)."""
@@ -78,11 +78,14 @@ def resources(requirements: Sequence[Mapping[str, int]]) -> dict[str, str]:
 
     cpus = max((r.get("cpus", 0) for r in requirements), default=0)
     memory_mb = max((r.get("memory_mb", 0) for r in requirements), default=0)
+    storage_mb = max((r.get("storage_mb", 0) for r in requirements), default=0)
     found = {}
     if cpus:
         found["cpu_limit"] = str(cpus)
     if memory_mb:
         found["memory_limit"] = format_memory(memory_mb * 2**20)
+    if storage_mb:
+        found["storage_limit"] = format_memory(storage_mb * 2**20)
     return found
 
 

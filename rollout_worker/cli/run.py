@@ -24,6 +24,7 @@ from rollout_wire.request import (
     BACKENDS,
     DEFAULT_DEADLINE_SECONDS,
 )
+from rollout_wire.resources import DEFAULT_STORAGE_LIMIT
 from rollout_wire.states import Cleanup, Records
 from rollout_wire.tasksets import DEADLINE_MARGIN_SECONDS, SETUP_MARGIN_SECONDS, task_limits
 from rollout_wire.urls import redacted
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 DEFAULT_CPU_LIMIT = "500m"
 DEFAULT_MEMORY = "128Mi"
+DEFAULT_STORAGE = DEFAULT_STORAGE_LIMIT
 # After the report, --output waits this long for the run's records (they follow the report).
 RECORDS_WAIT_SECONDS = 60.0
 
@@ -85,6 +87,13 @@ RECORDS_WAIT_SECONDS = 60.0
     default=None,
     help="Memory limit of each sandbox. [default: 128Mi, or the largest [environment] "
     "memory_mb of the Harbor tasks]",
+)
+@click.option(
+    "--storage-limit",
+    default=None,
+    help=f"Disk limit of each episode (its workspace and other on-disk folders); past it the "
+    f"episode fails as its own. [default: {DEFAULT_STORAGE}, or the largest [environment] "
+    "storage_mb of the Harbor tasks]",
 )
 @allow_unknown_keys_option
 @click.option(
@@ -200,6 +209,7 @@ class RunFlags:
     episode_timeout_seconds: int | None
     cpu_limit: str | None
     memory_limit: str | None
+    storage_limit: str | None
     allow_unknown_keys: bool
     action: str
     output: Path | None
@@ -275,6 +285,7 @@ def _request(f: RunFlags) -> dict[str, Any]:
             episode_timeout_seconds=f.episode_timeout_seconds,
             cpu_limit=f.cpu_limit,
             memory_limit=f.memory_limit,
+            storage_limit=f.storage_limit,
         )
     except InvalidSpec as exc:
         raise click.UsageError("\n  ".join(["invalid batch:", *exc.problems])) from exc
@@ -351,9 +362,10 @@ def _limits(
     episode_timeout_seconds: int | None,
     cpu_limit: str | None,
     memory_limit: str | None,
+    storage_limit: str | None = None,
 ) -> dict[str, Any]:
     """The batch's time and resource limits: a flag the user set wins; else, with --tasks,
-    what the tasks state (their timeouts; Harbor's [environment] cpus and memory_mb), else
+    what the tasks state (their timeouts; Harbor's [environment] cpus, memory_mb, storage_mb), else
     the fixed defaults. A flag below what a Harbor task states is refused naming both. Harbor
     keys accepted without being enforced are listed here, before the run."""
     from rollout_worker.quantities import format_memory, parse_quantity
@@ -375,7 +387,7 @@ def _limits(
     fields["deadline_seconds"] = (
         deadline_seconds if deadline_seconds is not None else DEFAULT_DEADLINE_SECONDS
     )
-    wanted_cpus, wanted_memory = 0, 0
+    wanted_cpus, wanted_memory, wanted_storage = 0, 0, 0
     if task_set is not None and Path(task_set).is_dir():
         from rollout_wire import harbor
 
@@ -383,6 +395,7 @@ def _limits(
             print_task_warnings(mapped.warnings)
             wanted_cpus = max(wanted_cpus, mapped.requirements.get("cpus", 0))
             wanted_memory = max(wanted_memory, mapped.requirements.get("memory_mb", 0))
+            wanted_storage = max(wanted_storage, mapped.requirements.get("storage_mb", 0))
     problems = []
     if cpu_limit is None:
         cpu_limit = str(wanted_cpus) if wanted_cpus else DEFAULT_CPU_LIMIT
@@ -398,9 +411,20 @@ def _limits(
             f"--memory-limit {memory_limit} is below the {wanted_memory} MB a task states "
             "([environment] memory_mb): raise --memory-limit or leave it out"
         )
+    if storage_limit is None:
+        storage_limit = format_memory(wanted_storage * 2**20) if wanted_storage else DEFAULT_STORAGE
+    elif wanted_storage and parse_quantity(storage_limit) < wanted_storage * 2**20:
+        problems.append(
+            f"--storage-limit {storage_limit} is below the {wanted_storage} MB a task states "
+            "([environment] storage_mb): raise --storage-limit or leave it out"
+        )
     if problems:
         raise InvalidSpec(problems)
-    fields["resources"] = {"cpu_limit": cpu_limit, "memory_limit": memory_limit}
+    fields["resources"] = {
+        "cpu_limit": cpu_limit,
+        "memory_limit": memory_limit,
+        "storage_limit": storage_limit,
+    }
     return fields
 
 

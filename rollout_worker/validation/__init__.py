@@ -26,7 +26,7 @@ from typing import Any
 from rollout_wire.rows import EpisodeRow
 from rollout_wire.states import EpisodeStatus, FailureKind
 from rollout_wire.trajectory import parse_events
-from rollout_worker.observation import EpisodeObservation
+from rollout_worker.observation import EpisodeObservation, over_storage_limit
 from rollout_worker.validation import cost, grading, rules
 from rollout_worker.validation.cost import episode_cost, sanitize_cost
 from rollout_worker.validation.episode import Episode
@@ -119,7 +119,11 @@ def failure_kind(
     obs: EpisodeObservation, ready: dict[str, Any] | None, error: dict[str, Any] | None
 ) -> FailureKind:
     """`infrastructure` when the row is no sample of the policy (the runner said so, the
-    sandbox never got ready, or it was ended from outside); else `episode`."""
+    sandbox never got ready, or it was ended from outside); else `episode`. An episode ended
+    for writing past its own disk limit is `episode` whatever its log kept (an evicted Pod's
+    logs may be gone with its containers)."""
+    if over_storage_limit(obs.reason):
+        return FailureKind.EPISODE
     if error is not None:
         infrastructure = error.get("kind") == FailureKind.INFRASTRUCTURE
         return FailureKind.INFRASTRUCTURE if infrastructure else FailureKind.EPISODE

@@ -77,7 +77,7 @@ EVERY_KEY: dict[str, tuple[str, Any]] = {
     "environment.memory_mb": ("[environment]\nmemory_mb = 1024", ("requires", "memory_mb", 1024)),
     "environment.storage_mb": (
         "[environment]\nstorage_mb = 10240",
-        ("warns", "storage_mb = 10240 not enforced"),
+        ("requires", "storage_mb", 10240),
     ),
     "environment.gpus": ("[environment]\ngpus = 1", ("refused", "GPUs are not supported")),
     "environment.gpu_types": ('[environment]\ngpu_types = ["H100"]', ("refused", "gpu_types")),
@@ -373,18 +373,19 @@ def run_limits(tmp_path, toml: str, **flags: Any) -> dict[str, Any]:
         "episode_timeout_seconds": None,
         "cpu_limit": None,
         "memory_limit": None,
+        "storage_limit": None,
     } | flags
     return _limits({"tasks": tasks, "samples_per_task": 2}, str(tmp_path), (), False, **options)
 
 
 def test_rollout_run_takes_the_limits_a_task_states(tmp_path):
     toml = "[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 30\n"
-    toml += "[environment]\ncpus = 2\nmemory_mb = 2048\n"
+    toml += "[environment]\ncpus = 2\nmemory_mb = 2048\nstorage_mb = 64\n"
     fields = run_limits(tmp_path, toml)
     episode = 120 + 30 + SETUP_MARGIN_SECONDS
     assert fields["episode_timeout_seconds"] == episode
     assert fields["deadline_seconds"] == episode + DEADLINE_MARGIN_SECONDS  # 2 at once
-    assert fields["resources"] == {"cpu_limit": "2", "memory_limit": "2Gi"}
+    assert fields["resources"] == {"cpu_limit": "2", "memory_limit": "2Gi", "storage_limit": "64Mi"}
     # The batch they make is valid without any limit flag.
     make = {"tasks": [h.task for h in scan(tmp_path)], "agent": "oracle", "samples_per_task": 2}
     parse_spec(make | fields, max_episodes=None)
@@ -392,39 +393,52 @@ def test_rollout_run_takes_the_limits_a_task_states(tmp_path):
 
 def test_rollout_run_flags_win_and_a_smaller_resource_flag_is_refused_by_name(tmp_path):
     toml = "[agent]\ntimeout_sec = 120\n[environment]\ncpus = 2\nmemory_mb = 2048\n"
+    toml += "storage_mb = 2048\n"
     fields = run_limits(tmp_path, toml, episode_timeout_seconds=500, cpu_limit="4")
     assert fields["episode_timeout_seconds"] == 500
     assert fields["resources"]["cpu_limit"] == "4"
+    assert fields["resources"]["storage_limit"] == "2Gi"
+    assert (
+        run_limits(tmp_path / "more", toml, storage_limit="3Gi")["resources"]["storage_limit"]
+        == "3Gi"
+    )
     with pytest.raises(InvalidSpec) as info:
-        run_limits(tmp_path / "again", toml, cpu_limit="1", memory_limit="1Gi")
+        run_limits(tmp_path / "again", toml, cpu_limit="1", memory_limit="1Gi", storage_limit="1Gi")
     text = " | ".join(info.value.problems)
+    assert "--storage-limit 1Gi is below the 2048 MB a task states ([environment] storage_mb)" in (
+        text
+    )
     assert "--cpu-limit 1 is below the 2 CPUs a task states ([environment] cpus)" in text
     assert "--memory-limit 1Gi is below the 2048 MB a task states" in text
 
 
 def test_rollout_run_keeps_the_fixed_defaults_for_tasks_that_state_nothing(tmp_path):
     fields = run_limits(tmp_path, 'version = "1.0"\n')
-    assert fields["resources"] == {"cpu_limit": "500m", "memory_limit": "128Mi"}
+    assert fields["resources"] == {
+        "cpu_limit": "500m",
+        "memory_limit": "128Mi",
+        "storage_limit": "1Gi",
+    }
     assert fields["deadline_seconds"] >= DEFAULT_DEADLINE_SECONDS
 
 
 def test_rollout_run_lists_the_keys_it_does_not_enforce_before_the_run(tmp_path, capsys):
-    run_limits(tmp_path, "[environment]\nstorage_mb = 10240\n")
+    run_limits(tmp_path, "[environment]\nbuild_timeout_sec = 600\n")
     printed = " ".join(capsys.readouterr().err.split())
-    assert "warning: task 't': [environment] storage_mb = 10240 not enforced" in printed
+    assert "warning: task 't': [environment] build_timeout_sec = 600 not enforced" in printed
 
 
 # -- a key let through is said wherever tasks are loaded ---------------------------------------
 
 
 def test_loading_tasks_in_python_warns_of_each_key_let_through(tmp_path):
-    make_task(tmp_path, "t", toml="colour = 1\n[environment]\nstorage_mb = 10240\n")
+    make_task(tmp_path, "t", toml="colour = 1\n[environment]\nbuild_timeout_sec = 600\n")
     with pytest.warns(TaskWarning) as caught:
         (task,) = load_task_set(str(tmp_path), allow_unknown_keys=True)
     messages = [str(w.message) for w in caught]
     assert task["id"] == "t"
     assert any("unknown key colour" in m for m in messages), messages
-    assert any("storage_mb = 10240 not enforced" in m for m in messages), messages
+    assert any("build_timeout_sec = 600 not enforced" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("command", [["show"], ["build", "--dry-run"]])

@@ -615,6 +615,42 @@ def test_every_container_and_folder_of_an_episode_has_a_bounded_disk():
     assert names >= {"workspace", "tmp", "agent-logs", "agent-tests", "handoff"}
 
 
+def test_the_batchs_storage_limit_is_every_containers_disk_limit_and_every_disk_folders_size():
+    """resources.storage_limit (Harbor's storage_mb, --storage-limit) bounds the episode's
+    disk: each container's ephemeral-storage limit (request still 0) and each on-disk
+    emptyDir's sizeLimit; memory folders keep their own sizes."""
+    from rollout_worker.backends.kube.objects import pool_pod_manifest
+
+    small = {"resources": {"storage_limit": "64Mi"}}
+    batch = parse_spec(
+        {
+            "backend": "kubernetes",
+            "tasks": [HIDDEN],
+            "policy": {"url": "http://10.0.0.5:8000"},
+            **small,
+        },
+        max_episodes=100,
+    )
+    pods = [
+        job_manifest(batch, ttl_seconds_after_finished=60)["spec"]["template"]["spec"],
+        job_manifest(spec(**small), ttl_seconds_after_finished=60)["spec"]["template"]["spec"],
+        pool_pod_manifest(spec(image="python:3.12-alpine", **small), "k", 60)["spec"],
+    ]
+    for pod in pods:
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            assert container["resources"]["limits"]["ephemeral-storage"] == "64Mi"
+            assert container["resources"]["requests"]["ephemeral-storage"] == "0"
+        disk = [v["emptyDir"] for v in pod["volumes"] if "emptyDir" in v]
+        assert all(d["sizeLimit"] == "64Mi" for d in disk if d.get("medium") != "Memory")
+        assert {d["sizeLimit"] for d in disk if d.get("medium") == "Memory"} <= {
+            "16Mi",
+            "1Mi",
+            "2Mi",
+        }
+    workspace = next(v for v in pods[0]["volumes"] if v["name"] == "workspace")
+    assert workspace["emptyDir"]["sizeLimit"] == "64Mi"
+
+
 def test_a_warm_pod_whose_containers_all_exited_has_ended_before_its_phase_moves():
     from rollout_worker.backends.kube.verdicts import ended_phase
 

@@ -18,6 +18,7 @@ def test_defaults_follow_the_guide():
     assert spec.image == "python:3.12-alpine" and spec.runtime == "cube"
     assert spec.deadline_seconds == 240
     assert spec.resources.cpu_request == "100m" and spec.resources.memory_limit == "128Mi"
+    assert spec.resources.storage_limit == "1Gi"  # the episode's disk, as before the field
     assert spec.batch_id  # generated when missing
 
 
@@ -42,6 +43,9 @@ def test_defaults_follow_the_guide():
         ({"resources": {"cpu_request": "2", "cpu_limit": "1"}}, "exceeds cpu_limit"),
         ({"resources": {"memory_limit": "16Mi", "memory_request": "8Mi"}}, "below 32Mi"),
         ({"resources": {"gpu": "1"}}, "unknown resources fields"),
+        ({"resources": {"storage_limit": "lots"}}, "storage_limit 'lots' is not a quantity"),
+        ({"resources": {"storage_limit": "500m"}}, "storage_limit '500m' is not a quantity"),
+        ({"resources": {"storage_limit": "512Ki"}}, "storage_limit 512Ki is below 1Mi"),
         ({"action": "delete-everything"}, "action"),
         ({"batch_id": "Has Spaces"}, "batch_id"),
         ({"colour": "blue"}, "unknown fields ['colour']"),
@@ -49,6 +53,14 @@ def test_defaults_follow_the_guide():
 )
 def test_bad_input_is_refused_with_what_is_allowed(request_, expected):
     assert expected in problems(request_)
+
+
+def test_a_receipt_from_before_storage_limit_decodes_with_the_old_disk_limit():
+    spec = parse_spec({"count": 1, "resources": {"storage_limit": "64Mi"}}, max_episodes=10)
+    assert BatchSpec.from_dict(spec.to_dict()).resources.storage_limit == "64Mi"
+    old = spec.to_dict()
+    del old["resources"]["storage_limit"]
+    assert BatchSpec.from_dict(old).resources.storage_limit == "1Gi"
 
 
 def test_all_problems_are_reported_at_once():

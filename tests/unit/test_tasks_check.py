@@ -73,11 +73,17 @@ def test_limits_fit_the_longest_task():
 def test_the_batches_limits_are_the_largest_a_task_states():
     # As `rollout run --tasks` without --cpu-limit / --memory-limit: a task is judged under
     # the limits it asks for (the fixture `limits` needs its memory_mb).
-    stated = [{"cpus": 1, "memory_mb": 512}, {"memory_mb": 640}, {}]
-    assert check.resources(stated) == {"cpu_limit": "1", "memory_limit": "640Mi"}
+    stated = [{"cpus": 1, "memory_mb": 512, "storage_mb": 100}, {"memory_mb": 640}, {}]
+    assert check.resources(stated) == {
+        "cpu_limit": "1",
+        "memory_limit": "640Mi",
+        "storage_limit": "100Mi",
+    }
     assert check.resources([{}, {}]) == {}  # none stated: the batch's defaults
     tasks = harbor.scan(FIXTURES)
-    assert check.resources([h.requirements for h in tasks])["memory_limit"] == "640Mi"
+    limits = check.resources([h.requirements for h in tasks])
+    # add-numbers states storage_mb = 1024, the largest
+    assert limits["memory_limit"] == "640Mi" and limits["storage_limit"] == "1Gi"
 
 
 def test_a_row_becomes_an_outcome_with_its_cause():

@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 from rollout_wire.request import BatchSpec, Task
+from rollout_wire.resources import DEFAULT_STORAGE_LIMIT
 from rollout_worker.backends.kube import task_env
 from rollout_worker.backends.kube.pod_steps import chain_steps, step_count
 from rollout_worker.backends.warm import task_image
@@ -48,11 +49,11 @@ PROGRAM_KEY = "episode.py"
 TASKS_KEY = "tasks.json"
 SANDBOX_UID = 1000
 # An episode's share of its node's disk (its workspace and other folders, a writable root,
-# its logs): past the limit the kubelet evicts the Pod instead of the node filling up. Each
-# folder on disk has it as its sizeLimit too. Not a batch field yet (Resources has none).
-# Requested at 0: a request would keep Pods off nodes that report no ephemeral-storage
-# (KWOK's), and it is the limit that protects the node.
-EPISODE_STORAGE_LIMIT = "1Gi"
+# its logs) is the batch's `resources.storage_limit` (this by default): past it the kubelet
+# evicts the Pod instead of the node filling up (the episode's own failure: read.py). Each
+# folder on disk has it as its sizeLimit too. Requested at 0: a request would keep Pods off
+# nodes that report no ephemeral-storage (KWOK's), and it is the limit that protects the node.
+EPISODE_STORAGE_LIMIT = DEFAULT_STORAGE_LIMIT
 EPISODE_STORAGE_REQUEST = "0"
 # The writable folders an agent's episode has besides its workspace and /tmp.
 AGENT_DIRS = {"agent-logs": "/logs", "agent-tests": "/tests", "agent-solution": "/solution"}
@@ -143,10 +144,10 @@ def sandbox_pod_spec(
         "enableServiceLinks": False,
         "securityContext": pod_security_context(),
         "containers": [sandbox_container(spec, image, env, workspace)],
-        "volumes": sandbox_volumes(),
+        "volumes": sandbox_volumes(spec),
     }
     if any("agent" in task or task.get("steps") for task in spec.tasks):
-        _add_agent_dirs(pod_spec)
+        _add_agent_dirs(pod_spec, spec.resources.storage_limit)
     if seeds_workspace(spec, image):
         _grade_apart(pod_spec, seeded=workspace)
     elif grades_apart(spec, image):
@@ -202,7 +203,7 @@ def container_resources(spec: BatchSpec) -> dict[str, Any]:
         "limits": {
             "cpu": res.cpu_limit,
             "memory": res.memory_limit,
-            "ephemeral-storage": EPISODE_STORAGE_LIMIT,
+            "ephemeral-storage": res.storage_limit,
         },
     }
 
@@ -242,22 +243,23 @@ def sandbox_container(
     }
 
 
-def sandbox_volumes() -> list[dict[str, Any]]:
-    """The program (the ConfigMap), the workspace and a memory /tmp, each bounded."""
+def sandbox_volumes(spec: BatchSpec) -> list[dict[str, Any]]:
+    """The program (the ConfigMap), the workspace (the episode's disk limit) and a memory
+    /tmp, each bounded."""
     return [
         {"name": "program", "configMap": {"name": CONFIGMAP_NAME}},
-        {"name": "workspace", "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}},
+        {"name": "workspace", "emptyDir": {"sizeLimit": spec.resources.storage_limit}},
         {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
     ]
 
 
-def _add_agent_dirs(pod_spec: dict[str, Any]) -> None:
+def _add_agent_dirs(pod_spec: dict[str, Any], storage_limit: str) -> None:
     """An agent's episode writes outside its workspace: Harbor's /logs/verifier, the tests
     placed at /tests after the agent, the oracle's /solution (the root stays read-only)."""
     container = pod_spec["containers"][0]
     for name, path in AGENT_DIRS.items():
         container["volumeMounts"].append({"name": name, "mountPath": path})
-        pod_spec["volumes"].append({"name": name, "emptyDir": {"sizeLimit": EPISODE_STORAGE_LIMIT}})
+        pod_spec["volumes"].append({"name": name, "emptyDir": {"sizeLimit": storage_limit}})
 
 
 def _agent_program_volume() -> dict[str, Any]:

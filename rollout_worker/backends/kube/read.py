@@ -23,7 +23,12 @@ from rollout_worker.backends.kube.objects import (
     job_parts,
 )
 from rollout_worker.backends.kube.pod_spec import AGENT_CONTAINER, CONTAINER_NAME, SEED_CONTAINER
-from rollout_worker.observation import EXIT_INFRASTRUCTURE, EpisodeObservation, attempt_summary
+from rollout_worker.observation import (
+    EXIT_INFRASTRUCTURE,
+    EpisodeObservation,
+    attempt_summary,
+    own_disk_eviction,
+)
 from rollout_worker.quantities import format_memory, parse_quantity
 
 
@@ -288,6 +293,8 @@ def _pod_phase(
     # A Pod-level reason (DeadlineExceeded, Evicted) says more than the container's ("Error"
     # after the kill that enforced it).
     reason = status.get("reason") or terminated.get("reason")
+    # Evicted for the episode's own disk use (its limit, not the node's pressure): its doing.
+    reason = own_disk_eviction(status) or reason
     waiting = state.get("waiting") or {}
     if (
         phase in ("Pending", "Running")
