@@ -179,3 +179,23 @@ def test_a_failed_later_steps_agent_ends_the_episode_and_every_log_is_read():
     assert (obs.phase, obs.exit_code, obs.termination_message) == ("Failed", 3, "x")
     assert obs.log_containers == ["agent", "grade-1", "agent-2", "episode"]
     assert obs.timing["container_started_at"] == obs.created_at + 2
+
+
+def test_each_steps_container_references_the_env_tables_its_runner_hands_on():
+    """An agent's container the agent's tables ([environment.env], the oracle's
+    [solution.env]); a grader's the tests' ([verifier.env]) too."""
+    tables = {"environment": {"E": "${HOST_E}"}, "verifier": {"V": "${HOST_V}"}}
+    pod_spec = pod_spec_of(batch([steps_task() | {"env": tables}]))
+    refs = {
+        c["name"]: {
+            e["name"] for e in c["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+        }
+        for c in [*pod_spec["initContainers"], *pod_spec["containers"]]
+    }
+    agent_refs = {n for n in refs["agent"] if "HOST_E" in n}
+    assert agent_refs and refs["agent"] == refs["agent-2"] == agent_refs
+    assert refs["grade-1"] == refs["episode"] and any("HOST_V" in n for n in refs["grade-1"])
+    # Nor does an agent's tasks file hold the tests' table (a grader's does).
+    data = configmap_manifest(batch([steps_task() | {"env": tables}]), "program")["data"]
+    assert "HOST_V" not in data["tasks-agent.json"] and "HOST_E" in data["tasks-agent.json"]
+    assert "HOST_V" in data["tasks-steps-grader.json"]

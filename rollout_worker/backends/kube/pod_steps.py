@@ -84,8 +84,17 @@ def _no_steps(view: dict[str, Any]) -> dict[str, Any]:
 
 def agent_tasks(tasks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The tasks as an agent's container holds them (AGENT_TASKS_KEY): agent_task's, and of
-    their steps only the names and min_reward."""
-    return [_no_steps(agent_task(t)) for t in tasks]
+    their steps only the names and min_reward; a task with steps without [verifier.env]
+    (agent_task keeps it for a runner that runs the tests in its sandbox; here its graders
+    do)."""
+    views = []
+    for task in tasks:
+        view = _no_steps(agent_task(task))
+        env = {k: v for k, v in (view.get("env") or {}).items() if k != "verifier"}
+        if task.get("steps") and "env" in view:
+            view = {k: v for k, v in view.items() if k != "env"} | ({"env": env} if env else {})
+        views.append(view)
+    return views
 
 
 def step_data(tasks: Sequence[Mapping[str, Any]]) -> dict[str, str]:

@@ -79,6 +79,11 @@ def add_task_env(pod_spec: dict[str, Any], tasks: Sequence[Mapping[str, Any]]) -
             str(task.get("id")): set().union(*(env_tables_for(task, g) for g in grading))
             for task in tasks
         }
+        if grading == [False] and any(e["name"] == "ROLLOUT_STEP" for e in container["env"]):
+            # A step's agent never runs tests (its grader does): no [verifier.env].
+            for task in tasks:
+                if task.get("steps"):
+                    tables[str(task.get("id"))].discard("verifier")
         entries = container_env(tasks, tables)
         if entries:
             container["env"] = [*container.get("env", []), *entries]
