@@ -124,3 +124,31 @@ def test_the_ways_to_the_key_are_refused_and_each_marks_the_run(tmp_path):
     assert runs[-1]["passed"] == 2, output  # refused, not crashed: the tests still ran
     judged = episode.judge("all", episode.TestRun(0, output, "test_results", runs, ended), None)
     assert (judged["reward"], judged["grade_cause"]) == (0, "tests_tampered")
+
+
+FILEIO = """import io, pathlib
+tried = []
+class Named:
+    def __fspath__(self):
+        return "/proc/self/mem"
+class Sub(pathlib.PosixPath):
+    pass
+for name, path in (("own", Named()), ("sub", Sub("/proc/self/mem")), ("path", pathlib.Path("x"))):
+    try:
+        io.FileIO(path).close()
+    except PermissionError:
+        tried.append(name)
+assert tried == ["own", "sub", "path"], tried
+def shipping(total):
+    return 0 if total >= 99 else 10
+"""
+
+
+def test_a_path_object_handed_to_fileio_is_refused_and_marks_the_run(tmp_path):
+    # Its path is told only by its own method (a class of the code under test's making can name
+    # /proc/self/mem), which may not run inside the vault: both once earned an unmarked read.
+    files = {"test_shipping.py": TESTS, "shipping.py": FILEIO}
+    runs, ended, output = run_harness(tmp_path, files, "unittest")
+    assert ended, output
+    assert sorted(name for run in runs for name in run["tampered"]) == ["a path object opened"]
+    assert runs[-1]["passed"] == 2, output

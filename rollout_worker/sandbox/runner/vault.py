@@ -108,35 +108,37 @@ def _harness_check(script: str) -> typing.Callable[[], bool]:
     return from_the_harness
 
 
-def _memory_check() -> typing.Callable[[object], bool]:
-    """A check whether a path opened is a process's memory (/proc/PID/mem, or a link into
-    /proc). Only str, bytes and pathlib's own paths are looked at: no method of an object the
-    code under test made may run inside the vault."""
-    import pathlib  # the real one, before the workspace is on the path
-
+def _memory_check() -> typing.Callable[[object], str]:
+    """A check of a path opened: why it is refused ("" when it is not). A process's memory
+    (/proc/PID/mem, or a link into /proc) is; so is a path given as an object of any other type
+    than str, bytes or a descriptor (io.FileIO's, the one opening that hands one to the hook:
+    open() and os.open pass the str): telling its path would run a method of an object the
+    code under test may have made (a subclass of pathlib's paths, a class of its own whose
+    __fspath__ names /proc/self/mem), and no such method may run inside the vault."""
     stat, lstat = os.stat, os.lstat
-    path_types = (pathlib.PosixPath, pathlib.PurePosixPath)
     try:
         proc = stat("/proc").st_dev
     except OSError:
         proc = -1
 
-    def reads_memory(path: object) -> bool:
-        if type(path) in path_types:
-            path = str(path)
-        elif type(path) is bytes:
+    def refused(path: object) -> str:
+        if type(path) is bytes:
             path = path.decode(errors="replace")
+        elif type(path) in (int, bool):  # a descriptor, already open
+            return ""
         if type(path) is not str:
-            return False
+            return "a path object opened"
         try:
             if stat(path).st_dev != proc:
-                return False
+                return ""
             linked = lstat(path).st_dev != proc
         except OSError:
-            return False
-        return linked or path.rstrip("/").rsplit("/", 1)[-1] == "mem"
+            return ""
+        if linked or path.rstrip("/").rsplit("/", 1)[-1] == "mem":
+            return "a process's memory opened"
+        return ""
 
-    return reads_memory
+    return refused
 
 
 def lock_up(key: str, fd: int, script: str) -> None:
@@ -146,7 +148,7 @@ def lock_up(key: str, fd: int, script: str) -> None:
     closure would hold it."""
     keeper = _keeper(key, os.write, fd)
     next(keeper)
-    from_the_harness, reads_memory = _harness_check(script), _memory_check()
+    from_the_harness, refused_open = _harness_check(script), _memory_check()
     state = {"runs": 0, "ended": 0}
     marked: set = set()
 
@@ -175,9 +177,11 @@ def lock_up(key: str, fd: int, script: str) -> None:
         elif event in PRYING_EVENTS or (event == "object.__getattr__" and args[0] is keeper):
             mark(event)
             raise RuntimeError(f"{event} is refused while tests are graded")
-        elif event == "open" and reads_memory(args[0]):
-            mark("a process's memory opened")
-            raise PermissionError("a process's memory is refused while tests are graded")
+        elif event == "open":
+            why = refused_open(args[0])
+            if why:
+                mark(why)
+                raise PermissionError(f"{why}: refused while tests are graded")
 
     sys.addaudithook(hook)
 
