@@ -119,10 +119,26 @@ def test_check_runs_every_oracle_and_nop_and_fails_the_task_set_with_each_cause(
 
 
 def test_check_judges_the_multi_step_fixtures_on_the_local_backend():
-    # tests/data/harbor/multi-step (kept out of the folder above: Kubernetes refuses steps
-    # today): each step's solve.sh in turn earns the oracle 1; the nop does nothing at each
-    # step, so make-file scores 0, under its min_reward: the episode ends there, reward 0.
+    # tests/data/harbor/multi-step (a folder of its own: its README): each step's solve.sh
+    # in turn earns the oracle 1; the nop does nothing at each step, so make-file scores 0,
+    # under its min_reward: the episode ends there, reward 0.
     done = rollout("tasks", "check", str(HARBOR / "multi-step"), "--nop")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = table_rows(done.stdout)
+    assert rows["two-steps"][1:3] == ["1", "0"] and rows["two-steps"][4:] == ["ok"], rows
+    assert done.stdout.splitlines()[-1] == "1 task: 1 passed"
+
+
+@pytest.mark.k8s
+@pytest.mark.k8s_real
+def test_check_judges_the_multi_step_fixtures_on_the_real_node(real_node, real_stack):
+    # The same judgement from Pods: each step's agent and tests in containers of their own.
+    flags = [f for f in real_node.run_flags() if f not in ("--backend", "kubernetes")]
+    done = rollout(
+        *("tasks", "check", str(HARBOR / "multi-step"), "--nop", "--backend", "kubernetes"),
+        *(*flags, "--capacity-check", "warn", "--redis-url", real_stack.redis_url),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table_rows(done.stdout)
     assert rows["two-steps"][1:3] == ["1", "0"] and rows["two-steps"][4:] == ["ok"], rows
