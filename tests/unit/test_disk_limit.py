@@ -141,3 +141,41 @@ def test_an_episode_over_its_disk_limit_is_its_own_failure_with_reward_0():
 def test_an_eviction_that_is_not_the_episodes_stays_an_infrastructure_failure():
     row = validate_episode(_obs("Evicted"), _log(READY | IDENTITY), 1000.0)
     assert row.status == EpisodeStatus.FAILED and row.failure_kind == FailureKind.INFRASTRUCTURE
+
+
+# -- the local backend's measurement (local/disk.py) -------------------------------------------
+
+
+def test_the_local_measurement_counts_each_file_once_and_follows_no_link(tmp_path):
+    from rollout_worker.backends.local.disk import disk_use, over_limit
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "big").write_bytes(b"x" * 2**20)
+    episode = tmp_path / "workspace"
+    (episode / "deep" / "er").mkdir(parents=True)
+    (episode / "deep" / "er" / "data").write_bytes(b"y" * 2**20)
+    (episode / "hard").hardlink_to(episode / "deep" / "er" / "data")  # the same blocks
+    (episode / "link").symlink_to(outside)  # not the episode's disk
+    used, entries = disk_use([episode, tmp_path / "missing"])
+    assert 2**20 <= used < 2**20 + 64 * 2**10 and entries == 5
+    assert over_limit([episode], 2 * 2**20) is None
+    why = over_limit([episode], 2**19)
+    assert why is not None and why.startswith(f"{STORAGE_LIMIT_REASON}: ")
+    assert "over its storage_limit of 524288 bytes" in why
+    # Past the limit the walk stops: what it found is enough.
+    assert disk_use([episode, outside], stop_at=10)[0] <= 2 * 2**20
+
+
+def test_a_sandboxs_file_size_limit_follows_its_disk_limit():
+    import subprocess
+    import sys
+
+    from rollout_worker.backends.local.sandbox import FILE_SIZE_MARGIN, rlimits
+
+    code = "import resource; print(resource.getrlimit(resource.RLIMIT_FSIZE)[0])"
+    limits = rlimits(2**32, 60, 64 * 2**20)
+    done = subprocess.run(
+        [sys.executable, "-c", code], preexec_fn=limits, capture_output=True, text=True
+    )
+    assert int(done.stdout) == 64 * 2**20 + FILE_SIZE_MARGIN

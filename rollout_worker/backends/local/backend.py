@@ -50,7 +50,7 @@ from rollout_worker.backends.local.pool import PoolDir, ask
 from rollout_worker.backends.local.sandbox import ImageRoot
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
-from rollout_worker.quantities import sandbox_limits
+from rollout_worker.quantities import sandbox_limits, storage_bytes
 from rollout_worker.sandbox import compile_program, compiled_path, episode_program_text
 from rollout_worker.settings import Settings
 
@@ -215,7 +215,11 @@ class LocalBackend:
             "run_uid": uuid.uuid4().hex,
             "created_at": time.time(),
             "spec": spec.to_dict(),
-            "limits": {"memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds},
+            "limits": {
+                "memory_bytes": memory_bytes,
+                "cpu_seconds": cpu_seconds,
+                "storage_bytes": storage_bytes(spec.resources),
+            },
             "episode_prefix": f"rollout-{spec.batch_id}",
             "isolation": isolation,
             "python": python,
@@ -498,7 +502,11 @@ class LocalBackend:
                 "idle_seconds": idle_seconds,
                 "python": python,
                 "python_prefix": prefix,
-                "limits": {"memory_bytes": memory_bytes, "cpu_seconds": cpu_seconds},
+                "limits": {
+                    "memory_bytes": memory_bytes,
+                    "cpu_seconds": cpu_seconds,
+                    "storage_bytes": storage_bytes(spec.resources),
+                },
             },
         )
         record({"uid": uid})

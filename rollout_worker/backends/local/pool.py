@@ -224,7 +224,11 @@ class PoolProcess:
                 env=plan.env,
                 pass_fds=(write_end,),
                 start_new_session=True,
-                preexec_fn=rlimits(c["limits"]["memory_bytes"], c["limits"]["cpu_seconds"]),
+                preexec_fn=rlimits(
+                    c["limits"]["memory_bytes"],
+                    c["limits"]["cpu_seconds"],
+                    c["limits"].get("storage_bytes"),
+                ),
                 user=plan.run_as[0] if plan.run_as else None,
                 group=plan.run_as[1] if plan.run_as else None,
                 extra_groups=[] if plan.run_as else None,

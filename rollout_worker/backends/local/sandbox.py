@@ -19,8 +19,11 @@ WORKSPACE_MOUNT = "/workspace"
 COMPILED_MOUNT = "/sandbox/episode.pyc"
 # The test harness's bytecode, beside the program's (the runner looks there).
 HARNESS_MOUNT = "/sandbox/" + HARNESS_COMPILED
-# rlimits every sandbox gets besides its memory and CPU (from the batch's resources).
+# rlimits every sandbox gets besides its memory and CPU (from the batch's resources). One file
+# may hold the episode's whole disk limit and a little more (so writing past the limit is
+# measured as over it: local/disk.py), FILE_SIZE_LIMIT when no limit is given.
 FILE_SIZE_LIMIT = 64 * 2**20
+FILE_SIZE_MARGIN = 2**20
 OPEN_FILES_LIMIT = 256
 # RLIMIT_NPROC counts every process and thread of the real uid, and every local sandbox is
 # host uid 1000: this is a cap on all sandboxes of the machine together (plus that uid's
@@ -290,8 +293,9 @@ def _episode_mounts(
     ]
 
 
-def rlimits(memory_bytes: int, cpu_seconds: int) -> Any:
+def rlimits(memory_bytes: int, cpu_seconds: int, storage_bytes: int | None = None) -> Any:
     """The preexec function that applies a sandbox's limits in its process."""
+    file_size = FILE_SIZE_LIMIT if storage_bytes is None else storage_bytes + FILE_SIZE_MARGIN
 
     def apply() -> None:
         # rlimits stand in for cgroup limits: address space for memory, CPU seconds for the
@@ -299,7 +303,7 @@ def rlimits(memory_bytes: int, cpu_seconds: int) -> Any:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
         resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES_LIMIT, OPEN_FILES_LIMIT))
         resource.setrlimit(resource.RLIMIT_NPROC, (PROCESS_LIMIT, PROCESS_LIMIT))
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from rollout_wire.request import BatchSpec
 from rollout_wire.tasksets import demo_task
+from rollout_worker.backends.local.disk import DiskWatch, over_limit
 from rollout_worker.backends.local.files import (
     RunDir,
     TreeCopy,
@@ -59,7 +60,7 @@ from rollout_worker.backends.local.phases import (
     two_sandboxes,
 )
 from rollout_worker.backends.local.policy_proxy import EpisodeIdentity, PolicyProxy
-from rollout_worker.backends.local.pool import POLICY_SOCKET, PoolDir, Taken, exit_code, take
+from rollout_worker.backends.local.pool import exit_code
 from rollout_worker.backends.local.reporter import Reporter
 from rollout_worker.backends.local.sandbox import (
     ImageRoot,
@@ -68,7 +69,7 @@ from rollout_worker.backends.local.sandbox import (
     plan_sandbox,
     rlimits,
 )
-from rollout_worker.backends.warm import handover_line
+from rollout_worker.backends.local.warm_start import take_warm
 from rollout_worker.observation import EXIT_INFRASTRUCTURE
 
 
@@ -90,6 +91,9 @@ class Supervisor:
         # Worked out by the worker from the spec's resources (see quantities.sandbox_limits).
         self.memory_bytes: int = run["limits"]["memory_bytes"]
         self.cpu_seconds: int = run["limits"]["cpu_seconds"]
+        # The episode's disk, measured (local/disk.py); a run.json from before: the old 1Gi.
+        self.storage_bytes: int = run["limits"].get("storage_bytes", 2**30)
+        self.disk = DiskWatch()
         self.running: dict[int, Running] = {}
         self.pending: deque[int] = deque()
         self.pool_empty = False  # its warm pool stopped answering: every start is cold
@@ -318,7 +322,7 @@ class Supervisor:
                 cwd=plan.cwd,
                 env=plan.env,
                 start_new_session=True,
-                preexec_fn=rlimits(self.memory_bytes, self.cpu_seconds),
+                preexec_fn=rlimits(self.memory_bytes, self.cpu_seconds, self.storage_bytes),
                 user=plan.run_as[0] if plan.run_as else None,
                 group=plan.run_as[1] if plan.run_as else None,
                 extra_groups=[] if plan.run_as else None,
@@ -354,61 +358,7 @@ class Supervisor:
         self.progress(item.index, "running")
 
     def take_warm(self) -> None:
-        """Each free slot's next episode from a waiting sandbox of the run's warm pool, if it
-        has one (the pool starts a replacement for each, so it stays ahead of the batch);
-        what the pool cannot give starts cold."""
-        pool_path = self.run.get("pool_dir")
-        free = min(len(self.pending), self.parallelism - len(self.running))
-        if not pool_path or free <= 0 or self.pool_empty:
-            return
-        if any({"tests", "env", "steps"} & set(task) for task in self.spec.tasks):
-            # A warm sandbox has no grader's sandbox behind it and would be handed the tests
-            # with its task: such episodes start cold (two sandboxes each), as do tasks with
-            # env tables (a hand-over line carries no secret).
-            return
-        taken = take(PoolDir(Path(pool_path)), free, refill=True)
-        if not taken and not PoolDir(Path(pool_path)).alive():
-            self.pool_empty = True  # the pool stopped: do not ask it again
-        for sandbox in taken:
-            self.start_warm(self.pending.popleft(), sandbox)
-
-    def start_warm(self, index: int, sandbox: Taken) -> None:
-        claimed_at = time.time()
-        access = None
-        if self.proxy is not None:
-            episode = self.spec.episode(index)
-            identity = EpisodeIdentity(
-                self.episode_id(index), episode.group_id, episode.task_id, episode.sample, 0
-            )
-            self.proxy.open(index, identity, path=sandbox.io / "policy.sock")
-            access = {"ROLLOUT_POLICY_SOCKET": POLICY_SOCKET}
-        line = memoryview(
-            handover_line(
-                self.spec, index, env={"EPISODE_ID": self.episode_id(index)}, policy_access=access
-            )
-        )
-        try:
-            while line:
-                line = line[os.write(sandbox.stdin, line) :]
-        except OSError:
-            # The sandbox ended while it waited: this episode starts cold instead.
-            for fd in (sandbox.out, sandbox.status, sandbox.pidfd):
-                os.close(fd)
-            if self.proxy is not None:
-                self.proxy.close(index)
-            self.pending.appendleft(index)
-            return
-        finally:
-            os.close(sandbox.stdin)
-        self.dir.log(index).parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.dir.log(index), "wb")  # noqa: SIM115 - closed in finish()
-        os.set_blocking(sandbox.out, False)
-        deadline = min(claimed_at + self.episode_timeout, self.run_deadline)
-        self.track(
-            Running(
-                index, None, sandbox.pidfd, sandbox.out, log, claimed_at, 0, deadline, warm=sandbox
-            )
-        )
+        take_warm(self)
 
     def read_output(self, item: Running) -> bool:
         """Copy what the sandbox printed into its log; stream progress. False at EOF."""
@@ -452,6 +402,8 @@ class Supervisor:
             item.proc.stdout.close()
             code = item.proc.wait()
         finished_at = time.time()
+        if item.killed_for is None:  # past its disk limit since the last measurement
+            item.killed_for = over_limit(self.folders(item), self.storage_bytes)
         if self.retry(item, code, finished_at):
             return
         if (
@@ -492,6 +444,24 @@ class Supervisor:
             policy_completions=self.proxy.answered(item.index) if self.proxy is not None else None,
             **({"sandbox": item.warm.name} if item.warm else {}),
         )
+
+    def folders(self, item: Running) -> list[Path]:
+        """The episode's folders on disk, which its disk limit bounds (local/disk.py)."""
+        if item.warm is not None:
+            return [item.warm.workspace.parent]
+        states = (self.state_dir(item.index, phase) for phase in (AGENT_PHASE, GRADE_PHASE))
+        return [self.dir.workspace(item.index), *states]
+
+    def check_disk(self, now: float) -> None:
+        """End each running episode whose folders hold more than its disk limit."""
+        if not self.running or not self.disk.due(now):
+            return
+        started = time.monotonic()
+        for item in list(self.running.values()):
+            why = over_limit(self.folders(item), self.storage_bytes)
+            if why is not None:
+                item.kill(why)
+        self.disk.measured(started)
 
     def retry(self, item: Running, code: int, finished_at: float) -> bool:
         """Run the episode again in a fresh sandbox when its runner failed for infrastructure
@@ -537,6 +507,7 @@ class Supervisor:
                         exit_code=None,
                         finished_at=now,
                     )
+            self.check_disk(now)
             self.take_warm()
             while pending and len(self.running) < self.parallelism:
                 self.start(pending.popleft())
