@@ -65,6 +65,8 @@ def test_all_in_one_run_prints_the_report_writes_records_and_leaves_nothing_runn
         (["--count", "5", "--image", "NOT VALID"], "image"),
         (["--count", "5", "--memory-limit", "lots"], "memory_limit 'lots' is not a quantity"),
         (["--count", "5", "--memory-limit", "16Mi"], "below 32Mi"),
+        (["--count", "5", "--storage-limit", "lots"], "storage_limit 'lots' is not a quantity"),
+        (["--count", "5", "--storage-limit", "100Ki"], "storage_limit 100Ki is below 1Mi"),
         (["--count", "6000"], "configured maximum"),
     ],
 )
