@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -62,10 +63,7 @@ def run_process(
             raise EpisodeError(f"{argv[0]!r} could not start: {exc}") from None
         finally:
             os.close(handle)
-        try:
-            code: int | None = process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = wait_exit(process, timeout)
         # What the command left running is killed here, by us: it did not end by itself.
         alive = set(descendants(os.getpid()))
         with contextlib.suppress(OSError):
@@ -81,6 +79,39 @@ def run_process(
     if code is None:
         return 124, output + f"\n[tests timed out after {timeout:.0f}s]", alive
     return code, output, alive
+
+
+def wait_exit(process: subprocess.Popen, timeout: float | None) -> int | None:
+    """The exit status of `process` (reaped) once it ends, or None if it still runs after
+    `timeout` seconds (None: no limit). On Linux (5.3+) its end is told on a pidfd, so it is
+    noticed at once and nothing polls; elsewhere (no os.pidfd_open, or it fails) Popen.wait,
+    which polls with sleeps growing to 50 ms."""
+    if process.returncode is not None:
+        return process.returncode  # reaped: its pid may be another process's by now
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            while deadline is None or time.monotonic() < deadline:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # In ms, never early, at most a C int's (24 days: polled again after that).
+                if poller.poll(None if left is None else min(int(left * 1000) + 1, 2**31 - 1)):
+                    break
+        finally:
+            os.close(pidfd)
+        code = process.poll()
+        if code is not None or (deadline is not None and time.monotonic() >= deadline):
+            return code
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        return process.wait(left)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def run_command(command: str, timeout: float, env: dict) -> tuple[int, str]:
@@ -189,11 +220,8 @@ def stop_process(process: subprocess.Popen) -> None:
             os.killpg(process.pid, sig)
         with contextlib.suppress(OSError):
             process.send_signal(sig)  # in case it left its group
-        try:
-            process.wait(KILL_GRACE_SECONDS)
+        if wait_exit(process, KILL_GRACE_SECONDS) is not None:
             return
-        except subprocess.TimeoutExpired:
-            continue
     process.wait()
 
 
