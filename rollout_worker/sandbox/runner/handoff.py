@@ -18,20 +18,25 @@ HANDOFF_ENV = "ROLLOUT_HANDOFF_DIR"
 HANDOFF_NAME = "baseline.json"
 
 
+def replace_json(folder: str, name: str, value: object) -> None:
+    """`value` as JSON at folder/name, written to a new file and renamed over whatever was left
+    at that name (a file, a link, a folder the agent planted). OSError when it cannot be."""
+    target = os.path.join(folder, name)
+    if os.path.isdir(target) and not os.path.islink(target):
+        shutil.rmtree(target)
+    handle, temporary = tempfile.mkstemp(dir=folder)
+    with os.fdopen(handle, "w") as out:
+        json.dump(value, out)
+    os.replace(temporary, target)
+
+
 def hand_over(promise: dict | None) -> None:
-    """Leave the baseline's counts for the grader (after every agent process is gone: written
-    to a new file and renamed over whatever the agent left at that name)."""
+    """Leave the baseline's counts for the grader (after every agent process is gone)."""
     folder = os.environ.get(HANDOFF_ENV)
     if not folder:
         return
-    target = os.path.join(folder, HANDOFF_NAME)
     with contextlib.suppress(OSError):
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)
-        handle, temporary = tempfile.mkstemp(dir=folder)
-        with os.fdopen(handle, "w") as out:
-            json.dump(promise, out)
-        os.replace(temporary, target)
+        replace_json(folder, HANDOFF_NAME, promise)
 
 
 def handed_over() -> str | None:

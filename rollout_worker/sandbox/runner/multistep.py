@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 import typing
 
@@ -21,7 +20,7 @@ from .cost import LEDGER
 from .errors import InfrastructureError
 from .events import emit, record_outcome
 from .grader import TESTS_DIR
-from .handoff import HANDOFF_ENV
+from .handoff import HANDOFF_ENV, replace_json
 from .judging import CAUSE_REWARD_FILE
 from .processes import kill_leftovers
 from .task import STEP_ENV
@@ -229,14 +228,8 @@ def _read_json(path: str, what: str, links: bool = False) -> typing.Any:
 
 def _write_json(folder: str, name: str, value: typing.Any) -> None:
     """`value` at folder/name, over whatever was left at that name (a link, a folder)."""
-    target = os.path.join(folder, name)
     try:
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)
-        handle, temporary = tempfile.mkstemp(dir=folder)
-        with os.fdopen(handle, "w") as out:
-            json.dump(value, out)
-        os.replace(temporary, target)
+        replace_json(folder, name, value)
     except OSError as exc:
         raise InfrastructureError(f"{name} cannot be written for the next step: {exc}") from None
 
