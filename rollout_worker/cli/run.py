@@ -387,44 +387,37 @@ def _limits(
     fields["deadline_seconds"] = (
         deadline_seconds if deadline_seconds is not None else DEFAULT_DEADLINE_SECONDS
     )
-    wanted_cpus, wanted_memory, wanted_storage = 0, 0, 0
+    # (field, flag, task.toml key, its unit in words, bytes or CPUs per unit, as the flag
+    # would say it, the default): the largest a task states is the default, a smaller flag
+    # refused by name.
+    limits = (
+        ("cpu_limit", cpu_limit, "cpus", "CPUs", 1, str, DEFAULT_CPU_LIMIT),
+        ("memory_limit", memory_limit, "memory_mb", "MB", 2**20, format_memory, DEFAULT_MEMORY),
+        ("storage_limit", storage_limit, "storage_mb", "MB", 2**20, format_memory, DEFAULT_STORAGE),
+    )
+    wanted = {key: 0 for _, _, key, *_ in limits}
     if task_set is not None and Path(task_set).is_dir():
         from rollout_wire import harbor
 
         for mapped in harbor.scan(task_set, list(only) or None, allow_unknown_keys):
             print_task_warnings(mapped.warnings)
-            wanted_cpus = max(wanted_cpus, mapped.requirements.get("cpus", 0))
-            wanted_memory = max(wanted_memory, mapped.requirements.get("memory_mb", 0))
-            wanted_storage = max(wanted_storage, mapped.requirements.get("storage_mb", 0))
+            for key in wanted:
+                wanted[key] = max(wanted[key], mapped.requirements.get(key, 0))
     problems = []
-    if cpu_limit is None:
-        cpu_limit = str(wanted_cpus) if wanted_cpus else DEFAULT_CPU_LIMIT
-    elif wanted_cpus and parse_quantity(cpu_limit) < wanted_cpus:
-        problems.append(
-            f"--cpu-limit {cpu_limit} is below the {wanted_cpus} CPUs a task states "
-            "([environment] cpus): raise --cpu-limit or leave it out"
-        )
-    if memory_limit is None:
-        memory_limit = format_memory(wanted_memory * 2**20) if wanted_memory else DEFAULT_MEMORY
-    elif wanted_memory and parse_quantity(memory_limit) < wanted_memory * 2**20:
-        problems.append(
-            f"--memory-limit {memory_limit} is below the {wanted_memory} MB a task states "
-            "([environment] memory_mb): raise --memory-limit or leave it out"
-        )
-    if storage_limit is None:
-        storage_limit = format_memory(wanted_storage * 2**20) if wanted_storage else DEFAULT_STORAGE
-    elif wanted_storage and parse_quantity(storage_limit) < wanted_storage * 2**20:
-        problems.append(
-            f"--storage-limit {storage_limit} is below the {wanted_storage} MB a task states "
-            "([environment] storage_mb): raise --storage-limit or leave it out"
-        )
+    resources = {}
+    for name, given, key, words, unit, shown, default in limits:
+        flag = "--" + name.replace("_", "-")
+        if given is None:
+            given = shown(wanted[key] * unit) if wanted[key] else default
+        elif wanted[key] and parse_quantity(given) < wanted[key] * unit:
+            problems.append(
+                f"{flag} {given} is below the {wanted[key]} {words} a task states "
+                f"([environment] {key}): raise {flag} or leave it out"
+            )
+        resources[name] = given
     if problems:
         raise InvalidSpec(problems)
-    fields["resources"] = {
-        "cpu_limit": cpu_limit,
-        "memory_limit": memory_limit,
-        "storage_limit": storage_limit,
-    }
+    fields["resources"] = resources
     return fields
 
 
