@@ -5,6 +5,7 @@ the process group and the processes left running are as before, with or without 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -39,8 +40,31 @@ def way(request, monkeypatch):
     return request.param
 
 
-def run(code: str, timeout: float = 30.0) -> tuple[int, str, set]:
-    return processes.run_process([sys.executable, "-c", code], dict(os.environ), "/", timeout)
+def run(code: str, timeout: float = 30.0, subreaper: bool = False) -> tuple[int, str, set]:
+    """run_process from a forked process of its own: what it finds still running below it is
+    then the command's alone (pytest's own children, a stack a fixture keeps, are not); with
+    `subreaper`, that process adopts its orphans as the runner does (harden)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(read)
+            if subreaper and ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) != 0:  # CHILD_SUBREAPER
+                raise OSError("no PR_SET_CHILD_SUBREAPER here")
+            argv = [sys.executable, "-c", code]
+            found, output, alive = processes.run_process(argv, dict(os.environ), "/", timeout)
+            os.write(write, json.dumps([found, output, sorted(alive)]).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as handle:
+        data = handle.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and data, "the forked run failed"
+    found, output, alive = json.loads(data)
+    return found, output, set(alive)
 
 
 def gone(pid: int, within: float = 5.0) -> bool:
@@ -92,21 +116,11 @@ def test_a_child_that_closes_its_output_early_is_waited_for_to_its_end(way):
     assert (code, output, alive) == (5, "before\n", set())
 
 
-@pytest.fixture
-def subreaper():
-    """This process adopts its orphans while the test runs, as the runner does (harden)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
-        pytest.skip("no PR_SET_CHILD_SUBREAPER here")
-    yield
-    libc.prctl(36, 0, 0, 0, 0)
-    processes.reap()
-
-
-def test_a_grandchild_holding_the_output_open_neither_delays_nor_outlives_the_run(way, subreaper):
+def test_a_grandchild_holding_the_output_open_neither_delays_nor_outlives_the_run(way):
     started = time.monotonic()
     code, output, alive = run(
-        "import subprocess; child = subprocess.Popen(['sleep', '30']); print(child.pid)"
+        "import subprocess; child = subprocess.Popen(['sleep', '30']); print(child.pid)",
+        subreaper=True,
     )
     assert time.monotonic() - started < 10  # the run ends with its command, not the sleep
     assert code == 0
@@ -165,7 +179,8 @@ def test_the_end_is_told_on_a_pidfd_and_never_polled_for(monkeypatch):
     monkeypatch.setattr(os, "pidfd_open", recording_open)
     monkeypatch.setattr(subprocess.Popen, "wait", recording_wait)
     monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
-    code, _, _ = run("pass")
+    # In this process (the recordings are its own); what it finds running is not looked at.
+    code, _, _ = processes.run_process([sys.executable, "-c", "pass"], dict(os.environ), "/", 30)
     assert code == 0
     assert [process.pid for process in started] == opened
     assert timed_waits == []
