@@ -66,6 +66,10 @@ def batch(backend: LocalBackend, url: str, program: str, name: str, samples: int
     figures = run(backend, request, name, program=program, rows_out=rows)
     grading = [r.cost["wall"]["tests"] for r in rows if r.cost and r.cost["wall"].get("tests")]
     figures["grading_seconds_per_episode"] = round(statistics.median(grading), 4)
+    # The sandboxes' own share (runner, agent commands, tests: each row's ledger), to tell it
+    # from the supervisor's and the kernel's in the cgroup's figure.
+    inside = [r.cost["cpu_seconds"] for r in rows if r.cost and r.cost.get("cpu_seconds")]
+    figures["sandbox_cpu_seconds_per_episode"] = round(statistics.mean(inside), 4)
     figures["rewards"] = {f"{r.task_id}/{r.sample}": r.reward for r in rows}
     return figures
 
@@ -200,7 +204,10 @@ def main() -> None:
 
 def summarize(results: dict[str, list[dict]]) -> None:
     summary: dict[str, Any] = {}
-    for key in ("cpu_seconds_per_episode", "grading_seconds_per_episode", "wall_seconds"):
+    keys = ["cpu_seconds_per_episode", "grading_seconds_per_episode", "wall_seconds"]
+    if all("sandbox_cpu_seconds_per_episode" in f for n in results for f in results[n]):
+        keys.insert(1, "sandbox_cpu_seconds_per_episode")
+    for key in keys:
         for name in ("before", "after"):
             values = sorted(f[key] for f in results[name])
             summary[f"{name}_{key}"] = [values[len(values) // 2], values[0], values[-1]]

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 from rollout_worker.sandbox import episode_program_text
+from rollout_worker.sandbox.program import LAZY_MODULES
 
 MODULE_NAME = "rollout_episode_program"
 
@@ -30,6 +31,8 @@ def load_program() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[MODULE_NAME] = module  # before it runs, as an import would
     spec.loader.exec_module(module)
+    for name in LAZY_MODULES:  # every name at hand (test_runner_program runs them lazily)
+        module.lazy_module(name)
     return module
 
 

@@ -4,8 +4,13 @@ standard library alone, with every module in it and no two defining the same nam
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
+import tempfile
 from importlib import resources
+from pathlib import Path
+
+import pytest
 
 from rollout_worker.sandbox import episode_program_text, program
 from tests.runner_program import episode
@@ -103,3 +108,58 @@ def test_the_harness_part_runs_alone_with_its_own_imports():
     defined = top_level_names(tree)
     assert {"harness", "_unittest_recorder", "_pytest_recorder"} <= defined
     assert "harness_source" not in defined and "Runner" not in defined
+
+
+def test_a_lazy_module_runs_only_when_first_imported():
+    # A fresh interpreter: this one has imported http.server for its own tests.
+    check = """
+import sys
+space = {"__name__": "episode", "__file__": sys.argv[1]}
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), space)
+before = sorted({"http.server", "socketserver", "typing"} & set(sys.modules))
+Proxy, = space["lazy_module"]("proxy", "Proxy")
+again, = space["lazy_module"]("proxy", "Proxy")
+import http.server
+print(before, again is Proxy, Proxy.__qualname__, space["ProxyServer"].__qualname__,
+      issubclass(space["ProxyHandler"], http.server.BaseHTTPRequestHandler),
+      space["STALE_ANSWER"] == space["error_body"](space["STALE_ANSWER"]["error"]["message"],
+                                                   space["STALE_ANSWER"]["error"]["type"]))
+"""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "episode.py"
+        path.write_text(episode_program_text(), encoding="utf-8")
+        shown = subprocess.run(
+            [sys.executable, "-I", "-c", check, str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    assert shown == ["[]", "True", "Proxy", "ProxyServer", "True", "True"]
+
+
+def test_the_runner_imports_from_the_proxy_only_where_it_is_needed():
+    text = episode_program_text()
+    head = text[: text.index("# -- runner/")]
+    assert "http.server" not in head and "socketserver" not in head and "typing" not in head
+    assert text.count("lazy_module('proxy', 'Proxy')") == 1  # runner.py's act()
+
+
+def test_typing_is_kept_only_where_it_is_read_outside_annotations():
+    only_annotations = (
+        "import typing\n\ndef f(x: typing.Any) -> typing.Any:\n    y: typing.Any = x\n"
+    )
+    assert program.split_module(only_annotations)[0] == []
+    read = only_annotations + "    return typing.cast(int, y)\n"
+    assert [ast.unparse(node) for node in program.split_module(read)[0]] == ["import typing"]
+
+
+def test_the_build_refuses_what_a_lazy_module_cannot_hold():
+    later = "def f():\n    from .policy import Policy\n    return Policy\n"
+    with pytest.raises(ValueError, match="only a lazy module"):
+        program.split_module(later)
+    with pytest.raises(ValueError, match="a string over lines"):
+        program.lazy_body("proxy", 'TEXT = """one\ntwo"""\n')
+    with pytest.raises(ValueError, match="an annotated name"):
+        program.lazy_body("proxy", "LIMIT: int = 3\n")
+    lazy = program.lazy_body("proxy", '"""Doc\nstring."""\nimport json\n\nLIMIT = json.dumps(3)\n')
+    assert lazy.startswith("def _lazy_proxy() -> None:\n    global LIMIT, json\n    import json\n")

@@ -19,7 +19,6 @@ from .loop import AgentLoop
 from .multistep import agent_part, pod_step, run_steps
 from .policy import Policy
 from .processes import kill_leftovers, resolve_argv, run_agent
-from .proxy import Proxy
 from .workspace import empty_folder, fresh_dir, remove_special_files, write_files
 
 # The agent a task names: a command of its own, or the oracle (its solution).
@@ -162,6 +161,9 @@ class Runner(Grader, AgentLoop):
             argv = list(self.agent["command"])
         argv = resolve_argv(argv, env["PATH"])
         if self.mode == "command":
+            # Only here: its server imports http.server (a lazy module, program.py).
+            from .proxy import Proxy
+
             policy = self.need_policy()
             proxy = Proxy(policy, self.identity).start()
             proxy.offset = self.step_offset
