@@ -119,9 +119,8 @@ exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), space)
 before = sorted({"http.server", "socketserver", "typing"} & set(sys.modules))
 Proxy, = space["lazy_module"]("proxy", "Proxy")
 again, = space["lazy_module"]("proxy", "Proxy")
-import http.server
 print(before, again is Proxy, Proxy.__qualname__, space["ProxyServer"].__qualname__,
-      issubclass(space["ProxyHandler"], http.server.BaseHTTPRequestHandler),
+      Proxy.__init__.__globals__ is space,
       space["STALE_ANSWER"] == space["error_body"](space["STALE_ANSWER"]["error"]["message"],
                                                    space["STALE_ANSWER"]["error"]["type"]))
 """
