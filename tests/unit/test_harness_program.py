@@ -167,3 +167,39 @@ def test_a_program_without_a_harness_leaves_no_harness_bytecode(tmp_path):
     program.write_text("print('an older program')\n")
     assert compile_program(program, sys.executable)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["episode.py", "episode.pyc"]
+
+
+def test_the_bytecode_header_is_importlibs_without_importing_it(tmp_path):
+    magic, source_hash = episode.pyc_magic()
+    assert magic == importlib.util.MAGIC_NUMBER
+    for data in (b"", b"print(1)\n", episode.harness_source().encode()):
+        assert source_hash(data) == importlib.util.source_hash(data)
+    # The compiled program, as a sandbox starts it, takes the backend's harness and writes a
+    # run's with importlib.util never imported (-S: no site, whose .pth files may import it).
+    program = tmp_path / "episode.py"
+    program.write_text(episode_program_text(), encoding="utf-8")
+    assert compile_program(program, sys.executable)
+    probe = (
+        "import marshal, sys; data = open(sys.argv[1], 'rb').read();"
+        "space = {'__name__': 'probe', '__file__': sys.argv[1]};"
+        "exec(marshal.loads(data[16:]), space);"
+        "print(space['take_shipped_harness'](), bool(space['write_harness'](sys.argv[2], [])),"
+        " 'importlib.util' in sys.modules)"
+    )
+    (tmp_path / "run").mkdir()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-B",
+            "-c",
+            probe,
+            str(compiled_path(program)),
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout == "True True False\n"
