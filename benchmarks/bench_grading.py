@@ -5,7 +5,9 @@ revision) and with this checkout's, alternating in each round.
 
 Per batch: the sandboxes' CPU-seconds per episode (a cgroup around the supervisor, as
 bench_rollouts), grading seconds per episode (the rows' `cost.wall.tests`, from the agent's
-end to the reward) and the rewards per (task, sample), which must agree between the two.
+end to the reward), the sandboxes' own CPU-seconds per episode (each row's ledger: runner,
+agent commands and tests, without the supervisor's and the kernel's share) and the rewards
+per (task, sample), which must agree between the two.
 
     python -m benchmarks.bench_grading [--before 6a3ec8d] [--rounds 3] [--samples 8]
 
