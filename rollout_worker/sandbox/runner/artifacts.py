@@ -4,9 +4,7 @@ batch), bounded, never through a link, what is refused named."""
 
 from __future__ import annotations
 
-import base64
 import errno
-import hashlib
 import os
 import stat
 
@@ -50,6 +48,11 @@ class Collected:
         if len(data) > MAX_ARTIFACT_FILE_BYTES:  # grew since fstat
             self.refuse(path, f"above the {MAX_ARTIFACT_FILE_BYTES} bytes a file may have")
             return
+        # Here, not at the top: hashlib starts OpenSSL (about 11 M instructions of a runner's
+        # start), which an episode without artifacts never needs.
+        import base64
+        import hashlib
+
         self.total += len(data)
         record: dict = {
             "path": shown_path(path),
