@@ -31,6 +31,7 @@ RUNNER_MODULES = (
     "demo",
     "stream",
     "steps",
+    "http1",
     "policy",
     "workspace",
     "processes",

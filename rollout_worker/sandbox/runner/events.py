@@ -35,6 +35,15 @@ def finite(value: object) -> object:
 
 
 def emit(event: str, **data: object) -> dict[str, object]:
+    record, line = event_line(event, data)
+    write_event(line)
+    if event == "ready" and os.environ.get("ROLLOUT_READY_FILE"):
+        mark_ready(os.environ["ROLLOUT_READY_FILE"])
+    return record
+
+
+def event_line(event: str, data: dict) -> tuple[dict[str, object], str]:
+    """(the event's record, its JSON line: ASCII, so its length is its size in bytes)."""
     record = {"event": event, "at": time.time(), "episode_id": os.environ["EPISODE_ID"]}
     record.update(data)
     if event in FINAL_EVENTS:
@@ -45,12 +54,13 @@ def emit(event: str, **data: object) -> dict[str, object]:
     except ValueError:
         # A server's or agent's NaN (say, a log-probability) would make the line no JSON.
         line = json.dumps(finite(record))
+    return record, line
+
+
+def write_event(line: str) -> None:
     with _EMIT_LOCK:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
-    if event == "ready" and os.environ.get("ROLLOUT_READY_FILE"):
-        mark_ready(os.environ["ROLLOUT_READY_FILE"])
-    return record
 
 
 def mark_ready(path: str) -> None:

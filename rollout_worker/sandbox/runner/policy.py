@@ -3,7 +3,6 @@ kept connections, the version that answered and the staleness rule."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -15,6 +14,7 @@ import urllib.parse
 
 from .cost import LEDGER
 from .errors import ConnectTimeout, InfrastructureError, ResponseTooLarge, StalePolicy
+from .http1 import Connection, Response, header_lines
 
 # Asked on every turn for the trainer's token view (rollout_wire/tokens.py): the server's own
 # prompt and completion ids (vLLM, SGLang) and the sampled tokens' log-probabilities.
@@ -74,20 +74,6 @@ def staleness(
     return StalePolicy(str(first), str(version), lag, bound, steps)
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP over the unix socket the local backend bind-mounts into the sandbox."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("policy", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self.socket_path)
-        self.sock = sock
-
-
 class Policy:
     """Chat completions at `<root>/rollout/<episode id>/v1`, with the group id on every call."""
 
@@ -106,7 +92,10 @@ class Policy:
         self.kept_lock = threading.Lock()
         root = os.environ.get("ROLLOUT_POLICY_URL", "http://policy")
         parsed = urllib.parse.urlsplit(root)
-        self.scheme, self.netloc = parsed.scheme, parsed.netloc
+        self.scheme, self.netloc = parsed.scheme, parsed.netloc.rpartition("@")[2]
+        self.host = parsed.hostname or ""
+        self.port = parsed.port or (443 if self.scheme == "https" else 80)
+        self.family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         prefix = parsed.path.rstrip("/")
         self.path = f"{prefix}/rollout/{urllib.parse.quote(episode_id)}/v1/chat/completions"
         self.base_url = f"{root.rstrip('/')}/rollout/{episode_id}/v1"
@@ -118,34 +107,46 @@ class Policy:
             "X-Rollout-Episode-Id": episode_id,
             "X-Rollout-Attempt": str(identity.get("attempt", 0)),
         }
+        self.head_lines: bytes | None = None
 
-    def connect(self) -> http.client.HTTPConnection:
+    def head(self) -> bytes:
+        """The request's header lines but Host and Content-Length, encoded once."""
+        if self.head_lines is None:
+            fields = [("Accept-Encoding", "identity"), *self.headers.items()]
+            self.head_lines = header_lines(fields).encode("latin-1")
+        return self.head_lines
+
+    def connect(self) -> Connection:
         """A connection to the endpoint, made within CONNECT_TIMEOUT_SECONDS; its reads then
         wait up to the request timeout."""
         timeout = min(CONNECT_TIMEOUT_SECONDS, self.timeout)
-        conn: http.client.HTTPConnection
         if self.socket_path:
-            conn = UnixHTTPConnection(self.socket_path, timeout)
-        elif self.scheme == "https":
-            conn = http.client.HTTPSConnection(self.netloc, timeout=timeout)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: typing.Any = self.socket_path
         else:
-            conn = http.client.HTTPConnection(self.netloc, timeout=timeout)
+            sock = socket.socket(self.family, socket.SOCK_STREAM)
+            address = (self.host, self.port)
         try:
-            conn.connect()
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.settimeout(self.timeout)
+            if not self.socket_path:
+                # A small request waits for the server's delayed ACK of the last under Nagle.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.scheme == "https":
+                import ssl  # only an https endpoint pays for it
+
+                context = ssl.create_default_context()
+                sock = context.wrap_socket(sock, server_hostname=self.host)
         except socket.timeout:  # noqa: UP041 (Python 3.9: not yet TimeoutError)
-            conn.close()
+            sock.close()
             raise ConnectTimeout(f"no connection within {timeout:g}s") from None
         except BaseException:
-            conn.close()
+            sock.close()
             raise
-        assert conn.sock is not None
-        conn.sock.settimeout(self.timeout)
-        if not self.socket_path:
-            # http.client writes a request's headers and body apart (see ProxyHandler).
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        return Connection(sock, "policy" if self.socket_path else self.netloc)
 
-    def reuse(self) -> http.client.HTTPConnection:
+    def reuse(self) -> Connection:
         """The kept connection if it is fresh enough, else a new one (one at a time: the
         recording proxy's threads may ask at once)."""
         with self.kept_lock:
@@ -156,9 +157,9 @@ class Policy:
             kept[0].close()
         return self.connect()
 
-    def keep(self, conn: http.client.HTTPConnection, response: typing.Any) -> None:
+    def keep(self, conn: Connection, response: Response) -> None:
         """Keep a connection whose answer was read whole, unless the server closes it."""
-        if response.will_close:
+        if response.will_close or not response.complete:
             conn.close()
             return
         with self.kept_lock:
@@ -185,23 +186,20 @@ class Policy:
                 continue
             try:
                 LEDGER.sent()
-                conn.request("POST", self.path, body=payload, headers=self.headers)
-                response = conn.getresponse()
+                conn.post(self.path, self.head(), payload)
+                response = conn.response()
                 status = response.status
                 header = response.getheader(VERSION_HEADER)
                 kind = response.getheader("Content-Type") or ""
                 if keep_open and status == 200 and "text/event-stream" in kind:
                     return Answer(status, b"", header, attempt + 1, kind, conn, response)
                 raw = response.read(MAX_RESPONSE_READ + 1)
-            except (OSError, http.client.HTTPException) as exc:
+            except OSError as exc:  # WireError (a malformed answer) too
                 conn.close()
                 failed = "timed out" if isinstance(exc, socket.timeout) else "unreachable"
                 problem = f"policy endpoint {failed}: {type(exc).__name__}: {exc}"
                 continue
-            if len(raw) <= MAX_RESPONSE_READ:
-                self.keep(conn, response)
-            else:
-                conn.close()
+            self.keep(conn, response)
             if (status == 429 or status >= 500) and attempt < self.retries:
                 problem = f"policy endpoint answered HTTP {status}: {raw[:200]!r}"
                 continue
@@ -252,8 +250,8 @@ class Answer:
         header: str | None,
         attempts: int,
         content_type: str,
-        conn: http.client.HTTPConnection | None = None,
-        response: http.client.HTTPResponse | None = None,
+        conn: Connection | None = None,
+        response: Response | None = None,
     ) -> None:
         self.status = status
         self.raw = raw

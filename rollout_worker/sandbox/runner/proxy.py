@@ -3,7 +3,6 @@ and recorded as a step event."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -215,7 +214,7 @@ class Proxy:
                     problem = f"policy response exceeds {MAX_RESPONSE_READ} bytes"
                     too_large = True  # the agent's turn, as a whole answer's (relay)
                     break
-        except (OSError, http.client.HTTPException) as exc:
+        except OSError as exc:  # WireError (a malformed stream) too
             problem = f"policy stream cut: {type(exc).__name__}: {exc}"
         finally:
             conn.close()

@@ -6,8 +6,8 @@ import json
 import socketserver
 import typing
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from .http1 import WireError, header_lines, read_head, tokens
 from .policy import VERSION_HEADER
 
 
@@ -36,56 +36,115 @@ def is_completion(value: object) -> bool:
         return False
 
 
-class ProxyHandler(BaseHTTPRequestHandler):
-    """The agent's side: GET .../models answered here, POST .../chat/completions forwarded."""
+# The reason phrases the proxy sends itself (a status relayed from the policy gets "Status":
+# clients read the code, and the phrase table would cost the http package's import).
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Content Too Large",
+    501: "Not Implemented",
+    502: "Bad Gateway",
+    505: "HTTP Version Not Supported",
+}
 
-    protocol_version = "HTTP/1.1"
+
+class ProxyHandler(socketserver.StreamRequestHandler):
+    """The agent's side: GET .../models answered here, POST .../chat/completions forwarded.
+    One request at a time per connection, kept open as HTTP/1.1 says; a request is read by a
+    single Content-Length, and a malformed one ends the connection after its answer."""
+
     server: ProxyServer
-    # An answer's headers and body are two writes: with Nagle's algorithm the second waits
-    # for the agent's delayed ACK of the first (~40 ms a call on a keep-alive connection).
+    # An answer is one write, but a small one still waits for the agent's delayed ACK of the
+    # last one under Nagle's algorithm (~40 ms a call on a keep-alive connection).
     disable_nagle_algorithm = True
     gone = False  # the agent hung up: the rest of an answer is read, not written
+    close_connection = False
+    path = ""
 
-    def log_message(self, format: str, *args: typing.Any) -> None:
-        pass  # stdout and stderr carry events only
+    def handle(self) -> None:
+        while not self.close_connection:
+            self.handle_one()
+
+    def handle_one(self) -> None:
+        try:
+            head = read_head(self.rfile)
+        except WireError as exc:
+            self.close_connection = True
+            self.send_json(400, error_body(str(exc), "invalid_request_error"))
+            return
+        except OSError:
+            head = None
+        if head is None:
+            self.close_connection = True  # the agent closed it (or the line broke)
+            return
+        line, self.fields = head
+        parts = line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            self.close_connection = True
+            self.send_json(400, error_body(f"bad request line {line[:80]!r}", "bad_request"))
+            return
+        method, self.path, version = parts
+        if version not in ("HTTP/1.1", "HTTP/1.0"):
+            self.close_connection = True
+            self.send_json(505, error_body(f"{version[:20]!r} is not served", "bad_request"))
+            return
+        connection = tokens(self.fields.get("connection"))
+        if "close" in connection or (version == "HTTP/1.0" and "keep-alive" not in connection):
+            self.close_connection = True
+        self.version = version
+        if method == "GET":
+            self.do_GET()
+        elif method == "POST":
+            self.do_POST()
+        else:
+            self.close_connection = True
+            self.send_json(501, error_body(f"{method[:20]!r} is not served", "bad_request"))
+
+    def head_bytes(self, status: int, fields: list) -> bytes:
+        if self.close_connection:
+            fields.append(("Connection", "close"))
+        reason = REASONS.get(status, "Status")
+        return f"HTTP/1.1 {status} {reason}\r\n{header_lines(fields)}\r\n".encode("latin-1")
 
     def send_body(
         self, status: int, body: bytes, kind: str = "application/json", version: str | None = None
     ) -> None:
+        fields = [("Content-Type", kind or "application/json"), ("Content-Length", str(len(body)))]
+        if version:
+            fields.append((VERSION_HEADER, version))
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", kind or "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if version:
-                self.send_header(VERSION_HEADER, version)
-            self.end_headers()
-            self.wfile.write(body)
-        except OSError:
+            self.wfile.write(self.head_bytes(status, fields) + body)
+        except (OSError, ValueError):
             self.close_connection = True
 
     def send_json(self, status: int, value: object) -> None:
         self.send_body(status, json.dumps(value).encode())
 
     def start_stream(self, version: str | None) -> None:
+        fields = [
+            ("Content-Type", "text/event-stream"),
+            ("Cache-Control", "no-cache"),
+            ("Transfer-Encoding", "chunked"),
+        ]
+        if version:
+            fields.append((VERSION_HEADER, version))
         try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            if version:
-                self.send_header(VERSION_HEADER, version)
-            self.end_headers()
-        except OSError:
+            self.wfile.write(self.head_bytes(200, fields))
+        except (OSError, ValueError):
             self.gone = self.close_connection = True
 
     def send_chunk(self, data: bytes, last: bool = False) -> None:
         if self.gone:
             return
         try:
-            if data:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            if last:
-                self.wfile.write(b"0\r\n\r\n")
+            if data or last:
+                self.wfile.write(
+                    (b"%x\r\n%s\r\n" % (len(data), data) if data else b"")
+                    + (b"0\r\n\r\n" if last else b"")
+                )
         except OSError:
             self.gone = self.close_connection = True
 
@@ -106,20 +165,30 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = urllib.parse.urlsplit(self.path).path.rstrip("/")
-        length = self.headers.get("Content-Length") or ""
+        length = self.fields.get("content-length") or ""
         refused = None
-        if not length.isdigit():
+        if "transfer-encoding" in self.fields or not (length.isdigit() and length.isascii()):
             refused = 411, error_body("a Content-Length is required", "invalid_request_error")
         elif not path.endswith("/chat/completions"):
             refused = 404, error_body(f"only chat completions are served, not {path}", "not_found")
-        elif int(length) > MAX_AGENT_REQUEST:
+        elif len(length) > 12 or int(length) > MAX_AGENT_REQUEST:
             refused = 413, error_body("the request is too large", "invalid_request_error")
         if refused is not None:
             self.close_connection = True  # its body is left unread
             self.send_json(*refused)
             return
+        if "100-continue" in tokens(self.fields.get("expect")) and self.version == "HTTP/1.1":
+            try:  # what curl asks before a body above 1 KiB (it waits a second otherwise)
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            except OSError:
+                self.close_connection = True
+                return
+        data = self.rfile.read(int(length))
+        if len(data) < int(length):
+            self.close_connection = True  # the agent hung up inside its request
+            return
         try:
-            request = json.loads(self.rfile.read(int(length)))
+            request = json.loads(data)
         except ValueError:
             request = None
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
@@ -136,17 +205,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
-class ProxyServer(ThreadingHTTPServer):
+class ProxyServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
+    allow_reuse_address = True
 
     def __init__(self, proxy: Serving) -> None:
         self.proxy = proxy
         super().__init__(("127.0.0.1", 0), ProxyHandler)
-
-    def server_bind(self) -> None:
-        # HTTPServer would look up 127.0.0.1's name: the sandbox may have no resolver.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = "127.0.0.1", int(self.server_address[1])
 
     def handle_error(self, request: typing.Any, client_address: typing.Any) -> None:
         pass  # an agent hanging up mid-answer; nothing but events goes to stderr
