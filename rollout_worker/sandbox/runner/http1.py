@@ -87,7 +87,8 @@ class Response:
             start, self.fields = head
             version, _, rest = start.partition(" ")
             code = rest[:3]
-            if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit() or rest[3:4].strip():
+            digits = code.isascii() and code.isdigit()  # not "²": str.isdigit takes it
+            if version not in ("HTTP/1.1", "HTTP/1.0") or not digits or rest[3:4].strip():
                 raise WireError(f"malformed status line {start[:80]!r}")
             self.status = int(code)
             # Interim answers (100 Continue, 103 Early Hints) come before the real one.
@@ -97,11 +98,12 @@ class Response:
         self.will_close = "close" in connection or (
             version == "HTTP/1.0" and "keep-alive" not in connection
         )
-        self.chunked = "chunked" in tokens(self.fields.get("transfer-encoding"))
+        bodiless = self.status in (204, 304)
+        self.chunked = not bodiless and "chunked" in tokens(self.fields.get("transfer-encoding"))
         self.left: int | None = None  # body bytes (of the current chunk, when chunked) unread
         self.complete = False
         length = self.fields.get("content-length")
-        if self.status in (204, 304) or 100 <= self.status < 200:
+        if bodiless:
             self.left = 0
         elif self.chunked:
             self.left = 0  # the first chunk's size line is read with the body

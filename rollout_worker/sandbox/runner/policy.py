@@ -95,7 +95,6 @@ class Policy:
         self.scheme, self.netloc = parsed.scheme, parsed.netloc.rpartition("@")[2]
         self.host = parsed.hostname or ""
         self.port = parsed.port or (443 if self.scheme == "https" else 80)
-        self.family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         prefix = parsed.path.rstrip("/")
         self.path = f"{prefix}/rollout/{urllib.parse.quote(episode_id)}/v1/chat/completions"
         self.base_url = f"{root.rstrip('/')}/rollout/{episode_id}/v1"
@@ -120,29 +119,29 @@ class Policy:
         """A connection to the endpoint, made within CONNECT_TIMEOUT_SECONDS; its reads then
         wait up to the request timeout."""
         timeout = min(CONNECT_TIMEOUT_SECONDS, self.timeout)
-        if self.socket_path:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            address: typing.Any = self.socket_path
-        else:
-            sock = socket.socket(self.family, socket.SOCK_STREAM)
-            address = (self.host, self.port)
+        sock: typing.Any = None
         try:
-            sock.settimeout(timeout)
-            sock.connect(address)
-            sock.settimeout(self.timeout)
-            if not self.socket_path:
+            if self.socket_path:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                sock.connect(self.socket_path)
+            else:
+                # Each address the name has, in turn (as http.client connects).
+                sock = socket.create_connection((self.host, self.port), timeout)
                 # A small request waits for the server's delayed ACK of the last under Nagle.
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.scheme == "https":
+            if self.scheme == "https" and not self.socket_path:
                 import ssl  # only an https endpoint pays for it
 
-                context = ssl.create_default_context()
-                sock = context.wrap_socket(sock, server_hostname=self.host)
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self.host)
+            sock.settimeout(self.timeout)
         except socket.timeout:  # noqa: UP041 (Python 3.9: not yet TimeoutError)
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise ConnectTimeout(f"no connection within {timeout:g}s") from None
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
         return Connection(sock, "policy" if self.socket_path else self.netloc)
 

@@ -149,6 +149,8 @@ class ProxyHandler(socketserver.StreamRequestHandler):
             self.gone = self.close_connection = True
 
     def do_GET(self) -> None:
+        if "transfer-encoding" in self.fields or self.fields.get("content-length", "0") != "0":
+            self.close_connection = True  # a body is never read: it must not pass for a request
         path = urllib.parse.urlsplit(self.path).path.rstrip("/")
         model = {
             "id": self.server.proxy.policy.model,
