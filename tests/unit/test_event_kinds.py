@@ -10,8 +10,9 @@ import re
 from rollout_wire.states import EVENT_KEY_MARK, FINAL_EVENTS, EventKind, event_mark
 from rollout_worker.sandbox import episode_program_text
 
-# Every event the runner prints goes through `emit("<kind>", ...)`.
-_EMITTED = re.compile(r"\bemit\(\s*\"([a-z_]+)\"")
+# Every event the runner prints goes through `emit("<kind>", ...)`, or `event_line("<kind>", ...)`
+# (a step event, serialised once and written as it is).
+_EMITTED = re.compile(r"\b(?:emit|event_line)\(\s*\"([a-z_]+)\"")
 
 
 def test_the_runner_emits_exactly_the_event_kinds():
