@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from .events import event_line, truncate, write_event
@@ -24,6 +23,10 @@ def recorded(raw: bytes, shown: object) -> object:
 
 
 def omitted(data: bytes) -> dict:
+    # Here, not at the top: hashlib starts OpenSSL (as artifacts.py says), and few steps
+    # are ever this large.
+    import hashlib
+
     return {"omitted_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
