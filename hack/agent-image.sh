@@ -23,7 +23,7 @@ fi
 node_id="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
 suffix=""
 ((node_id == 0)) || suffix="-${node_id}"
-sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd${suffix}}/containerd.sock"
+sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd2${suffix}}/containerd.sock"
 if ! ctr --address "${sock}" -n k8s.io images ls -q | grep -qxF "docker.io/${image}" \
   && ! ctr --address "${sock}" -n k8s.io images ls -q | grep -qxF "${image}"; then
   docker save "${image}" | ctr --address "${sock}" -n k8s.io images import - >&2

@@ -8,7 +8,9 @@
 #
 #   rollout.local/pause:1             the Pod sandbox image: a static Go binary (pause/main.go)
 #   rollout.local/python:3-bookworm   Debian bookworm minbase + python3 + python-is-python3, so
-#                                     `python` is on PATH; runs as any UID (no user entry needed)
+#                                     `python` is on PATH; runs as any UID (no user entry needed);
+#                                     + bubblewrap (not setuid), for sandbox-host Pods that run
+#                                     the local backend's sandboxes (docs/sandbox-hosts.md)
 #
 # Tarballs are cached in ${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}/images under
 # a key made of this script, the pause source and the package list: a warm call only checks
@@ -23,7 +25,7 @@ PAUSE_IMAGE="${LOCALKUBE_PAUSE_IMAGE}"
 PYTHON_IMAGE="${LOCALKUBE_PYTHON_IMAGE}"
 SUITE=bookworm
 MIRROR=""   # resolved only when the Python image must be built (hack/debian-mirror.sh)
-PYTHON_PACKAGES=python3,python-is-python3
+PYTHON_PACKAGES=python3,python-is-python3,bubblewrap
 OUT="${LOCALKUBE_IMAGES}"
 BASE_PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -4,7 +4,8 @@
 #   hack/localkube/build.sh [--force] [COMPONENT...]
 #
 # Components: kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok kwokctl
-# (the default set) and kubelet (only when named, e.g. `build.sh kubelet`; `all` = default + kubelet).
+# (the default set); the real node's kubelet, containerd (with containerd-shim-runc-v2 and ctr)
+# and runc only when named (`build.sh kubelet containerd runc`; `all` = default + those).
 # Binaries go to ${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}/<k8s version>/bin.
 # A binary whose stamp matches its pinned version and build flags is not rebuilt.
 #
@@ -13,7 +14,7 @@
 # k8s.io/<staging> module, read from the pinned version's own go.mod, by its published v0.X.Y.
 # Environment: LOCALKUBE_BUILD_JOBS (go build -p, default 2), LOCALKUBE_BUILD_NICE (default 10),
 # GO (go binary), GOMODCACHE/GOCACHE (Go's own caches, relocatable), K8S_VERSION,
-# ETCD_VERSION, KWOK_VERSION (see versions.env).
+# ETCD_VERSION, KWOK_VERSION, CONTAINERD_VERSION, RUNC_VERSION (see versions.env).
 set -euo pipefail
 # shellcheck source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -23,10 +24,10 @@ components=()
 for arg in "$@"; do
   case "${arg}" in
     --force) force=1 ;;
-    all) components+=("${LOCALKUBE_DEFAULT_COMPONENTS[@]}" kubelet) ;;
-    kube-apiserver|kube-controller-manager|kube-scheduler|kubectl|kubelet|etcd|kwok|kwokctl)
+    all) components+=("${LOCALKUBE_DEFAULT_COMPONENTS[@]}" "${LOCALKUBE_NODE_COMPONENTS[@]}") ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler|kubectl|kubelet|etcd|kwok|kwokctl|containerd|runc)
       components+=("${arg}") ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) localkube_die "unknown component or flag: ${arg}" ;;
   esac
 done
@@ -179,6 +180,51 @@ build_kwok() { # kwok|kwokctl
   echo "localkube: built ${name} ${KWOK_VERSION} in $((SECONDS - t0))s"
 }
 
+# containerd, its runc shim and ctr, from github.com/containerd/containerd/v2. Its go.mod has
+# `exclude` directives, which `go install pkg@version` refuses: build inside a copy of the
+# module as the proxy serves it. Static (no cgo): btrfs, devmapper and zfs are left out, as
+# the node's config disables those snapshotters.
+CONTAINERD_BINS=(containerd containerd-shim-runc-v2 ctr)
+build_containerd() {
+  local stamp dir="${LOCALKUBE_SRC}/containerd" t0=${SECONDS} info src name ok=1
+  stamp="containerd ${CONTAINERD_VERSION} ${GO_VERSION} static-v1"
+  for name in "${CONTAINERD_BINS[@]}"; do stamp_ok "${name}" "${stamp}" || ok=0; done
+  ((ok)) && return 0
+  need_go
+  localkube_log "building containerd ${CONTAINERD_VERSION} (go build -p ${JOBS}) ..."
+  mkdir -p "${dir}"
+  info="$(cd "${dir}" && go_ mod download -json "github.com/containerd/containerd/v2@${CONTAINERD_VERSION}")"
+  src="$(json_field Dir <<<"${info}")"
+  [[ -d "${src}" ]] || localkube_die "could not download containerd ${CONTAINERD_VERSION}: ${info}"
+  rm -rf "${dir}/tree" "${dir}/out"
+  cp -r "${src}" "${dir}/tree"
+  chmod -R u+w "${dir}/tree"
+  local v=github.com/containerd/containerd/v2/version
+  (cd "${dir}/tree" && go_ build -mod=mod -p "${JOBS}" -trimpath \
+    -tags "no_btrfs no_devmapper no_zfs no_aufs" \
+    -ldflags "-s -w -X ${v}.Version=${CONTAINERD_VERSION} -X ${v}.Revision=module" \
+    -o "${dir}/out/" ./cmd/containerd ./cmd/containerd-shim-runc-v2 ./cmd/ctr)
+  for name in "${CONTAINERD_BINS[@]}"; do install_bin "${name}" "${dir}/out/${name}" "${stamp}"; done
+  rm -rf "${dir}/tree" "${dir}/out"
+  echo "localkube: built containerd ${CONTAINERD_VERSION} in $((SECONDS - t0))s"
+}
+
+# runc with seccomp: cgo against Debian's libseccomp (runc enforces the Pods' seccomp profiles).
+build_runc() {
+  local stamp tmp t0=${SECONDS}
+  stamp="runc ${RUNC_VERSION} ${GO_VERSION} seccomp-v1"
+  stamp_ok runc "${stamp}" && return 0
+  need_go
+  localkube_ensure_tools gcc:gcc pkg-config:pkg-config /usr/include/seccomp.h:libseccomp-dev
+  localkube_log "building runc ${RUNC_VERSION} ..."
+  tmp="$(mktemp -d "${LOCALKUBE_BIN}/.gobin.XXXXXX")"
+  (cd "${LOCALKUBE_SRC}" && CGO_ENABLED=1 GOBIN="${tmp}" go_ install -p "${JOBS}" -trimpath \
+    -tags seccomp -ldflags "-s -w" "github.com/opencontainers/runc@${RUNC_VERSION}")
+  install_bin runc "${tmp}/runc" "${stamp}"
+  rmdir "${tmp}"
+  echo "localkube: built runc ${RUNC_VERSION} in $((SECONDS - t0))s"
+}
+
 start=${SECONDS}
 built_any=0
 for c in "${components[@]}"; do
@@ -186,6 +232,8 @@ for c in "${components[@]}"; do
   case "${c}" in
     etcd) build_etcd ;;
     kwok|kwokctl) build_kwok "${c}" ;;
+    containerd) build_containerd ;;
+    runc) build_runc ;;
     *) build_k8s "${c}" ;;
   esac
   [[ "${before}" == "$(cat "${LOCALKUBE_BIN}/.${c}.stamp")" && ${force} == 0 ]] || built_any=1

@@ -24,8 +24,10 @@ LOCALKUBE_PAUSE_IMAGE="rollout.local/pause:1"
 LOCALKUBE_PYTHON_IMAGE="rollout.local/python:3-bookworm"
 LOCALKUBE_RUNTIME_CLASS="runc"
 
-# Components built by default; kubelet only on request (build.sh kubelet).
+# Components built by default; the node's only on request (build.sh kubelet containerd runc).
 LOCALKUBE_DEFAULT_COMPONENTS=(kwokctl kwok etcd kube-apiserver kube-controller-manager kube-scheduler kubectl)
+# The real node's own binaries (node.sh builds them on node-up).
+LOCALKUBE_NODE_COMPONENTS=(kubelet containerd runc)
 
 localkube_log() { printf '[localkube %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 localkube_die() { localkube_log "ERROR: $*"; exit 1; }

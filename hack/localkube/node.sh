@@ -1,12 +1,14 @@
 # shellcheck shell=bash
-# The local cluster's real node: kubelet (built by build.sh) + a private containerd + runc + CNI
-# bridge, with locally built images. Sourced by cluster.sh (node-up, node-down, node-status);
-# needs lib.sh and cluster.sh's kctl/CLUSTER_DIR. Runs as root.
+# The local cluster's real node: kubelet, containerd and runc (all built by build.sh from the Go
+# module proxy) + a CNI bridge, with locally built images. Sourced by cluster.sh (node-up,
+# node-down, node-status); needs lib.sh and cluster.sh's kctl/CLUSTER_DIR. Runs as root.
 #
 # Everything it starts or creates is its own and is removed by node_down:
-#   containerd  --config ${NODE_DIR}/containerd.toml, root /var/lib/rollout-containerd (images
-#               stay there between runs), state /run/rollout-containerd, socket
-#               /run/rollout-containerd/containerd.sock; never Docker's or the system's containerd
+#   containerd  --config ${NODE_DIR}/containerd.toml, root /var/lib/rollout-containerd2 (images
+#               stay there between runs), state /run/rollout-containerd2, socket
+#               /run/rollout-containerd2/containerd.sock; never Docker's or the system's containerd
+#               ("2": containerd 2's, never opened by the Debian containerd 1.6 earlier versions
+#               of this script ran, which may still run from another checkout)
 #   kubelet     root-dir /var/lib/rollout-kubelet, Pod logs /var/log/rollout-pods
 #   network     bridge rollout0 (node IP 10.89.0.1/24, the kubelet listens there), host-local
 #               IPAM state under /run/rollout-containerd; no iptables rules (no masquerade, the
@@ -25,7 +27,7 @@ NODE_LABEL_VALUE="real"
 # Machine-wide names (bridge, state directories, ports, cgroup root) of one real node. A second
 # cluster on the same machine (another ROLLOUT_LOCALKUBE_CACHE, e.g. a cold-path proof) sets
 # ROLLOUT_LOCALKUBE_NODE_ID=1..200 so its node shares nothing with the default one (id 0):
-# bridge rollout<N>, 10.89.<N>.0/24, /var/lib/rollout-containerd-<N>, /run/rollout-containerd-<N>,
+# bridge rollout<N>, 10.89.<N>.0/24, /var/lib/rollout-containerd2-<N>, /run/rollout-containerd2-<N>,
 # /var/lib/rollout-kubelet-<N>, /var/log/rollout-pods-<N>, kubelet ports 10250+10N/10248+10N,
 # cgroup root /rollout-node-<N>.
 NODE_ID="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
@@ -33,11 +35,19 @@ NODE_ID="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
   || localkube_die "ROLLOUT_LOCALKUBE_NODE_ID must be 0..200, not '${NODE_ID}'"
 NODE_SUFFIX=""
 ((NODE_ID == 0)) || NODE_SUFFIX="-${NODE_ID}"
-CONTAINERD_ROOT="${ROLLOUT_NODE_CONTAINERD_ROOT:-/var/lib/rollout-containerd${NODE_SUFFIX}}"
-CONTAINERD_STATE="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd${NODE_SUFFIX}}"
+CONTAINERD_ROOT="${ROLLOUT_NODE_CONTAINERD_ROOT:-/var/lib/rollout-containerd2${NODE_SUFFIX}}"
+CONTAINERD_STATE="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd2${NODE_SUFFIX}}"
 CONTAINERD_SOCK="${CONTAINERD_STATE}/containerd.sock"
 CONTAINERD_CONFIG="${NODE_DIR}/containerd.toml"
 RUNC_ROOT="${CONTAINERD_STATE}/runc"
+# The runtime's binaries (build.sh containerd runc), never the machine's.
+CONTAINERD_BIN="${LOCALKUBE_BIN}/containerd"
+CTR_BIN="${LOCALKUBE_BIN}/ctr"
+SHIM_BIN="${LOCALKUBE_BIN}/containerd-shim-runc-v2"
+RUNC_BIN="${LOCALKUBE_BIN}/runc"
+# Localhost seccomp profiles (the kubelet's <root>/seccomp/rollout/...): bwrap-host.json lets a
+# user-namespace Pod run bubblewrap (docs/sandbox-hosts.md).
+SECCOMP_SRC="${LOCALKUBE_DIR}/seccomp"
 KUBELET_ROOT="${ROLLOUT_NODE_KUBELET_ROOT:-/var/lib/rollout-kubelet${NODE_SUFFIX}}"
 KUBELET_CONFIG="${NODE_DIR}/kubelet.yaml"
 KUBELET_KUBECONFIG="${NODE_DIR}/kubelet.kubeconfig"
@@ -66,11 +76,10 @@ NODE_IP="${LOCALKUBE_NODE_IP:-10.89.${NODE_ID}.1}"
 POD_SUBNET="${LOCALKUBE_POD_SUBNET:-10.89.${NODE_ID}.0/24}"
 NODE_READY_TIMEOUT="${LOCALKUBE_NODE_READY_TIMEOUT:-120}"
 
-ctr_() { ctr --address "${CONTAINERD_SOCK}" --namespace k8s.io "$@"; }
+ctr_() { "${CTR_BIN}" --address "${CONTAINERD_SOCK}" --namespace k8s.io "$@"; }
 
 node_ensure_packages() {
-  localkube_ensure_tools containerd:containerd ctr:containerd \
-    containerd-shim-runc-v2:containerd runc:runc ip:iproute2 openssl:openssl \
+  localkube_ensure_tools ip:iproute2 openssl:openssl \
     flock:util-linux pgrep:procps setsid:util-linux debootstrap:debootstrap \
     nft:nftables /usr/bin/python3:python3 \
     "${CNI_BIN_DIR}/bridge:containernetworking-plugins" \
@@ -96,9 +105,9 @@ node_pids() { # exe mark: every live process of ours
   return 0
 }
 
-containerd_pids() { node_pids "$(command -v containerd)" "--config ${CONTAINERD_CONFIG}"; }
+containerd_pids() { node_pids "${CONTAINERD_BIN}" "--config ${CONTAINERD_CONFIG}"; }
 kubelet_pids() { node_pids "${LOCALKUBE_BIN}/kubelet" "--config=${KUBELET_CONFIG}"; }
-shim_pids() { node_pids "$(command -v containerd-shim-runc-v2)" "-address ${CONTAINERD_SOCK}"; }
+shim_pids() { node_pids "${SHIM_BIN}" "-address ${CONTAINERD_SOCK}"; }
 
 stop_pids() { # what pids...: TERM, wait up to 10 s, KILL
   local what="$1" pid left
@@ -149,13 +158,13 @@ install_cni_plugins() {
 write_containerd_config() {
   mkdir -p "${NODE_DIR}" "${CNI_CONF_DIR}"
   cat >"${CONTAINERD_CONFIG}.tmp" <<TOML
-# Generated by hack/localkube/node.sh: the real node's private containerd.
-version = 2
+# Generated by hack/localkube/node.sh: the real node's private containerd (2.x, config version 3).
+version = 3
 root = "${CONTAINERD_ROOT}"
 state = "${CONTAINERD_STATE}"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+# NRI's socket is machine-wide (/var/run/nri); tracing is not wanted.
+disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor.v1.otlp",
+  "io.containerd.internal.v1.tracing"]
 
 [grpc]
   address = "${CONTAINERD_SOCK}"
@@ -173,26 +182,34 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [plugins."io.containerd.internal.v1.opt"]
     path = "${CONTAINERD_ROOT}/opt"
   [plugins."io.containerd.grpc.v1.cri"]
-    sandbox_image = "${LOCALKUBE_PAUSE_IMAGE}"
     stream_server_address = "127.0.0.1"
     stream_server_port = "0"
+  [plugins."io.containerd.cri.v1.images"]
+    snapshotter = "overlayfs"
+    [plugins."io.containerd.cri.v1.images".pinned_images]
+      sandbox = "${LOCALKUBE_PAUSE_IMAGE}"
+  [plugins."io.containerd.cri.v1.runtime"]
     disable_apparmor = true
     enable_selinux = false
     netns_mounts_under_state_dir = true
     # These machines withhold CAP_SYS_RESOURCE even from root: nothing may lower its
     # oom_score_adj (the sandbox's default -998 fails in runc). Clamp to containerd's own.
     restrict_oom_score_adj = true
-    [plugins."io.containerd.grpc.v1.cri".containerd]
-      snapshotter = "overlayfs"
+    # As containerd 1.x: no sysctls opening privileged ports and ping to every Pod user.
+    enable_unprivileged_ports = false
+    enable_unprivileged_icmp = false
+    [plugins."io.containerd.cri.v1.runtime".containerd]
       default_runtime_name = "runc"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
         runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-          BinaryName = "$(command -v runc)"
+        runtime_path = "${SHIM_BIN}"
+        snapshotter = "overlayfs"
+        [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+          BinaryName = "${RUNC_BIN}"
           Root = "${RUNC_ROOT}"
           SystemdCgroup = false
-    [plugins."io.containerd.grpc.v1.cri".cni]
-      bin_dir = "${CNI_PLUGIN_DIR}"
+    [plugins."io.containerd.cri.v1.runtime".cni]
+      bin_dirs = ["${CNI_PLUGIN_DIR}"]
       conf_dir = "${CNI_CONF_DIR}"
       max_conf_num = 1
 TOML
@@ -329,6 +346,11 @@ YAML
   mv -f "${KUBELET_CONFIG}.tmp" "${KUBELET_CONFIG}"
 }
 
+install_seccomp_profiles() {
+  mkdir -p "${KUBELET_ROOT}/seccomp/rollout"
+  install -m 0644 "${SECCOMP_SRC}"/*.json "${KUBELET_ROOT}/seccomp/rollout/"
+}
+
 ensure_bridge() {
   if ! ip link show "${BRIDGE}" >/dev/null 2>&1; then
     ip link add "${BRIDGE}" type bridge
@@ -374,7 +396,7 @@ ensure_cgroup_root() {
   done
 }
 
-containerd_ok() { ctr --address "${CONTAINERD_SOCK}" version >/dev/null 2>&1; }
+containerd_ok() { "${CTR_BIN}" --address "${CONTAINERD_SOCK}" version >/dev/null 2>&1; }
 
 start_containerd() {
   local pids
@@ -383,7 +405,7 @@ start_containerd() {
   # shellcheck disable=SC2086
   [[ -z "${pids}" ]] || stop_pids containerd ${pids}
   mkdir -p "${NODE_DIR}/logs" "${CONTAINERD_ROOT}" "${CONTAINERD_STATE}"
-  start_daemon "${NODE_DIR}/logs/containerd.log" containerd --config "${CONTAINERD_CONFIG}"
+  start_daemon "${NODE_DIR}/logs/containerd.log" "${CONTAINERD_BIN}" --config "${CONTAINERD_CONFIG}"
   local deadline=$((SECONDS + 30))
   until containerd_ok; do
     if ((SECONDS >= deadline)) || ! daemon_alive; then
@@ -445,7 +467,7 @@ kubelet_healthy() {
 # Fingerprint of what the running node was started for: the cluster (its CA) and our configs.
 node_fingerprint() {
   cat "${CLUSTER_DIR}/pki/ca.crt" "${LOCALKUBE_KUBECONFIG}" "${LOCALKUBE_DIR}/node.sh" \
-    "${NETPOL_PLUGIN}" 2>/dev/null | sha256sum | cut -c1-16
+    "${NETPOL_PLUGIN}" "${SECCOMP_SRC}"/*.json 2>/dev/null | sha256sum | cut -c1-16
 }
 
 node_healthy() {
@@ -501,7 +523,8 @@ node_up_locked() {
   local timings=""
   t=${SECONDS}
   node_ensure_packages
-  "${LOCALKUBE_DIR}/build.sh" kubelet >&2 || localkube_die "kubelet build failed"
+  "${LOCALKUBE_DIR}/build.sh" "${LOCALKUBE_NODE_COMPONENTS[@]}" >&2 \
+    || localkube_die "kubelet/containerd/runc build failed"
   # Anything half-started (or started for a previous cluster) goes first, with its Node object
   # (the kubelet registers afresh; the Pod GC removes Pods that were bound to the old one).
   node_down_locked quiet
@@ -527,6 +550,7 @@ node_up_locked() {
   import_images
   timings+=", import $((SECONDS - t))s"
   write_kubelet_config
+  install_seccomp_profiles
   ensure_cgroup_root
   t=${SECONDS}
   start_daemon "${NODE_DIR}/logs/kubelet.log" "${LOCALKUBE_BIN}/kubelet" \
@@ -635,8 +659,8 @@ node_down_locked() {
     local root
     for root in "${RUNC_ROOT}"/*; do
       [[ -d "${root}" ]] || continue
-      for id in $(runc --root "${root}" list -q 2>/dev/null); do
-        runc --root "${root}" delete --force "${id}" >/dev/null 2>&1 || true
+      for id in $("${RUNC_BIN}" --root "${root}" list -q 2>/dev/null); do
+        "${RUNC_BIN}" --root "${root}" delete --force "${id}" >/dev/null 2>&1 || true
       done
     done
   fi

@@ -15,7 +15,7 @@ from pathlib import Path
 from rollout_worker.backends.local.sandbox import rootfs_dirname
 
 # hack/localkube/node.sh: the real node's private containerd listens on
-# ${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd<suffix>}/containerd.sock, where the
+# ${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd2<suffix>}/containerd.sock, where the
 # suffix is "-N" for ROLLOUT_LOCALKUBE_NODE_ID=N (1..200) and empty for the default node 0;
 # the kubelet's images live in containerd's `k8s.io` namespace.
 CONTAINERD_NAMESPACE = "k8s.io"
@@ -33,7 +33,7 @@ def containerd_socket(environ: Mapping[str, str] | None = None) -> str:
         if not node_id.isdigit() or int(node_id) > MAX_NODE_ID:
             raise ValueError(f"ROLLOUT_LOCALKUBE_NODE_ID must be 0..{MAX_NODE_ID}, not {node_id!r}")
         suffix = "" if int(node_id) == 0 else f"-{node_id}"
-        state = f"/run/rollout-containerd{suffix}"
+        state = f"/run/rollout-containerd2{suffix}"
     return f"{state}/containerd.sock"
 
 

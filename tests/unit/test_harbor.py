@@ -329,12 +329,12 @@ def test_the_fixture_tests_fail_first_and_the_solution_passes_them(tmp_path, tas
 
 
 def test_the_containerd_socket_is_the_one_hack_localkube_names():
-    assert cli_argv.containerd_socket({}) == "/run/rollout-containerd/containerd.sock"
+    assert cli_argv.containerd_socket({}) == "/run/rollout-containerd2/containerd.sock"
     assert cli_argv.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "0"}) == (
-        "/run/rollout-containerd/containerd.sock"
+        "/run/rollout-containerd2/containerd.sock"
     )
     assert cli_argv.containerd_socket({"ROLLOUT_LOCALKUBE_NODE_ID": "3"}) == (
-        "/run/rollout-containerd-3/containerd.sock"
+        "/run/rollout-containerd2-3/containerd.sock"
     )
     assert cli_argv.containerd_socket({"ROLLOUT_NODE_CONTAINERD_STATE": "/srv/ctd"}) == (
         "/srv/ctd/containerd.sock"
@@ -344,7 +344,7 @@ def test_the_containerd_socket_is_the_one_hack_localkube_names():
     # The scripts say the same (a change there must change the function).
     node_sh = (ROOT / "hack" / "localkube" / "node.sh").read_text()
     assert (
-        'CONTAINERD_STATE="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd${NODE_SUFFIX}}"'
+        'CONTAINERD_STATE="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd2${NODE_SUFFIX}}"'
         in node_sh
     )
     assert 'CONTAINERD_SOCK="${CONTAINERD_STATE}/containerd.sock"' in node_sh
