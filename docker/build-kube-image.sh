@@ -75,8 +75,12 @@ if [[ -n "$import" ]]; then
   node_id="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
   suffix=""
   [[ "${node_id}" == 0 ]] || suffix="-${node_id}"
-  sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd${suffix}}/containerd.sock"
+  sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd2${suffix}}/containerd.sock"
   [[ -S "$sock" ]] || { say "no node containerd at $sock (hack/localkube/cluster.sh node-up)"; exit 1; }
+  # The node's own ctr (hack/localkube/build.sh builds it with its containerd), else PATH's.
+  ctr_bin="$(ls "${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}"/v*/bin/ctr 2>/dev/null \
+    | tail -n 1)"
+  [[ -n "$ctr_bin" ]] || ctr_bin=ctr
   for image in "$tag" "$redis_tag"; do
     id=$(docker image inspect -f '{{.Id}}' "$image" | cut -c8-19)
     tarball="$cache/$(tr '/:' '__' <<<"$image")-$id.tar"
@@ -87,7 +91,7 @@ if [[ -n "$import" ]]; then
     fi
     # Importing what containerd already holds only re-tags it (a few seconds).
     say "ctr import $tarball"
-    ctr --address "$sock" -n k8s.io images import "$tarball" >/dev/null
+    "$ctr_bin" --address "$sock" -n k8s.io images import "$tarball" >/dev/null
   done
 fi
 echo "ROLLOUT_KUBE_IMAGE=$tag"

@@ -24,8 +24,12 @@ node_id="${ROLLOUT_LOCALKUBE_NODE_ID:-0}"
 suffix=""
 ((node_id == 0)) || suffix="-${node_id}"
 sock="${ROLLOUT_NODE_CONTAINERD_STATE:-/run/rollout-containerd2${suffix}}/containerd.sock"
-if ! ctr --address "${sock}" -n k8s.io images ls -q | grep -qxF "docker.io/${image}" \
-  && ! ctr --address "${sock}" -n k8s.io images ls -q | grep -qxF "${image}"; then
-  docker save "${image}" | ctr --address "${sock}" -n k8s.io images import - >&2
+# The node's own ctr (hack/localkube/build.sh builds it with its containerd), else PATH's.
+ctr_bin="$(ls "${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}"/v*/bin/ctr 2>/dev/null \
+  | tail -n 1)"
+[[ -n "${ctr_bin}" ]] || ctr_bin=ctr
+if ! "${ctr_bin}" --address "${sock}" -n k8s.io images ls -q | grep -qxF "docker.io/${image}" \
+  && ! "${ctr_bin}" --address "${sock}" -n k8s.io images ls -q | grep -qxF "${image}"; then
+  docker save "${image}" | "${ctr_bin}" --address "${sock}" -n k8s.io images import - >&2
 fi
 echo "${image}"

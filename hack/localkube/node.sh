@@ -11,10 +11,10 @@
 #               of this script ran, which may still run from another checkout)
 #   kubelet     root-dir /var/lib/rollout-kubelet, Pod logs /var/log/rollout-pods
 #   network     bridge rollout0 (node IP 10.89.0.1/24, the kubelet listens there), host-local
-#               IPAM state under /run/rollout-containerd; no iptables rules (no masquerade, the
+#               IPAM state under /run/rollout-containerd2; no iptables rules (no masquerade, the
 #               kubelet's iptables chains are off): Pods reach the node and nothing else
 #   policies    CNI plugin rollout-netpol (chained after bridge) enforces NetworkPolicy in the
-#               nftables table inet rollout-netpol-<id> (state /run/rollout-containerd/netpol),
+#               nftables table inet rollout-netpol-<id> (state /run/rollout-containerd2/netpol),
 #               reading the API with a client certificate rollout-netpol:<node> (ClusterRole
 #               and ClusterRoleBinding rollout-localkube-netpol: get pods, list networkpolicies)
 #   API objects Node real-node (label rollout.dev/node=real, taint rollout.dev/node=real:
