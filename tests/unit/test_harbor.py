@@ -349,7 +349,7 @@ def test_the_containerd_socket_is_the_one_hack_localkube_names():
     )
     assert 'CONTAINERD_SOCK="${CONTAINERD_STATE}/containerd.sock"' in node_sh
     assert '((NODE_ID == 0)) || NODE_SUFFIX="-${NODE_ID}"' in node_sh
-    assert 'ctr --address "${CONTAINERD_SOCK}" --namespace k8s.io' in node_sh
+    assert '"${CTR_BIN}" --address "${CONTAINERD_SOCK}" --namespace k8s.io' in node_sh
 
 
 def test_the_build_import_push_and_rootfs_commands():
