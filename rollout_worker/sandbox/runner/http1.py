@@ -61,6 +61,13 @@ def tokens(value: str | None) -> set[str]:
     return {part.strip(" \t").lower() for part in (value or "").split(",")}
 
 
+def ends_connection(version: str, fields: dict[str, str]) -> bool:
+    """Whether a message closes its connection after it: "Connection: close", or HTTP/1.0
+    without "keep-alive" (both sides of the proxy go by the same rule)."""
+    connection = tokens(fields.get("connection"))
+    return "close" in connection or (version == "HTTP/1.0" and "keep-alive" not in connection)
+
+
 def header_lines(fields: typing.Iterable[tuple[str, str]]) -> str:
     """Header lines, each ending in CRLF; ValueError for one that would split the head (as
     http.client refuses it)."""
@@ -94,10 +101,7 @@ class Response:
             # Interim answers (100 Continue, 103 Early Hints) come before the real one.
             if not 100 <= self.status < 200 or self.status == 101:
                 break
-        connection = tokens(self.fields.get("connection"))
-        self.will_close = "close" in connection or (
-            version == "HTTP/1.0" and "keep-alive" not in connection
-        )
+        self.will_close = ends_connection(version, self.fields)
         bodiless = self.status in (204, 304)
         self.chunked = not bodiless and "chunked" in tokens(self.fields.get("transfer-encoding"))
         self.left: int | None = None  # body bytes (of the current chunk, when chunked) unread

@@ -7,7 +7,7 @@ import socketserver
 import typing
 import urllib.parse
 
-from .http1 import WireError, header_lines, read_head, tokens
+from .http1 import WireError, ends_connection, header_lines, read_head, tokens
 from .policy import VERSION_HEADER
 
 
@@ -91,8 +91,7 @@ class ProxyHandler(socketserver.StreamRequestHandler):
             self.close_connection = True
             self.send_json(505, error_body(f"{version[:20]!r} is not served", "bad_request"))
             return
-        connection = tokens(self.fields.get("connection"))
-        if "close" in connection or (version == "HTTP/1.0" and "keep-alive" not in connection):
+        if ends_connection(version, self.fields):
             self.close_connection = True
         self.version = version
         if method == "GET":
