@@ -1,0 +1,186 @@
+"""The host pool's objects (rollout_worker/backends/host/manifests.py): the Pod that
+tests/k8s/test_sandbox_host.py proves can run bubblewrap, sized by its slots, and a
+NetworkPolicy that lets it reach only Redis and the configured policy endpoints."""
+
+import pytest
+
+from rollout_worker.backends.host.manifests import (
+    HOST_ROOT,
+    HOST_SECCOMP_PROFILE,
+    Endpoint,
+    HostPool,
+    host_objects,
+    pool_selector,
+    redis_egress,
+)
+
+
+def pool(**changes):
+    fields = {
+        "namespace": "hosts",
+        "image": "rollout.local/rollout-worker:kube",
+        "redis_url": "redis://10.1.2.3:6380/0",
+        "slots": 3,
+        "replicas": 2,
+    }
+    return HostPool(**(fields | changes))
+
+
+def test_the_pod_has_every_field_bubblewrap_needs_and_nothing_more():
+    policy, deployment = host_objects(pool())
+    assert (policy["kind"], deployment["kind"]) == ("NetworkPolicy", "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["hostUsers"] is False
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False
+    assert spec["shareProcessNamespace"] is True  # daemonised children get reaped
+    assert spec["securityContext"] == {
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": HOST_SECCOMP_PROFILE},
+    }
+    assert HOST_SECCOMP_PROFILE == "rollout/bwrap-host.json"
+    (container,) = spec["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "privileged": False,
+        "procMount": "Unmasked",
+    }
+    assert "serviceAccountName" not in spec and "hostNetwork" not in spec
+    assert container["command"] == [
+        "python3",
+        "-m",
+        "rollout_worker.backends.host.agent",
+        "--slots",
+        "3",
+        "--root",
+        HOST_ROOT,
+    ]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["ROLLOUT_REDIS_URL"] == {
+        "name": "ROLLOUT_REDIS_URL",
+        "value": "redis://10.1.2.3:6380/0",
+    }
+
+
+def test_limits_are_slots_times_an_episode_plus_the_agent():
+    (_, deployment) = host_objects(pool(slots=3))
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    # 3 x (500m, 128Mi) + the agent's (250m, 256Mi); requested as much as limited.
+    want = {"cpu": "1750m", "memory": "640Mi"}
+    assert container["resources"] == {"requests": want, "limits": want}
+    volumes = {v["name"]: v["emptyDir"] for v in spec["volumes"]}
+    # 3 x 1Gi of episode disk + 256Mi of margin.
+    assert volumes == {"root": {"sizeLimit": "3328Mi"}, "tmp": {"sizeLimit": "256Mi"}}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts == {"root": HOST_ROOT, "tmp": "/tmp"}
+
+    bigger = pool(slots=2, slot_cpu="1", slot_memory="1Gi", slot_storage="500M")
+    (container,) = host_objects(bigger)[1]["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"cpu": "2250m", "memory": "2304Mi"}
+
+
+def test_every_object_is_labelled_and_the_deployment_selects_its_pods():
+    objects = host_objects(pool(name="hosts-a"))
+    labels = {"rollout.dev/owner": "rollout", "rollout.dev/host-pool": "hosts-a"}
+    for obj in objects:
+        assert obj["metadata"]["labels"] == labels
+        assert obj["metadata"]["namespace"] == "hosts"
+    deployment = objects[1]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["selector"] == {"matchLabels": labels}
+    assert deployment["spec"]["template"]["metadata"]["labels"] == labels
+    assert objects[0]["spec"]["podSelector"] == {"matchLabels": labels}
+    assert pool_selector(pool(name="hosts-a")) == (
+        "rollout.dev/owner=rollout,rollout.dev/host-pool=hosts-a"
+    )
+
+
+def test_placement_and_a_secret_url_reach_the_pod():
+    secret = pool(
+        redis_secret=("rollout-redis", "url"),
+        runtime_class="runc",
+        node_selector={"rollout.dev/real-node": "true"},
+        tolerations=({"key": "rollout.dev/real-node", "operator": "Exists"},),
+        image_pull_policy="Never",
+    )
+    spec = host_objects(secret)[1]["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "runc"
+    assert spec["nodeSelector"] == {"rollout.dev/real-node": "true"}
+    assert spec["tolerations"] == [{"key": "rollout.dev/real-node", "operator": "Exists"}]
+    (container,) = spec["containers"]
+    assert container["imagePullPolicy"] == "Never"
+    (url,) = [e for e in container["env"] if e["name"] == "ROLLOUT_REDIS_URL"]
+    # The password stays in the Secret: the Deployment holds only its name.
+    assert url == {
+        "name": "ROLLOUT_REDIS_URL",
+        "valueFrom": {"secretKeyRef": {"name": "rollout-redis", "key": "url"}},
+    }
+    assert "runtimeClassName" not in host_objects(pool())[1]["spec"]["template"]["spec"]
+
+
+def test_network_policy_allows_only_redis_and_the_policy_endpoints():
+    endpoints = (Endpoint("10.9.0.0/16", 8000), Endpoint("192.168.1.5/32", 443))
+    policy = host_objects(pool(policy_egress=endpoints))[0]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in policy["spec"]  # no ingress at all
+    assert policy["spec"]["egress"] == [
+        {
+            "to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}],
+            "ports": [{"protocol": "TCP", "port": 6380}],
+        },
+        {
+            "to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}],
+            "ports": [{"protocol": "TCP", "port": 8000}],
+        },
+        {
+            "to": [{"ipBlock": {"cidr": "192.168.1.5/32"}}],
+            "ports": [{"protocol": "TCP", "port": 443}],
+        },
+    ]
+
+
+def test_dns_only_when_redis_is_a_name():
+    assert all(
+        rule["ports"][0]["protocol"] == "TCP" for rule in redis_egress("rediss://:pw@10.0.0.7:6379")
+    )
+    named = redis_egress("redis://:pw@rollout-redis.rollout.svc:6379/0")
+    # A NetworkPolicy cannot name a host: the port on any address, and DNS to resolve it.
+    assert named == [
+        {"ports": [{"protocol": "TCP", "port": 6379}]},
+        {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+    ]
+    sentinel = redis_egress("sentinel://10.0.0.1:26379,10.0.0.2/0?master=m")
+    assert sentinel == [
+        {
+            "to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}],
+            "ports": [{"protocol": "TCP", "port": 26379}],
+        },
+        {
+            "to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}],
+            "ports": [{"protocol": "TCP", "port": 6379}],
+        },
+        {
+            "to": [{"ipBlock": {"cidr": "10.0.0.2/32"}}],
+            "ports": [{"protocol": "TCP", "port": 26379}],
+        },
+        {
+            "to": [{"ipBlock": {"cidr": "10.0.0.2/32"}}],
+            "ports": [{"protocol": "TCP", "port": 6379}],
+        },
+    ]
+    ipv6 = redis_egress("redis://[fd00::5]:6379/0")
+    assert ipv6 == [
+        {"to": [{"ipBlock": {"cidr": "fd00::5/128"}}], "ports": [{"protocol": "TCP", "port": 6379}]}
+    ]
+
+
+def test_pools_that_cannot_run_are_refused():
+    with pytest.raises(ValueError, match="slot"):
+        host_objects(pool(slots=0))
+    with pytest.raises(ValueError, match="unix"):
+        host_objects(pool(redis_url="unix:///run/redis.sock"))
