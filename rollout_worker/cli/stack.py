@@ -66,6 +66,11 @@ class LocalStack:
     # The workers' working directory (`python -m` imports from it first): a benchmark runs
     # an older checkout's workers this way, beside today's.
     cwd: str | None = None
+    # One more address redis-server listens on besides 127.0.0.1 (the workers keep using
+    # that): the real node's address, so host Pods there reach the test's Redis
+    # (`redis_url_at`). Without a password, protected mode is then off: anyone who reaches
+    # that address reaches Redis.
+    redis_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.collectors < 1:
@@ -80,13 +85,16 @@ class LocalStack:
     def redis_url(self) -> str:
         if self.external_redis_url:
             return self.external_redis_url
+        return self.redis_url_at("127.0.0.1")
+
+    def redis_url_at(self, address: str) -> str:
+        """The stack's Redis URL through `address` (127.0.0.1, or `redis_bind`)."""
         auth = f":{self.password}@" if self.password else ""
+        host = f"[{address}]" if ":" in address else address
         if self.tls:
             ca = self.dir / "tls" / "ca.crt"
-            return (
-                f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
-            )
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+            return f"rediss://{auth}{host}:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+        return f"redis://{auth}{host}:{self.port}/0"
 
     @property
     def env(self) -> dict[str, str]:
@@ -124,12 +132,17 @@ class LocalStack:
         if not server:
             raise StackError("redis-server is not installed (apt-get install redis-server)")
         self.port = self.port or free_port()
-        args = [server, "--bind", "127.0.0.1", "--save", "", "--dir", str(self.dir)]
+        bind = ["127.0.0.1", self.redis_bind] if self.redis_bind else ["127.0.0.1"]
+        args = [server, "--bind", *bind, "--save", "", "--dir", str(self.dir)]
         args += ["--daemonize", "no", "--appendonly", "yes" if self.aof else "no"]
         if self.aof:
             args += ["--appendfsync", self.appendfsync]
         if self.password:
             args += ["--requirepass", self.password]
+        elif self.redis_bind:
+            # Protected mode answers only loopback clients of a server without a password; the
+            # caller asked for this address (set `password` to keep others out).
+            args += ["--protected-mode", "no"]
         if self.tls:
             tls = _make_tls(self.dir / "tls")
             args += ["--port", "0", "--tls-port", str(self.port)]
