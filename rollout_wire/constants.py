@@ -222,3 +222,29 @@ ANNOTATION_CLAIMED_AT = "rollout.dev/claimed-at"
 # Hash pool key -> JSON proof of what the pool created (namespace name, then its UID) and when
 # a batch last asked for it; written before the pool's first mutation.
 POOLS_KEY = f"{KEY_PREFIX}:pools"
+
+# Sandbox hosts (isolation "host", rollout_worker/backends/host/queue.py). Global keys:
+HOSTS_PREFIX = f"{KEY_PREFIX}:hosts"
+# List of `batch:index` released to hosts (KEDA's listName): hosts BLMOVE from it.
+HOSTS_TODO_KEY = f"{HOSTS_PREFIX}:todo"
+# Hash host -> its last heartbeat (JSON: slots, free, batches, program_sha, images, seen_at).
+HOSTS_ALIVE_KEY = f"{HOSTS_PREFIX}:alive"
+# Hash batch id -> JSON {run_uid, created_at} of every host run not deleted yet (list_runs).
+HOSTS_RUNS_KEY = f"{HOSTS_PREFIX}:runs"
+
+
+def hosts_taking_key(host: str) -> str:
+    """List holding what a host moved off the todo list and has not taken yet (a reliable
+    queue: a host that dies in between leaves it here, and a reap puts it back)."""
+    return f"{HOSTS_PREFIX}:taking:{host}"
+
+
+def hosts_seen_key(host: str) -> str:
+    """Set with a TTL by each heartbeat: its absence says the host is gone."""
+    return f"{HOSTS_PREFIX}:seen:{host}"
+
+
+def host_batch_key(batch_id: str, part: str) -> str:
+    """A host run's own keys: run (hash), status, taken, attempts, records (hashes),
+    log:<i>, lease:<i> (strings). `delete` removes all of them."""
+    return batch_key(batch_id, f"host:{part}")

@@ -67,7 +67,12 @@ FLOORS: list[tuple[str, ...]] = [
         "rollout_worker.sandbox",
     ),
     ("rollout_worker.validation", "rollout_worker.backends.base", "rollout_worker.backends.warm"),
-    ("rollout_worker.report", "rollout_worker.backends.local", "rollout_worker.backends.kube"),
+    (
+        "rollout_worker.report",
+        "rollout_worker.backends.local",
+        "rollout_worker.backends.kube",
+        "rollout_worker.backends.host",  # imports local, never kube (the host Pods load no client)
+    ),
     ("rollout_worker.backends",),  # the package itself: get_backend
     ("rollout_worker.core",),
     ("rollout_worker.tasks",),
@@ -154,6 +159,19 @@ def test_the_local_backend_never_passes_through_kubernetes_code_nor_the_reverse(
         for b in targets
         if (a.startswith(local) and b.startswith(kube))
         or (a.startswith(kube) and b.startswith(local))
+    ]
+    assert crossing == []
+
+
+def test_the_host_backend_never_passes_through_kubernetes_code():
+    graph = import_graph("rollout_worker")
+    host, kube = "rollout_worker.backends.host", "rollout_worker.backends.kube"
+    crossing = [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if (a.startswith(host) and b.startswith(kube))
+        or (a.startswith(kube) and b.startswith(host))
     ]
     assert crossing == []
 
