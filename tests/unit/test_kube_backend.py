@@ -15,6 +15,7 @@ from kubernetes.client.rest import ApiException
 
 from rollout_wire.errors import OwnershipError
 from rollout_wire.request import parse_spec
+from rollout_worker.backends.base import KubeRunHandle, WarmClaim
 from rollout_worker.backends.kube.backend import KubernetesBackend
 from rollout_worker.backends.kube.pools import WarmPools
 from rollout_worker.backends.kube.watch import PodWatches
@@ -28,6 +29,22 @@ class _Response:
         self.data = orjson.dumps(obj)
 
 
+class _WatchResponse:
+    """A watch's answer: one event a line, as the API server streams them."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.lines = [orjson.dumps(e) + b"\n" for e in events]
+
+    def stream(self, amt: Any = None, decode_content: Any = None) -> Any:
+        yield from self.lines
+
+    def close(self) -> None:
+        pass
+
+    def release_conn(self) -> None:
+        pass
+
+
 class _Client:
     """One API group: every method call is logged and answered by the server."""
 
@@ -38,6 +55,8 @@ class _Client:
         def call(*args: Any, **kwargs: Any) -> _Response:
             kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
             self.server.calls.append((method, args[:1] if method.startswith("create") else args))
+            if kwargs.get("watch"):
+                return _WatchResponse(self.server.watch_events(method, args))
             return _Response(self.server.answer(method, args, kwargs))
 
         return call
@@ -49,6 +68,13 @@ class _Server:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.job_condition = job_condition
         self.uids = 0
+        # The pool's Pods as each list (first) and then each watch event shows them.
+        self.pool_pods: list[list[dict[str, Any]]] = []
+
+    def watch_events(self, method: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
+        if method == "list_namespaced_pod" and args[0] == "pool-ns":
+            return [{"type": "MODIFIED", "object": p} for ps in self.pool_pods[1:] for p in ps]
+        return []
 
     def answer(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method.startswith("create_"):
@@ -69,6 +95,8 @@ class _Server:
             return self.jobs[args[0]]
         if method == "read_namespace":
             return {"metadata": {"name": args[0], "uid": "uid-1", "labels": OURS}}
+        if method == "list_namespaced_pod" and args[0] == "pool-ns" and self.pool_pods:
+            return {"items": self.pool_pods[0], "metadata": {"resourceVersion": "1"}}
         if method == "list_namespaced_event":
             return {"items": []}
         if method.startswith("list_"):
@@ -179,3 +207,38 @@ def test_an_object_in_the_way_is_adopted_only_when_its_labels_say_it_is_ours():
     assert backend.start_run(_spec(), lambda _: None).namespace_uid == "uid-1"
     with pytest.raises(OwnershipError):
         backend.start_run(_spec(batch_id="b2"), lambda _: None)
+
+
+def _warm_pod(name: str, container: dict[str, Any], phase: str = "Running") -> dict[str, Any]:
+    status = {"phase": phase, "containerStatuses": [{"name": "episode", "state": container}]}
+    return {"metadata": {"name": name, "uid": f"uid-{name}", "labels": OURS}, "status": status}
+
+
+def test_a_warm_run_read_as_its_report_comes_out_ends_when_its_pods_end():
+    """The report comes from the episodes' events, before the kubelet says their containers
+    exited: the records wait (bounded) for that, so the receipt gets completed_at and the
+    client its client_job_complete_seconds (None on the old code, read once at once)."""
+    server = _Server()
+    backend = _backend(server)
+    claims = (WarmClaim(0, "w0", "uid-w0"), WarmClaim(1, "w1", "uid-w1"))
+    handle = KubeRunHandle(
+        batch_id="b1",
+        episode_prefix="b1",
+        context="ctx",
+        backend="kubernetes",
+        origin=1.0,
+        namespace="rollout-b1",
+        pool_namespace="pool-ns",
+        warm=claims,
+    )
+    running = {"running": {"startedAt": "2026-12-01T10:00:01Z"}}
+    exited = {"terminated": {"exitCode": 0, "finishedAt": "2026-12-01T10:00:05Z"}}
+    later = {"terminated": {"exitCode": 0, "finishedAt": "2026-12-01T10:00:06Z"}}
+    server.pool_pods = [
+        [_warm_pod("w0", exited), _warm_pod("w1", running)],
+        [_warm_pod("w1", later)],
+    ]
+    finished = backend.finish_run(_spec(count=2, samples_per_task=1), handle)
+    assert finished.verdict == "Complete"
+    assert finished.completed_at == 1796119206.0  # the last container's finishedAt
+    assert ("list_namespaced_pod", ("pool-ns",)) in server.calls

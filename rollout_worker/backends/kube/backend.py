@@ -28,7 +28,6 @@ from rollout_wire.errors import (
     TransientBackendError,
 )
 from rollout_wire.request import BatchSpec
-from rollout_wire.states import RunVerdict
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import (
     MAX_LOG_BYTES,
@@ -404,15 +403,7 @@ class KubernetesBackend:
                 "jobs",
                 self.batch.list_namespaced_job,
                 _namespace(handle),
-                lambda found: (
-                    sum(
-                        1
-                        for j in found.values()
-                        if j["metadata"]["name"] in names
-                        and verdicts.job_verdict(j)[1] != RunVerdict.RUNNING
-                    )
-                    >= len(names)
-                ),
+                lambda found: verdicts.jobs_ended(found.values(), names),
                 JOB_SETTLE_SECONDS,
                 label_selector=batch_selector(handle.batch_id),
             )
@@ -420,16 +411,20 @@ class KubernetesBackend:
             return self._list_jobs(handle)  # the records then show the Jobs as they are now
         return verdicts.in_job_order(seen.values(), names)
 
-    def _warm_pods(self, handle: KubeRunHandle) -> list[dict[str, Any]]:
+    def _warm_pods(self, handle: KubeRunHandle, settle: float = 0.0) -> list[dict[str, Any]]:
+        """The run's warm Pods; with `settle`, once each has ended (its containers exited: the
+        report comes before the kubelet says so) or as they are after `settle` seconds."""
         if not handle.warm or not handle.pool_namespace:
             return []
-        listing = self._call(
-            "list warm pods",
+        found = api.follow(
+            "warm pods",
             self.core.list_namespaced_pod,
             handle.pool_namespace,
+            lambda pods: verdicts.warm_ended(pods.values(), len(handle.warm)),
+            settle,
             label_selector=batch_selector(handle.batch_id),
         )
-        return list(listing.get("items", []))
+        return list(found.values())
 
     def resume_run(self, handle: RunHandle) -> None:
         """Nothing to do: the Job controller is the cluster's, and it does not die with us."""
@@ -474,14 +469,16 @@ class KubernetesBackend:
     def finish_run(self, spec: BatchSpec, handle: RunHandle) -> FinishedRun:
         handle = handle_as(KubeRunHandle, handle)
         namespace = _namespace(handle)
+        settle_until = time.monotonic() + JOB_SETTLE_SECONDS
         jobs = self._settled_jobs(handle) if handle.job_uids() else []
+        # Warm Pods settle in the time left: the receipt's completed_at, as with a Job's.
+        warm = self._warm_pods(handle, max(0.0, settle_until - time.monotonic()))
         pods = self._call(
             "list pods",
             self.core.list_namespaced_pod,
             namespace,
             label_selector=batch_selector(handle.batch_id),
         )
-        warm = self._warm_pods(handle)
         events = self._call("list events", self.core.list_namespaced_event, namespace)
         completed_at, verdict = verdicts.run_verdict(handle, jobs, warm)
         records = read.run_records(

@@ -5,7 +5,7 @@ says of that episode (one read, `index_in_job`), a run's verdict over its Jobs a
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,18 @@ def jobs_verdict(jobs: list[dict[str, Any]]) -> tuple[float | None, RunVerdict]:
     if RunVerdict.SUSPENDED in kinds:
         return when, RunVerdict.SUSPENDED
     return when, RunVerdict.FAILED
+
+
+def jobs_ended(jobs: Iterable[dict[str, Any]], names: Collection[str]) -> bool:
+    """Whether each Job named has finished (or is suspended), as seen."""
+    ended = {j["metadata"]["name"] for j in jobs if job_verdict(j)[1] != RunVerdict.RUNNING}
+    return len(ended & set(names)) >= len(names)
+
+
+def warm_ended(pods: Iterable[dict[str, Any]], claimed: int) -> bool:
+    """Whether every claimed warm Pod is seen and has ended (its phase, or its containers')."""
+    phases = [ended_phase(p) for p in pods]
+    return len(phases) >= claimed and all(ph in ("Succeeded", "Failed") for ph in phases)
 
 
 def job_of(jobs: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], int] | None:
