@@ -3,15 +3,17 @@
 # build, the way the project builds its other images, and optionally load it (and a Redis image)
 # into the local real node's containerd:
 #
-#   docker/build-kube-image.sh            build rollout.local/rollout-worker:kube
-#   docker/build-kube-image.sh --import   ... and import it and rollout.local/redis:bookworm into
-#                                         the real node's containerd (hack/localkube node-up)
+#   docker/build-kube-image.sh            build rollout.local/rollout-worker:kube and the
+#                                         sandbox-host image rollout.local/rollout-worker:host
+#   docker/build-kube-image.sh --import   ... and import them and rollout.local/redis:bookworm
+#                                         into the real node's containerd (hack/localkube node-up)
 #   --tag TAG    worker image tag (default rollout.local/rollout-worker:kube)
 #
 # Inputs, all local and cached: the debootstrap base (docker/build-base.sh: python3 + venv, used
 # only to build the venv; it also holds redis-server and becomes the Redis image), the host-built
 # wheelhouse (docker/build-wheels.sh), and the node's minbase python image
-# (hack/images/build.sh python), which the final stage runs on: no bubblewrap, no compilers.
+# (hack/images/build.sh python), which the final stage runs on: no bubblewrap (removed: the
+# base has it for host Pods), no compilers; the host stage keeps bubblewrap.
 # Needs a Docker engine (hack/docker-up.sh). Prints `ROLLOUT_KUBE_IMAGE=...` and
 # `ROLLOUT_KUBE_REDIS_IMAGE=...` on stdout; progress on stderr. Image tarballs for the node go
 # to ${ROLLOUT_LOCALKUBE_IMAGES:-${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}/images}.
@@ -19,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 tag="rollout.local/rollout-worker:kube"
+host_tag="rollout.local/rollout-worker:host"
 redis_tag="rollout.local/redis:bookworm"
 import=""
 while (($#)); do
@@ -56,14 +59,19 @@ cp "$wheels"/*.whl "$ctx/docker/wheels/"
 find "$ctx" -exec touch -h -d @0 {} +
 key=$( (tar -C "$ctx" --sort=name --owner=0 --group=0 --numeric-owner -cf - . ; \
   echo "$base $(docker image inspect -f '{{.Id}}' "$runtime")") | sha256sum | cut -c1-16)
-if [[ "$(docker image inspect -f '{{index .Config.Labels "rollout.content-key"}}' "$tag" 2>/dev/null)" == "$key" ]]; then
-  say "$tag is up to date (content key $key)"
+labelled() { docker image inspect -f '{{index .Config.Labels "rollout.content-key"}}' "$1" 2>/dev/null; }
+if [[ "$(labelled "$tag")" == "$key" && "$(labelled "$host_tag")" == "$key" ]]; then
+  say "$tag and $host_tag are up to date (content key $key)"
 else
   start=$SECONDS
   say "building $tag (venv built on $base, runs on $runtime)"
   DOCKER_BUILDKIT=0 docker build -q --force-rm -f "$ctx/docker/Dockerfile.kube" \
     --build-arg "BASE_IMAGE=$base" --build-arg "RUNTIME_IMAGE=$runtime" \
     --label "rollout.content-key=$key" -t "$tag" "$ctx" >/dev/null
+  # The sandbox-host stage: the classic builder built it on the way (cached layers).
+  DOCKER_BUILDKIT=0 docker build -q --force-rm -f "$ctx/docker/Dockerfile.kube" --target host \
+    --build-arg "BASE_IMAGE=$base" --build-arg "RUNTIME_IMAGE=$runtime" \
+    --label "rollout.content-key=$key" -t "$host_tag" "$ctx" >/dev/null
   say "built $tag in $((SECONDS - start))s ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%d MB", $1/1e6}'))"
   docker image prune -f --filter label=org.opencontainers.image.title=rollout-worker-kube >/dev/null
 fi
@@ -81,7 +89,7 @@ if [[ -n "$import" ]]; then
   ctr_bin="$(ls "${ROLLOUT_LOCALKUBE_CACHE:-/var/cache/rollout-localkube}"/v*/bin/ctr 2>/dev/null \
     | tail -n 1)"
   [[ -n "$ctr_bin" ]] || ctr_bin=ctr
-  for image in "$tag" "$redis_tag"; do
+  for image in "$tag" "$host_tag" "$redis_tag"; do
     id=$(docker image inspect -f '{{.Id}}' "$image" | cut -c8-19)
     tarball="$cache/$(tr '/:' '__' <<<"$image")-$id.tar"
     if [[ ! -s "$tarball" ]]; then
@@ -95,4 +103,5 @@ if [[ -n "$import" ]]; then
   done
 fi
 echo "ROLLOUT_KUBE_IMAGE=$tag"
+echo "ROLLOUT_KUBE_HOST_IMAGE=$host_tag"
 echo "ROLLOUT_KUBE_REDIS_IMAGE=$redis_tag"
