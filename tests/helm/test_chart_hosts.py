@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_wire import constants as k
 from rollout_worker.backends.host import manifests
 from tests.helm.conftest import CHART, run_helm
 from tests.helm.test_chart_render import by_kind, one
@@ -108,7 +109,8 @@ def test_keda_scales_hosts_on_their_work_list(render):
     assert scaled["spec"]["scaleTargetRef"] == {"name": HOSTS}
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "redis"
-    assert trigger["metadata"]["listName"] == "rollout:hosts:todo"
+    # The list hosts take from (rollout_worker/backends/host/queue.py).
+    assert trigger["metadata"]["listName"] == k.HOSTS_TODO_KEY == "rollout:hosts:todo"
     assert trigger["metadata"]["listLength"] == "6"  # one host per `slots` waiting episodes
     assert trigger["metadata"]["address"] == "rel-rollout-redis.rollout.svc:6379"
     # The collectors' KEDA stays off: the hosts' scaler stands alone.
