@@ -70,9 +70,12 @@ def test_limits_are_slots_times_an_episode_plus_the_agent():
     (_, deployment) = host_objects(pool(slots=3))
     spec = deployment["spec"]["template"]["spec"]
     (container,) = spec["containers"]
-    # 3 x (500m, 128Mi) + the agent's (250m, 256Mi); requested as much as limited.
-    want = {"cpu": "1750m", "memory": "640Mi"}
-    assert container["resources"] == {"requests": want, "limits": want}
+    # 3 x (500m, 128Mi) + the agent's (250m, 256Mi); CPU requested as 3 episode Pods would
+    # (100m each) + the agent, memory all of it.
+    assert container["resources"] == {
+        "requests": {"cpu": "550m", "memory": "640Mi"},
+        "limits": {"cpu": "1750m", "memory": "640Mi"},
+    }
     volumes = {v["name"]: v["emptyDir"] for v in spec["volumes"]}
     # 3 x 1Gi of episode disk + 256Mi of margin.
     assert volumes == {"root": {"sizeLimit": "3328Mi"}, "tmp": {"sizeLimit": "256Mi"}}

@@ -69,6 +69,9 @@ class HostPool:
     name: str = "rollout-host"
     # Per slot: an episode's limits (rollout_wire.resources.Resources' defaults).
     slot_cpu: str = "500m"
+    # What the scheduler reserves per slot (Resources.cpu_request's default): a host is placed
+    # as its slots' episode Pods would be, and may burst to its limit.
+    slot_cpu_request: str = "100m"
     slot_memory: str = "128Mi"
     slot_storage: str = DEFAULT_STORAGE_LIMIT
     policy_egress: tuple[Endpoint, ...] = ()
@@ -117,6 +120,13 @@ def pod_limits(pool: HostPool) -> dict[str, str]:
     return {"cpu": millicores(cpu), "memory": mebibytes(memory)}
 
 
+def pod_requests(pool: HostPool) -> dict[str, str]:
+    """CPU: slots x an episode's request plus the agent's (as many episode Pods would reserve);
+    memory: all of the limit, so the node never overcommits what a full host holds."""
+    cpu = pool.slots * quantity(pool.slot_cpu_request) + quantity(AGENT_CPU)
+    return {"cpu": millicores(cpu), "memory": pod_limits(pool)["memory"]}
+
+
 def root_size(pool: HostPool) -> str:
     """The scratch emptyDir's sizeLimit: every slot's disk limit plus a margin."""
     return mebibytes(pool.slots * quantity(pool.slot_storage) + quantity(ROOT_MARGIN))
@@ -146,16 +156,13 @@ def redis_env(pool: HostPool) -> dict[str, Any]:
 
 
 def host_container(pool: HostPool) -> dict[str, Any]:
-    limits = pod_limits(pool)
     return {
         "name": CONTAINER_NAME,
         "image": pool.image,
         "imagePullPolicy": pool.image_pull_policy,
         "command": agent_command(pool),
         "env": [redis_env(pool), {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
-        # Requests = limits: a host is sized for its slots, and the scheduler must find room
-        # for all of them (Guaranteed QoS: the last to be evicted).
-        "resources": {"requests": dict(limits), "limits": dict(limits)},
+        "resources": {"requests": pod_requests(pool), "limits": pod_limits(pool)},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
