@@ -187,3 +187,13 @@ def test_an_unsandboxed_process(tmp_path, files):
         ("ROLLOUT_TASKS_FILE", f"{T}/tasks.json"),
     ]
     assert (made.cwd, made.run_as) == (f"{T}/ws", (1000, 1000))
+
+
+
+def test_a_sandbox_hosts_bwrap_forbids_user_namespaces_inside(tmp_path, files):
+    # In a sandbox host (a Pod in a user namespace of its own) an episode must not make user
+    # namespaces: bwrap needs a user namespace of its own for that (--unshare-user).
+    made = plan(tmp_path, disable_userns=True).argv
+    start = made.index("--unshare-all")
+    assert made[start : start + 3] == ["--unshare-all", "--unshare-user", "--disable-userns"]
+    assert made[: start + 1] + made[start + 3 :] == plan(tmp_path).argv

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import os
 import shutil
 import signal
@@ -47,11 +46,12 @@ from rollout_worker.backends.local.files import (
     write_json_atomic,
 )
 from rollout_worker.backends.local.pool import PoolDir, ask
+from rollout_worker.backends.local.run_file import describe_python, run_document, write_program
 from rollout_worker.backends.local.sandbox import ImageRoot
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits, storage_bytes
-from rollout_worker.sandbox import compile_program, compiled_path, episode_program_text
+from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
 # How long a cancel waits for the supervisor to stop its sandboxes (longer under heavy load).
@@ -80,26 +80,6 @@ def probe_bwrap() -> str | None:
     return (
         None if done.returncode == 0 else f"bwrap cannot create namespaces: {done.stderr.strip()}"
     )
-
-
-@functools.lru_cache(maxsize=4)
-def describe_python(python: str) -> tuple[str, str]:
-    """(sys.base_prefix, an image-id-like identity) of the sandbox interpreter."""
-    done = subprocess.run(
-        [
-            python,
-            "-c",
-            "import sys, platform; print(sys.base_prefix); print(platform.python_version())",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    prefix, version = done.stdout.split()
-    real = os.path.realpath(python)
-    digest = hashlib.sha256(Path(real).read_bytes()).hexdigest()[:16]
-    return prefix, f"local://{real}@python{version}:sha256-{digest}"
 
 
 def _closed_to_others(path: Path) -> Path | None:
@@ -204,39 +184,22 @@ class LocalBackend:
         _refuse_missing_task_env(spec)  # so does a ${VAR} this worker has no value for
         run_dir = RunDir(self.root / spec.batch_id)
         python = self.settings.local_python
-        prefix, image_id = describe_python(python)
-        memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
+        run = run_document(
+            spec,
+            isolation=isolation,
+            python=python,
+            rootfs_dir=self.settings.rootfs_dir,
+            node=socket.gethostname(),
+            redis_url=self.settings.redis_url,
+            record_ttl=self.settings.record_ttl,
+        )
         run_dir.path.mkdir(parents=True, exist_ok=True)
         for path in (self.root, run_dir.path):
             path.chmod(0o755)  # readable by the sandboxes' host user; written only by us
-        run = {
-            "owner": OWNER,
-            "batch_id": spec.batch_id,
-            "run_uid": uuid.uuid4().hex,
-            "created_at": time.time(),
-            "spec": spec.to_dict(),
-            "limits": {
-                "memory_bytes": memory_bytes,
-                "cpu_seconds": cpu_seconds,
-                "storage_bytes": storage_bytes(spec.resources),
-            },
-            "episode_prefix": f"rollout-{spec.batch_id}",
-            "isolation": isolation,
-            "python": python,
-            "python_prefix": prefix,
-            "image_id": image_id,
-            "rootfs_dir": str(self.settings.rootfs_dir),
-            "node": socket.gethostname(),
-            "progress": {
-                "redis_url": self.settings.redis_url,
-                "batch_id": spec.batch_id,
-                "ttl": self.settings.record_ttl,
-            },
-        }
         key = self.pool_key(spec)
         if key is not None and self._pool_dir(key).socket.exists():
             run["pool_dir"] = str(self._pool_dir(key).path)  # its supervisor takes from it
-        _write_program(run_dir.program, python)
+        write_program(run_dir.program, python)
         # The first start creates run.json; a redelivered start finds it and keeps its origin.
         create_json_exclusive(run_dir.run_file, run)
         existing = run_dir.read_json(run_dir.run_file)
@@ -491,7 +454,7 @@ class LocalBackend:
         python = self.settings.local_python
         prefix, _ = describe_python(python)
         memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
-        _write_program(pool_dir.program, python)
+        write_program(pool_dir.program, python)
         write_json_atomic(
             pool_dir.config,
             {
@@ -566,16 +529,3 @@ def _refuse_missing_task_env(spec: BatchSpec) -> None:
             "; ".join(missing) + " (set it in the workers' environment, or give it a default: "
             "${VAR:-default})"
         )
-
-
-def _write_program(path: Path, python: str) -> None:
-    """The episode program, readable by the sandboxes, written once (atomically), and its
-    bytecode for the sandboxes' interpreter."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(episode_program_text())
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
-    if not compiled_path(path).exists():
-        compile_program(path, python)

@@ -155,6 +155,7 @@ def plan_sandbox(
     root: ImageRoot | None = None,
     workdir: str | None = None,
     secret_env: Mapping[str, str] | None = None,
+    disable_userns: bool = False,
 ) -> SandboxPlan:
     """How to start one episode: bwrap (own namespaces, read-only system, private /tmp, no
     network, uid 1000, no capabilities) or, with isolation "none", a plain unprivileged process.
@@ -165,6 +166,8 @@ def plan_sandbox(
     sandbox's root, its interpreter running the episode, the workspace at the image's WORKDIR.
     `workdir` (bwrap, no `root`): the task's own path for the workspace instead of /workspace.
     `secret_env`: variables kept off the command line (SandboxPlan.secret_env).
+    `disable_userns` (bwrap): the episode cannot make user namespaces of its own (a sandbox
+    host's episodes, whose host Pod is itself in a user namespace).
     """
     secrets = dict(secret_env or {})
     base_env = {
@@ -200,7 +203,7 @@ def plan_sandbox(
     env |= {m.env: m.target for m in mounts if m.env}
     argv = [
         "bwrap",
-        *_namespaces(status_fd),
+        *_namespaces(status_fd, disable_userns),
         *root_args,
         *_scratch(tmp),
         *_episode_mounts(program, compiled, workspace, workspace_mount, mounts),
@@ -214,11 +217,13 @@ def plan_sandbox(
     return SandboxPlan(argv, {}, str(workspace), run_as, secrets, len(argv) - 4)
 
 
-def _namespaces(status_fd: int | None) -> list[str]:
+def _namespaces(status_fd: int | None, disable_userns: bool = False) -> list[str]:
     """Its own namespaces, session and identity: uid 1000 without capabilities."""
     return [
         *(["--json-status-fd", str(status_fd)] if status_fd is not None else []),
         "--unshare-all",
+        # --disable-userns needs a user namespace of bwrap's own, not only one if it can.
+        *(["--unshare-user", "--disable-userns"] if disable_userns else []),
         # The runner is the sandbox's PID 1, as in a Pod's container: the kernel then drops
         # the signals its agent sends it (it cannot kill the runner to turn its episode into
         # an infrastructure failure), and no other process holds the runner's stdout for the

@@ -195,8 +195,9 @@ class Supervisor:
         suffix = f"-retry{attempt}" if attempt else ""
         return f"{self.run['episode_prefix']}-{index}{suffix}"
 
-    def write_status(self, index: int, **fields: Any) -> None:
-        status = {
+    def status_fields(self, index: int, **fields: Any) -> dict[str, Any]:
+        """Episode `index`'s end, as its status file holds it."""
+        return {
             "index": index,
             "episode_id": self.episode_id(index),
             "node": self.run["node"],
@@ -204,7 +205,9 @@ class Supervisor:
             "restart_count": 0,
             "retried": self.retried.get(index, []),
         } | fields
-        write_json_atomic(self.dir.status(index), status)
+
+    def write_status(self, index: int, **fields: Any) -> None:
+        write_json_atomic(self.dir.status(index), self.status_fields(index, **fields))
         self.progress(index, "done")
 
     def todo(self) -> deque[int]:
@@ -265,6 +268,7 @@ class Supervisor:
             root=root,
             workdir=workdir if root is None else None,
             secret_env=task_env_values(self.task_of(index), phase, os.environ),
+            disable_userns=bool(self.run.get("disable_userns")),
         )
         if plan.run_as:
             for folder, _, files in os.walk(workspace):
@@ -353,8 +357,9 @@ class Supervisor:
     def track(self, item: Running) -> None:
         """Follow a started sandbox: its exit (pidfd) and its output."""
         self.running[item.pidfd] = item
-        self.selector.register(item.pidfd, selectors.EVENT_READ, ("exit", item))
-        self.selector.register(item.out, selectors.EVENT_READ, ("out", item))
+        # With itself: a host agent's selector follows the sandboxes of several runs.
+        self.selector.register(item.pidfd, selectors.EVENT_READ, ("exit", item, self))
+        self.selector.register(item.out, selectors.EVENT_READ, ("out", item, self))
         self.progress(item.index, "running")
 
     def take_warm(self) -> None:
@@ -494,39 +499,47 @@ class Supervisor:
     def loop(self) -> None:
         pending = self.todo()
         while pending or self.running:
-            now = time.time()
-            if self.stopping or now >= self.run_deadline:
-                why = "Stopped" if self.stopping else "DeadlineExceeded"
-                for item in list(self.running.values()):
-                    item.kill(why)
-                while pending:
-                    self.write_status(
-                        pending.popleft(),
-                        phase="Failed",
-                        reason=why,
-                        exit_code=None,
-                        finished_at=now,
-                    )
-            self.check_disk(now)
-            self.take_warm()
-            while pending and len(self.running) < self.parallelism:
-                self.start(pending.popleft())
-            for item in list(self.running.values()):
-                if now >= item.deadline:
-                    item.kill("DeadlineExceeded")
+            self.tick(time.time())
             next_deadline = min([self.run_deadline, *(r.deadline for r in self.running.values())])
             timeout = max(0.0, min(next_deadline - time.time(), 1.0))
             for key, _ in self.selector.select(timeout if self.running else 0):
-                kind, item = key.data
-                if item.done:
-                    continue  # its exit was handled earlier in this same batch of events
-                if kind == "exit":
-                    self.finish(item)
-                elif not self.read_output(item):
-                    self.selector.unregister(item.out)  # EOF before exit: wait for the exit
+                kind, item, _ = key.data
+                self.dispatch(kind, item)
         if self.proxy is not None:
             self.proxy.close_all()
         write_json_atomic(self.dir.finished_file, {"finished_at": time.time()})
+
+    def tick(self, now: float) -> None:
+        """One look at the run: stop or deadline, disk, starts into free slots, kills."""
+        pending = self.pending
+        if self.stopping or now >= self.run_deadline:
+            why = "Stopped" if self.stopping else "DeadlineExceeded"
+            for item in list(self.running.values()):
+                item.kill(why)
+            while pending:
+                self.write_status(
+                    pending.popleft(),
+                    phase="Failed",
+                    reason=why,
+                    exit_code=None,
+                    finished_at=now,
+                )
+        self.check_disk(now)
+        self.take_warm()
+        while pending and len(self.running) < self.parallelism:
+            self.start(pending.popleft())
+        for item in list(self.running.values()):
+            if now >= item.deadline:
+                item.kill("DeadlineExceeded")
+
+    def dispatch(self, kind: str, item: Running) -> None:
+        """One selector event of a sandbox: its exit, or output to copy."""
+        if item.done:
+            return  # its exit was handled earlier in this same batch of events
+        if kind == "exit":
+            self.finish(item)
+        elif not self.read_output(item):
+            self.selector.unregister(item.out)  # EOF before exit: wait for the exit
 
     def request_stop(self, *_: object) -> None:
         self.stopping = True
