@@ -48,6 +48,7 @@ from rollout_wire.task_spec import Task as Task
 from rollout_wire.task_spec import countable as countable
 
 BACKENDS = ("local", "kubernetes")
+ISOLATIONS = ("pod", "host")  # kubernetes: a Pod per episode, or sandboxes in host Pods
 # The episode's action: `fix` is the guide's deterministic stand-in for an agent; `none`
 # leaves the bug in place (reward 0, the episode fails); `hang` never finishes (exercises
 # deadlines).
@@ -83,6 +84,8 @@ class BatchSpec:
     count: int
     parallelism: int
     backend: str = "local"
+    # Kubernetes: "pod" (a Pod per episode) or "host" (bubblewrap sandboxes in sandbox-host Pods).
+    isolation: str = "pod"
     image: str = DEFAULT_IMAGE
     runtime: str = DEFAULT_RUNTIME
     deadline_seconds: int = DEFAULT_DEADLINE_SECONDS
@@ -403,6 +406,8 @@ _TABLE: tuple[Field | Check, ...] = (
     Field("count", _count),
     Field("parallelism", _parallelism),
     Field("backend", choice("backend", "local", BACKENDS), str),
+    Field("isolation", choice("isolation", "pod", ISOLATIONS), str),
+    Check(request_checks.host_only_on_kubernetes),
     Field(
         "image",
         matching(

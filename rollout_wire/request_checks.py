@@ -12,12 +12,25 @@ from rollout_wire.task_spec import DEFAULT_TASK_TIME_LIMIT_SECONDS, ORACLE, orac
 from rollout_wire.task_steps import kubernetes_step_problems
 
 
+def on_pods(request: ParseState) -> bool:
+    """A Pod per episode: Kubernetes' own rules apply (a host batch runs local semantics)."""
+    return request["backend"] == "kubernetes" and request["isolation"] == "pod"
+
+
+def host_only_on_kubernetes(request: ParseState) -> None:
+    if request["isolation"] == "host" and request["backend"] != "kubernetes":
+        request.problems.append(
+            f"isolation: host is for backend kubernetes (sandbox-host Pods), not "
+            f"{request['backend']!r}: the local backend's sandboxes already share its machine"
+        )
+
+
 def fresh_grade_in_the_batch_image(request: ParseState) -> None:
     """`grade: fresh` on Kubernetes for a task in its own image: its Pod seeds a workspace
     volume from the image's workdir and mounts it there in the agent's container and in a fresh
     grader's (kube pod_spec seeds_workspace), so the task names that workdir, and every task of
     its image grades `fresh` (one Job per image grades one way)."""
-    if request["backend"] != "kubernetes":
+    if not on_pods(request):
         return
     by_image: dict[str, list] = {}
     for task in request["tasks"]:
@@ -48,14 +61,14 @@ def steps_where_they_run(request: ParseState) -> None:
     never from
     a warm pool (a warm sandbox is handed its task on a line the agent's sandbox holds, and has
     nowhere else to keep the later steps' tests)."""
-    if request["backend"] == "kubernetes":
+    if on_pods(request):
         request.problems.extend(kubernetes_step_problems(request["tasks"]))
     if request.data.get("warm_pool") and any(t.get("steps") for t in request["tasks"]):
         request.problems.append("warm_pool cannot go with tasks with steps: they start cold")
 
 
 def agent_env_only_local(request: ParseState) -> None:
-    if request["agent_env"] is not None and request["backend"] == "kubernetes":
+    if request["agent_env"] is not None and on_pods(request):
         request.problems.append(
             "agent_env is for the local backend: on Kubernetes the image holds the agent"
         )

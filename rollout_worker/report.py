@@ -225,9 +225,11 @@ def _capacity_section(spec: BatchSpec, read: _Rows, run: RunHandle) -> dict[str,
 
 
 def _request_section(spec: BatchSpec) -> dict[str, Any]:
-    """What ran: backend, image, runtime, action, labels (as the request gave them)."""
+    """What ran: backend, isolation, image, runtime, action, labels (as the request gave
+    them)."""
     return {
         "backend": spec.backend,
+        "isolation": spec.isolation,
         "image": spec.image,
         "runtime": spec.runtime,
         "action": spec.action,

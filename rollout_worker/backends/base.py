@@ -140,6 +140,15 @@ class LocalRunHandle(RunHandle):
     node: str | None = None
 
 
+@dataclass(frozen=True)
+class HostRunHandle(RunHandle):
+    """A run on the sandbox hosts (`isolation: host`): its registration in Redis (the UID
+    that proves it ours) and the episode program the hosts must run."""
+
+    run_uid: str | None = None
+    program_sha: str | None = None
+
+
 H = TypeVar("H", bound=RunHandle)
 
 
@@ -155,6 +164,7 @@ def handle_as(kind: type[H], handle: RunHandle) -> H:
 HANDLE_KINDS: dict[str, type[RunHandle]] = {
     "kubernetes": KubeRunHandle,
     "local": LocalRunHandle,
+    "hosts": HostRunHandle,
 }
 
 

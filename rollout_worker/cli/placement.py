@@ -11,9 +11,17 @@ from typing import Any
 
 import click
 
-from rollout_wire.request import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from rollout_wire.request import DEFAULT_IMAGE, DEFAULT_RUNTIME, ISOLATIONS
 
-NAMES = ("image", "runtime", "image_pull_policy", "node_selector", "toleration", "capacity_check")
+NAMES = (
+    "isolation",
+    "image",
+    "runtime",
+    "image_pull_policy",
+    "node_selector",
+    "toleration",
+    "capacity_check",
+)
 
 
 def options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -25,6 +33,14 @@ def options(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(**kwargs, placement=fields(**given))
 
     decorators = [
+        click.option(
+            "--isolation",
+            type=click.Choice(ISOLATIONS),
+            default="pod",
+            show_default=True,
+            help="kubernetes: a Pod per episode (pod), or bubblewrap sandboxes in the "
+            "sandbox-host Pods (host).",
+        ),
         click.option(
             "--image",
             default=DEFAULT_IMAGE,
@@ -70,6 +86,7 @@ def options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def fields(
     *,
+    isolation: str,
     image: str,
     runtime: str,
     image_pull_policy: str,
@@ -78,6 +95,7 @@ def fields(
     capacity_check: str,
 ) -> dict[str, Any]:
     return {
+        "isolation": isolation,
         "image": image,
         "runtime": runtime,
         "image_pull_policy": image_pull_policy,

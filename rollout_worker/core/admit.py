@@ -11,6 +11,7 @@ from typing import Any
 from rollout_wire.errors import BackendError, InvalidSpec, TransientBackendError
 from rollout_wire.request import BatchSpec, is_batch_id, parse_spec
 from rollout_wire.states import BatchStatus, SubmitStatus
+from rollout_worker.backends import backend_name
 from rollout_worker.backends.base import RunHandle
 from rollout_worker.core.state import FLAG_CHORD, BackendFor, BatchStore, Limits, load_receipt
 from rollout_worker.quantities import resource_problems
@@ -31,7 +32,7 @@ def admit(request: Mapping[str, Any], max_episodes: int, pod_create_rate: float 
         spec.count,
         spec.parallelism,
         spec.deadline_seconds,
-        backend=spec.backend,
+        backend=backend_name(spec),
         create_rate=pod_create_rate,
     )
     if too_long:
@@ -105,7 +106,8 @@ def submit(
     if fresh:
         # The registry entry outlives the receipt: the sweeper's proof of what was created.
         store.register_run(
-            spec.batch_id, {"batch_id": spec.batch_id, "backend": spec.backend, "created_at": now}
+            spec.batch_id,
+            {"batch_id": spec.batch_id, "backend": backend_name(spec), "created_at": now},
         )
     else:
         stored = load_receipt(store, spec.batch_id)
@@ -118,7 +120,7 @@ def submit(
             return Submitted(spec.batch_id, SubmitStatus.DONE)
         spec = stored.spec  # keep the first delivery's submitted_at
 
-    backend = backend_for(spec.backend)
+    backend = backend_for(backend_name(spec))
 
     def record(fields: Mapping[str, Any]) -> None:
         store.update_receipt(spec.batch_id, fields)

@@ -207,6 +207,7 @@ def cached_backend(cache: dict[str, Backend], key: str, make: Callable[[], Backe
 
 
 def sweep_backends(settings: Settings) -> list[str]:
-    """The backends whose runs the sweeper lists: local always, Kubernetes when configured."""
+    """The backends whose runs the sweeper lists: local always, Kubernetes (and its sandbox
+    hosts, whose runs live in Redis) when configured."""
     in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-    return ["local", "kubernetes"] if settings.kubeconfig or in_cluster else ["local"]
+    return ["local", "kubernetes", "hosts"] if settings.kubeconfig or in_cluster else ["local"]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from rollout_wire import constants as k
 from rollout_wire.errors import TransientBackendError
 from rollout_wire.states import Cleanup, FailureKind, FinalizedBy, Records
-from rollout_worker.backends import get_backend
+from rollout_worker.backends import backend_name, get_backend
 from rollout_worker.backends.base import Backend, RunHandle
 from rollout_worker.core.admit import fail, submit
 from rollout_worker.core.collect import (
@@ -430,7 +430,7 @@ class Worker:
         with retried(k.TASK_FILL_POOL):
             filled = fill_pool(
                 self.store,
-                self.backend(receipt.spec.backend),
+                self.backend(backend_name(receipt.spec)),
                 receipt.spec,
                 budget=self.settings.warm_pool_budget,
                 idle_seconds=self.settings.warm_pool_idle_seconds,

@@ -102,11 +102,12 @@ def _conclude(episode: Episode) -> None:
 
 
 # The backend's reasons that say the sandbox was ended from outside (deadlines, a stop, a lost
-# supervisor, an evicted or unschedulable Pod): never the policy's doing.
+# supervisor or sandbox host, an evicted or unschedulable Pod): never the policy's doing.
 INFRASTRUCTURE_REASONS = (
     "DeadlineExceeded",
     "Stopped",
     "SupervisorLost",
+    "HostLost",
     "Evicted",
     "BackoffLimitExceeded",
     "Unschedulable",

@@ -10,6 +10,7 @@ import pytest
 from rollout_wire.errors import BackendError
 from rollout_wire.states import RunVerdict
 from rollout_worker.backends.base import (
+    HostRunHandle,
     KubeRunHandle,
     LocalRunHandle,
     RunHandle,
@@ -99,3 +100,24 @@ def test_run_verdicts_are_the_job_controllers_words():
     words = ["Complete", "Failed", "Running", "Suspended", "Unknown"]
     assert [v.value for v in RunVerdict] == words
     assert orjson.dumps({"run_verdict": RunVerdict.COMPLETE}) == b'{"run_verdict":"Complete"}'
+
+
+def test_a_host_run_handle_round_trips_as_its_own_kind():
+    handle = HostRunHandle(
+        backend="hosts",
+        batch_id="b9",
+        origin=1796119252.25,
+        episode_prefix="ep-b9",
+        context="hosts",
+        infra_retries=2,
+        run_uid="run-uid-9",
+        program_sha="abc123",
+    )
+    stored = orjson.dumps(handle.to_dict())
+    back = RunHandle.from_dict(orjson.loads(stored))
+    assert isinstance(back, HostRunHandle) and back == handle
+    assert (back.run_uid, back.program_sha, back.infra_retries) == ("run-uid-9", "abc123", 2)
+    assert not back.fed and back.episode_id(4) == "ep-b9-4"
+    assert handle_as(HostRunHandle, back) is back
+    with pytest.raises(BackendError, match="hosts run"):
+        handle_as(LocalRunHandle, back)

@@ -58,7 +58,6 @@ from rollout_worker.backends.kube.read import (
     capacity_plan,
     completion_index,
     episode_ended,
-    node_ready,
     observe_pods,
     ts,
 )
@@ -105,27 +104,6 @@ class KubernetesBackend:
     # -- the edge: every call goes through api.py ----------------------------------------------
     _call = staticmethod(api.call)
     _text = staticmethod(api.text)
-
-    def check(self, runtime: str) -> tuple[list[str], list[str]]:
-        """For `rollout check`: (what was found, what is missing) in the cluster."""
-        found, missing = [], []
-        version = self._call("version", client.VersionApi(self.api).get_code)
-        found.append(f"cluster: {self.context} ({version.get('gitVersion')})")
-        nodes = self._call("nodes", self.core.list_node)["items"]
-        ready = [n["metadata"]["name"] for n in nodes if node_ready(n)]
-        found.append(f"nodes: {len(ready)} ready of {len(nodes)}")
-        if not ready:
-            missing.append("no Ready node")
-        try:
-            rc = self._call(f"RuntimeClass {runtime}", self.nodes_api.read_runtime_class, runtime)
-            overhead = (rc.get("overhead") or {}).get("podFixed") or {}
-            found.append(
-                f"RuntimeClass {runtime}: handler {rc.get('handler')}, "
-                f"overhead {overhead or 'none'}"
-            )
-        except ResourceNotFound:
-            missing.append(f"RuntimeClass {runtime!r} does not exist (use --runtime)")
-        return found, missing
 
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
@@ -489,7 +467,9 @@ class KubernetesBackend:
             events.get("items", []),
             self.settings.kube_job_ttl_seconds,
         )
-        return FinishedRun(records=records, completed_at=completed_at, verdict=verdict)
+        # A Pod per episode: the report's run_isolation (a host run says "host").
+        facts = {"isolation": "pod"}
+        return FinishedRun(records=records, completed_at=completed_at, verdict=verdict, facts=facts)
 
     def cancel_run(self, handle: RunHandle) -> None:
         """Suspend the Jobs: their controller deletes the running Pods and starts no more, and

@@ -268,9 +268,10 @@ def cluster_check(backend: Any, runtime: str) -> tuple[list[str], list[str]]:
     """`rollout check` on a cluster: the backend's own check (cluster, nodes, RuntimeClass),
     then the access review; (lines, problems). Never raises for an unusable cluster."""
     from rollout_wire.errors import RolloutError
+    from rollout_worker.backends.kube.check import check
 
     try:
-        lines, problems = backend.check(runtime)
+        lines, problems = check(backend, runtime)
     except RolloutError as exc:
         lines, problems = [], [f"cluster not usable: {exc}"]
     try:
