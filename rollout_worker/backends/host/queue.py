@@ -306,7 +306,8 @@ class HostQueue:
         args = [batch, run_uid, doc, count, parallelism, repr(deadline_at), infra_retries]
         args += [str(run.get("episode_prefix") or batch), str(run.get("image_id") or "")]
         keys = [k.host_batch_key(batch, "run"), k.HOSTS_RUNS_KEY]
-        self._enqueue(keys=keys, args=[*args, repr(time.time())])
+        created_at = float(run.get("created_at") or time.time())  # the run's origin
+        self._enqueue(keys=keys, args=[*args, repr(created_at)])
 
     def run_doc(self, batch: str) -> bytes | None:
         doc = self.redis.hget(k.host_batch_key(batch, "run"), "doc")
@@ -324,6 +325,17 @@ class HostQueue:
     def statuses(self, batch: str) -> dict[int, dict[str, Any]]:
         raw = self.redis.hgetall(k.host_batch_key(batch, "status"))
         return {int(i): dict(orjson.loads(v)) for i, v in raw.items()}
+
+    def ended(self, batch: str, indexes: list[int]) -> list[int] | None:
+        """Those of `indexes` that have a status; None when the run is gone (deleted)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(k.host_batch_key(batch, "run"))
+        for index in indexes:
+            pipe.hexists(k.host_batch_key(batch, "status"), str(index))
+        exists, *has = pipe.execute()
+        if not exists:
+            return None
+        return [index for index, yes in zip(indexes, has, strict=True) if yes]
 
     def log(self, batch: str, index: int) -> bytes | None:
         raw = self.redis.get(k.host_batch_key(batch, f"log:{index}"))
@@ -418,6 +430,10 @@ class HostQueue:
     def attempts(self, batch: str, index: int) -> list[dict[str, Any]]:
         raw = self.redis.hget(k.host_batch_key(batch, "attempts"), str(index))
         return [] if raw is None else list(orjson.loads(raw))
+
+    def all_attempts(self, batch: str) -> dict[int, list[dict[str, Any]]]:
+        raw = self.redis.hgetall(k.host_batch_key(batch, "attempts"))
+        return {int(i): list(orjson.loads(v)) for i, v in raw.items()}
 
     def stopped(self, batch: str) -> bool:
         """Cancelled or deleted: a host kills what it runs of this batch."""
