@@ -9,8 +9,6 @@ and read here as they do on the local backend.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import time
 import uuid
 from collections.abc import Set as AbstractSet
@@ -32,23 +30,16 @@ from rollout_worker.backends.base import (
 )
 from rollout_worker.backends.host.queue import HostQueue
 from rollout_worker.backends.local.files import OWNER
+from rollout_worker.backends.local.run_file import program_sha
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import sandbox_limits, storage_bytes
-from rollout_worker.sandbox import episode_program_text
 from rollout_worker.settings import Settings
 
 # As the local backend: how long a cancel waits for the hosts to stop the batch's sandboxes.
 CANCEL_WAIT_SECONDS = 30.0
 CANCEL_POLL_SECONDS = 0.2
 CONTEXT = "hosts"
-
-
-@functools.lru_cache(maxsize=1)
-def program_sha() -> str:
-    """The episode program's identity: hosts advertise theirs, and a batch runs only where it
-    is the workers' own (a rolling upgrade's two generations must not mix)."""
-    return hashlib.sha256(episode_program_text().encode()).hexdigest()
 
 
 def run_document(spec: BatchSpec, run_uid: str, *, created_at: float, ttl: int) -> dict[str, Any]:
