@@ -94,6 +94,8 @@ def refused(backend: HostBackend, s) -> str:
 
 def test_preflight_refuses_before_anything_exists(backend):
     assert "no live sandbox host" in refused(backend, spec())
+    live_host(backend.queue, "leaving", draining=True)
+    assert "no live sandbox host" in refused(backend, spec())
     backend.queue.heartbeat("old", {"slots": 1, "program_sha": "0" * 64})
     assert "no sandbox host runs this worker's episode program" in refused(backend, spec())
     live_host(backend.queue, slot_memory_bytes=2**20)

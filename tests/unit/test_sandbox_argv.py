@@ -189,7 +189,6 @@ def test_an_unsandboxed_process(tmp_path, files):
     assert (made.cwd, made.run_as) == (f"{T}/ws", (1000, 1000))
 
 
-
 def test_a_sandbox_hosts_bwrap_forbids_user_namespaces_inside(tmp_path, files):
     # In a sandbox host (a Pod in a user namespace of its own) an episode must not make user
     # namespaces: bwrap needs a user namespace of its own for that (--unshare-user).

@@ -98,11 +98,15 @@ class HostBackend:
     # -- protocol ----------------------------------------------------------------------------
     def preflight(self, spec: BatchSpec) -> list[str]:
         """Refuse, before anything is created, what no live host can run."""
-        hosts = self.queue.hosts()
+        # A draining host (SIGTERM, scale-down) takes nothing more.
+        hosts = {
+            name: info for name, info in self.queue.hosts().items() if not info.get("draining")
+        }
         if not hosts:
             raise BackendUnavailable(
-                "no live sandbox host (isolation: host): none has sent a heartbeat in the last "
-                "15 s; start the hosts (the chart's hosts.enabled) or use isolation: pod"
+                "no live sandbox host (isolation: host): none that is not draining has sent a "
+                "heartbeat in the last 15 s; start the hosts (the chart's hosts.enabled) or use "
+                "isolation: pod"
             )
         sha = program_sha()
         ours = {name: info for name, info in hosts.items() if info.get("program_sha") == sha}
