@@ -121,7 +121,7 @@ def test_host_pods_reach_the_stacks_redis_and_run_the_sandbox(
                 "WORKSPACE": "/tmp/workspace",
                 "PROBE": PROBE,
                 "SANDBOX_ARGV": json.dumps(_sandbox_argv()),
-                "HOST_ROOT": manifests.HOST_ROOT,
+                "HOST_ROOT": manifests.HOST_VOLUME,
                 "REPORTS": REPORTS,
             }.items()
         ]

@@ -7,6 +7,7 @@ import pytest
 from rollout_worker.backends.host.manifests import (
     HOST_ROOT,
     HOST_SECCOMP_PROFILE,
+    HOST_VOLUME,
     Endpoint,
     HostPool,
     host_objects,
@@ -80,7 +81,9 @@ def test_limits_are_slots_times_an_episode_plus_the_agent():
     # 3 x 1Gi of episode disk + 256Mi of margin.
     assert volumes == {"root": {"sizeLimit": "3328Mi"}, "tmp": {"sizeLimit": "256Mi"}}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"root": HOST_ROOT, "tmp": "/tmp"}
+    assert mounts == {"root": HOST_VOLUME, "tmp": "/tmp"}
+    # The agent's root is a folder of the volume: it may chmod and wipe that, not the mount.
+    assert HOST_ROOT.startswith(HOST_VOLUME + "/")
 
     bigger = pool(slots=2, slot_cpu="1", slot_memory="1Gi", slot_storage="500M")
     (container,) = host_objects(bigger)[1]["spec"]["template"]["spec"]["containers"]

@@ -26,9 +26,11 @@ from rollout_wire.resources import DEFAULT_STORAGE_LIMIT
 HOST_SECCOMP_PROFILE = "rollout/bwrap-host.json"
 LABEL_HOST_POOL = "rollout.dev/host-pool"
 CONTAINER_NAME = "host"
-# The agent's scratch (one folder per batch below it); it wipes it at start. An emptyDir: a
-# container restart keeps it, a new Pod starts empty.
-HOST_ROOT = "/var/lib/rollout-host"
+# The scratch volume: an emptyDir (a container restart keeps it, a new Pod starts empty).
+HOST_VOLUME = "/var/lib/rollout-host"
+# The agent's root (one folder per batch below it), which it wipes, makes and chmods at start: a
+# folder of the volume, since uid 1000 may neither chmod nor remove the mount point (root's).
+HOST_ROOT = f"{HOST_VOLUME}/root"
 HOST_TMP = "/tmp"
 HOST_UID = 1000
 # The agent's own share of the Pod, on top of its slots: a Python process with a Redis client
@@ -173,7 +175,7 @@ def host_container(pool: HostPool) -> dict[str, Any]:
             "procMount": "Unmasked",
         },
         "volumeMounts": [
-            {"name": "root", "mountPath": HOST_ROOT},
+            {"name": "root", "mountPath": HOST_VOLUME},
             {"name": "tmp", "mountPath": HOST_TMP},
         ],
     }
