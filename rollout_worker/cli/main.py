@@ -350,6 +350,19 @@ def cleanup(output: Path) -> None:
     out(f"deleted run of batch {receipt.get('batch_id')}")
 
 
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def host(args: tuple[str, ...]) -> None:
+    """A sandbox host: take episodes of `isolation: host` batches and run each in a fresh
+    bubblewrap sandbox (`rollout host --help` for its options)."""
+    from rollout_worker.backends.host.agent import main as host_main
+
+    sys.exit(host_main(list(args), prog="rollout host"))
+
+
 @cli.command("policy-server")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)

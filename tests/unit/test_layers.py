@@ -51,6 +51,12 @@ def test_the_local_supervisor_loads_no_kubernetes_client():
     assert "kubernetes" not in loaded("import rollout_worker.backends.local.supervisor")
 
 
+def test_the_sandbox_host_agent_loads_no_kubernetes_client_nor_celery():
+    # It runs in host Pods that hold no API token, beside hostile sandboxes: no client to use.
+    modules = loaded("import rollout_worker.backends.host.agent")
+    assert not modules & {"kubernetes", "celery", "matplotlib", "rich", "trainer_stub"}
+
+
 # -- the import graph of the source, read statically (lazy imports inside functions too) ----
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from rollout_wire.request import BatchSpec
 from rollout_worker.backends.local.files import OWNER
-from rollout_worker.quantities import sandbox_limits, storage_bytes
 from rollout_worker.sandbox import compile_program, compiled_path, episode_program_text
 
 
@@ -77,6 +76,10 @@ def run_document(
     record_ttl: int,
 ) -> dict[str, Any]:
     """run.json for a new run of `spec` (its run_uid and created_at made here)."""
+    # Here, not at the top: quantities loads the kubernetes client's parser, which a sandbox
+    # host (that only reads run documents) must not load.
+    from rollout_worker.quantities import sandbox_limits, storage_bytes
+
     memory_bytes, cpu_seconds = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
     return {
         "owner": OWNER,

@@ -1,0 +1,355 @@
+"""The sandbox host agent: a long-lived process (one per host Pod) that takes episodes from the
+hosts' Redis list (queue.py) while it has a free slot and runs each in a fresh bubblewrap
+sandbox through the local supervisor's machinery (run.py), any batch's, one after another.
+
+`python -m rollout_worker.backends.host.agent --redis-url URL --name NAME --slots N --root DIR`
+(also `rollout host`). A taker thread blocks on the list while a slot is free and wakes the loop
+through an eventfd in its selector; the loop follows every sandbox (pidfds, output), renews all
+its leases every RENEW_SECONDS and kills the sandbox of a lease it lost, kills a stopped batch's
+sandboxes, enforces deadlines and disk limits, and heartbeats. SIGTERM: take nothing more, let
+the running episodes end (up to a grace), then exit 0; what is still running then is killed and
+recorded nowhere, so its lease expires and another host runs it (HostLost).
+
+It loads no `kubernetes` module, and never reaps with waitpid(-1): each sandbox is waited for
+by its own Popen (or pidfd), and an orphan is the Pod's init's to reap."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue as queues
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from rollout_wire.redis_url import redis_client
+from rollout_wire.urls import redacted
+from rollout_worker.backends.host.queue import LEASE_SECONDS, RENEW_SECONDS, HostQueue, Lease
+from rollout_worker.backends.host.run import HostRun, Machine
+from rollout_worker.backends.local.run_file import program_sha, write_program
+from rollout_worker.backends.local.sandbox import WORKDIR_SUFFIX
+from rollout_worker.settings import Settings
+
+LOOK_SECONDS = 1.0  # how often the agent reads its batches' flags (cancelled, deleted)
+IDLE_KEEP_SECONDS = 5.0  # a batch's folder kept this long with nothing of it running
+TAKE_WAIT_SECONDS = 1.0  # one blocking take; the taker sees a stop this often
+DEFAULT_GRACE_SECONDS = 25.0  # under a Pod's default terminationGracePeriodSeconds (30)
+PROGRAM_DIR = "_program"  # the episode program, linked into each run (no batch id has "_")
+
+
+class Taker(threading.Thread):
+    """Takes an episode while a slot is free; each lease goes to the loop's inbox."""
+
+    def __init__(self, queue: HostQueue, host: str, slots: int) -> None:
+        super().__init__(name="taker", daemon=True)
+        self.queue = queue
+        self.host = host
+        self.free = threading.Semaphore(slots)
+        self.inbox: queues.SimpleQueue[Lease] = queues.SimpleQueue()
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.free.acquire(timeout=0.2):
+                continue
+            try:
+                lease = self.queue.take(self.host, TAKE_WAIT_SECONDS)
+            except redis.RedisError as exc:
+                print(f"taker: {exc}", flush=True)
+                lease = None
+                self.stop.wait(1.0)
+            if lease is None:
+                self.free.release()
+                continue
+            self.inbox.put(lease)
+            os.eventfd_write(self.wake, 1)
+
+
+class Agent:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        name: str,
+        slots: int,
+        root: Path,
+        machine: Machine,
+        grace: float = DEFAULT_GRACE_SECONDS,
+    ) -> None:
+        self.queue = HostQueue(client)
+        self.name = name
+        self.slots = slots
+        self.root = root
+        self.machine = machine
+        self.grace = grace
+        self.selector = selectors.DefaultSelector()
+        self.runs: dict[str, HostRun] = {}
+        self.taker = Taker(HostQueue(client), name, slots)
+        self.selector.register(self.taker.wake, selectors.EVENT_READ, None)
+        self.draining_since: float | None = None
+        self.last_renewed = time.monotonic()
+        self.images = _images(machine.rootfs_dir)
+
+    # -- lifetime --------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """A clean root (an emptyDir outlives a restarted container), the program written
+        once, and what a previous life of this host moved off the list put back."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for path in self.root.iterdir():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        self.root.chmod(0o755)  # the sandboxes' host user passes through to its runs
+        write_program(self.root / PROGRAM_DIR / "episode.py", self.machine.python)
+        self.queue.recover(self.name)
+        self.queue.heartbeat(self.name, self.info())
+
+    def drain(self, *_: object) -> None:
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+
+    def serve(self) -> int:
+        self.prepare()
+        self.taker.start()
+        next_renew = next_look = 0.0
+        while True:
+            now = time.monotonic()
+            if self.draining_since is not None and self.drained(now):
+                break
+            if now >= next_renew:
+                self.renew()
+                next_renew = now + RENEW_SECONDS
+            if now >= next_look:
+                self.look()
+                next_look = now + LOOK_SECONDS
+            self.take_in()
+            for run in list(self.runs.values()):
+                run.tick(time.time())
+            for key, _ in self.selector.select(self.timeout(min(next_renew, next_look))):
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self.taker.wake)
+                    continue
+                kind, item, run = key.data
+                run.dispatch(kind, item)
+        for run in list(self.runs.values()):
+            run.close()
+        self.runs.clear()
+        self.taker.stop.set()
+        self.taker.join(TAKE_WAIT_SECONDS + 1)
+        with contextlib.suppress(redis.RedisError):
+            # What the taker moved off the list but never took goes back for other hosts.
+            self.queue.recover(self.name)
+            self.queue.leave(self.name)
+        return 0
+
+    def drained(self, now: float) -> bool:
+        """Draining: True once nothing runs (past the grace, what runs is abandoned)."""
+        assert self.draining_since is not None
+        self.taker.stop.set()
+        if self.taker.is_alive() and now - self.draining_since < self.grace:
+            return False  # a take under way may still bring an episode: it runs
+        if now - self.draining_since >= self.grace:
+            self.taker.stop.set()
+            for run in self.runs.values():
+                run.abandon()
+        return self.taker.inbox.empty() and not any(run.leases for run in self.runs.values())
+
+    def timeout(self, next_look: float) -> float:
+        deadlines = [
+            deadline
+            for run in self.runs.values()
+            if run.leases
+            for deadline in (run.run_deadline, *(r.deadline for r in run.running.values()))
+        ]
+        wall = min(deadlines, default=float("inf")) - time.time()
+        return max(0.0, min(next_look - time.monotonic(), wall, LOOK_SECONDS))
+
+    # -- episodes ----------------------------------------------------------------------------
+    def take_in(self) -> None:
+        """Start what the taker brought, each in a fresh sandbox of its batch's run."""
+        while True:
+            try:
+                lease = self.taker.inbox.get_nowait()
+            except queues.Empty:
+                return
+            run = self.runs.get(lease.batch) or self.open_run(lease)
+            if run is not None:
+                run.begin(lease)
+
+    def open_run(self, lease: Lease) -> HostRun | None:
+        try:
+            doc = self.queue.run_doc(lease.batch)
+            if doc is None:  # deleted since it was taken: nothing to run or record
+                self.taker.free.release()
+                return None
+            run = HostRun(
+                self.root,
+                doc,
+                self.queue,
+                self.machine,
+                program_dir=self.root / PROGRAM_DIR,
+                selector=self.selector,
+                ended=self.ended,
+            )
+        except (OSError, ValueError, KeyError, TypeError, redis.RedisError) as exc:
+            # Its lease expires: the queue runs it elsewhere or ends it (HostLost).
+            print(f"batch {lease.batch}: cannot run it here: {exc!r}", flush=True)
+            self.taker.free.release()
+            return None
+        self.runs[lease.batch] = run
+        return run
+
+    def ended(self, lease: Lease) -> None:
+        del lease
+        self.taker.free.release()
+
+    def renew(self) -> None:
+        """Renew every lease (kill the sandboxes of those lost) and heartbeat. Unable to
+        renew for a lease's lifetime, the host counts every lease lost."""
+        leases = [lease for run in self.runs.values() for lease in run.leases.values()]
+        try:
+            lost = self.queue.renew(self.name, leases)
+            self.last_renewed = time.monotonic()
+            self.queue.heartbeat(self.name, self.info())
+        except redis.RedisError as exc:
+            print(f"renew: {exc}", flush=True)
+            if time.monotonic() - self.last_renewed < LEASE_SECONDS:
+                return
+            lost = leases
+        for lease in lost:
+            self.runs[lease.batch].lose(lease)
+
+    def look(self) -> None:
+        """Kill a cancelled or deleted batch's sandboxes; drop the folders of idle runs."""
+        for batch, run in list(self.runs.items()):
+            try:
+                stopped = self.queue.stopped(batch)
+            except redis.RedisError:
+                continue
+            if stopped and run.leases:
+                run.stopping = True  # its next tick kills with Stopped, as a local cancel
+            idle_for = time.monotonic() - (run.idle_since or time.monotonic())
+            if run.idle and (stopped or idle_for >= IDLE_KEEP_SECONDS):
+                run.close()
+                del self.runs[batch]
+
+    def info(self) -> dict[str, Any]:
+        held = sum(len(run.leases) for run in self.runs.values())
+        return {
+            "slots": self.slots,
+            "free": self.slots - held,
+            "batches": sorted(batch for batch, run in self.runs.items() if run.leases),
+            "program_sha": program_sha(),
+            "images": self.images,
+            "draining": self.draining_since is not None,
+        }
+
+
+def _images(rootfs_dir: Path) -> list[str]:
+    """The task images' root filesystems here, by their folder names (sandbox.rootfs_dirname)."""
+    if not rootfs_dir.is_dir():
+        return []
+    return sorted(
+        path.name
+        for path in rootfs_dir.iterdir()
+        if path.is_dir() and (rootfs_dir / (path.name + WORKDIR_SUFFIX)).is_file()
+    )
+
+
+def bwrap_problem(*extra: str) -> str | None:
+    """None when bubblewrap builds a sandbox here with `extra` options, run as the sandboxes
+    run (uid 1000 when the agent is root), else why not."""
+    root = os.geteuid() == 0
+    argv = ["bwrap", "--unshare-all", *extra, "--ro-bind", "/", "/", "--uid", "1000", "true"]
+    try:
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            user=1000 if root else None,
+            group=1000 if root else None,
+            extra_groups=[] if root else None,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap failed to run: {exc}"
+    return None if done.returncode == 0 else f"bwrap cannot build a sandbox: {done.stderr.strip()}"
+
+
+def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--redis-url", default=os.environ.get("ROLLOUT_REDIS_URL"))
+    parser.add_argument("--name", default=os.environ.get("HOSTNAME") or socket.gethostname())
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--root", type=Path, default=Path("/var/lib/rollout-host"))
+    parser.add_argument(
+        "--python",
+        default=os.environ.get("ROLLOUT_LOCAL_PYTHON") or Settings().local_python,
+        help="the sandboxes' interpreter (default: as the local backend's)",
+    )
+    parser.add_argument("--rootfs", type=Path, default=Path("/rootfs"), help="image roots")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS)
+    parser.add_argument(
+        "--isolation",
+        choices=("bwrap", "none"),
+        default="bwrap",
+        help="none: no sandbox at all, for tests on machines without user namespaces",
+    )
+    args = parser.parse_args(argv)
+    if not args.redis_url:
+        parser.error("--redis-url (or ROLLOUT_REDIS_URL) is needed")
+    if args.slots < 1:
+        parser.error("--slots must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse(argv, prog)
+    if args.isolation == "bwrap" and (problem := bwrap_problem()):
+        print(f"rollout host: sandboxes need bubblewrap, but {problem}", file=sys.stderr)
+        return 2
+    client = redis_client(args.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        print(f"rollout host: Redis {redacted(args.redis_url)} unreachable: {exc}", file=sys.stderr)
+        return 2
+    machine = Machine(
+        node=args.name,
+        python=args.python,
+        redis_url=args.redis_url,
+        rootfs_dir=args.rootfs,
+        isolation=args.isolation,
+        # --disable-userns: bubblewrap 0.8.0 and later.
+        disable_userns=args.isolation == "bwrap"
+        and bwrap_problem("--unshare-user", "--disable-userns") is None,
+    )
+    agent = Agent(
+        client, name=args.name, slots=args.slots, root=args.root, machine=machine, grace=args.grace
+    )
+    signal.signal(signal.SIGTERM, agent.drain)
+    signal.signal(signal.SIGINT, agent.drain)
+    print(
+        f"rollout host {args.name}: {args.slots} slots, root {args.root}, "
+        f"isolation {args.isolation}, user namespaces inside: "
+        f"{'forbidden' if machine.disable_userns else 'allowed'}",
+        flush=True,
+    )
+    return agent.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""One batch inside a sandbox host: the local supervisor's machinery, per taken episode.
+
+A host agent (agent.py) makes one HostRun per batch it runs something of. The run folder
+(`<root>/<batch>/`) is written from the run document the queue holds, with this machine's own
+fields; each taken episode then goes through the supervisor's unchanged start, launch, finish
+and retry, in a fresh sandbox. Its end goes to the queue (fenced on the episode's lease), not to
+a status file: the status, the log and the logs of attempts run again. The episode's files are
+gone before that (as the local supervisor removes them before it writes a status) and its logs
+right after, so nothing of an ended episode stays on the host's disk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from rollout_wire.request import is_batch_id
+from rollout_worker.backends.base import MAX_LOG_BYTES
+from rollout_worker.backends.host.queue import HostQueue, Lease
+from rollout_worker.backends.local.files import LOG_CUT_MARK, RunDir, write_json_atomic
+from rollout_worker.backends.local.phases import AGENT_PHASE, GRADE_PHASE
+from rollout_worker.backends.local.run_file import machine_fields, progress_fields
+from rollout_worker.backends.local.supervisor import Supervisor
+
+# A finish the queue did not take (Redis away) is tried again this often before it is given up
+# (the lease then expires and the episode runs again elsewhere, as after a lost host).
+FINISH_TRIES = 3
+FINISH_PAUSE_SECONDS = 0.5
+# Why a sandbox is killed when its lease is lost: nothing is recorded for it here (the queue
+# refuses the write), another host runs the episode again.
+LEASE_LOST = "LeaseLost"
+
+
+class Machine:
+    """What a host tells every run document it materialises: its own sandbox interpreter,
+    node name, Redis, image roots and sandbox options."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        python: str,
+        redis_url: str,
+        rootfs_dir: Path,
+        isolation: str = "bwrap",
+        disable_userns: bool = False,
+    ) -> None:
+        self.node = node
+        self.python = python
+        self.redis_url = redis_url
+        self.rootfs_dir = rootfs_dir
+        self.isolation = isolation
+        self.disable_userns = disable_userns
+
+    def localise(self, run: dict[str, Any]) -> dict[str, Any]:
+        """The run document as this machine runs it."""
+        batch = run["batch_id"]
+        ttl = int((run.get("progress") or {}).get("ttl") or 7 * 24 * 3600)
+        fields = machine_fields(
+            isolation=self.isolation,
+            python=self.python,
+            rootfs_dir=self.rootfs_dir,
+            node=self.node,
+        )
+        local = {key: value for key, value in run.items() if key != "pool_dir"}
+        return (
+            local
+            | fields
+            | {
+                "progress": progress_fields(batch, self.redis_url, ttl),
+                "disable_userns": self.disable_userns and self.isolation == "bwrap",
+            }
+        )
+
+
+class HostRun(Supervisor):
+    """One batch's episodes taken by this host: its run folder and its running sandboxes."""
+
+    def __init__(
+        self,
+        root: Path,
+        doc: bytes,
+        queue: HostQueue,
+        machine: Machine,
+        *,
+        program_dir: Path,
+        selector: selectors.DefaultSelector,
+        ended: Callable[[Lease], None],
+    ) -> None:
+        run = orjson.loads(doc)
+        batch = run.get("batch_id") if isinstance(run, dict) else None
+        if not is_batch_id(batch):
+            raise ValueError(f"run document with no valid batch id ({batch!r})")
+        run_dir = RunDir(root / batch)
+        shutil.rmtree(run_dir.path, ignore_errors=True)  # an earlier run of it, left idle
+        run_dir.path.mkdir(parents=True)
+        run_dir.path.chmod(0o755)  # the sandboxes' host user reads its program and tasks
+        write_json_atomic(run_dir.run_file, machine.localise(run))
+        run_dir.program.parent.mkdir()
+        for name in os.listdir(program_dir):
+            # Hard links: the bytecode keeps its mtime, so the sandboxes run it (not the source).
+            os.link(program_dir / name, run_dir.program.parent / name)
+        super().__init__(run_dir)
+        self.selector.close()
+        self.selector = selector  # the agent's: it follows every run's sandboxes
+        self.batch: str = batch
+        self.queue = queue
+        self.ended = ended
+        # The leases of this run's episodes on this host; an episode holds its lease (and its
+        # slot) through its retries and its grading sandbox, until its end is sent.
+        self.leases: dict[int, Lease] = {}
+        self.lost: set[int] = set()
+        self.abandoned = False  # the host leaves: nothing more is recorded (leases expire)
+        self.parallelism = self.count  # the leases bound it: each pending index holds one
+        self.idle_since: float | None = time.monotonic()
+
+    @property
+    def idle(self) -> bool:
+        return not self.leases and not self.running and not self.pending
+
+    def begin(self, lease: Lease) -> None:
+        """Run a taken episode in a fresh sandbox; attempts lost with earlier hosts count as
+        its earlier attempts (its sandbox name and the retry budget follow them)."""
+        index = lease.index
+        self.idle_since = None
+        self.leases[index] = lease
+        self.lost.discard(index)
+        try:
+            self.retried[index] = self.queue.attempts(self.batch, index)
+            self.start(index)
+        except (OSError, ValueError, subprocess.SubprocessError, redis.RedisError) as exc:
+            if self.proxy is not None:
+                self.proxy.close(index)
+            self.refuse_start(index, ValueError(str(exc)))
+
+    def lose(self, lease: Lease) -> None:
+        """The queue gave the episode to someone else (lease expired and reaped, run
+        deleted): kill its sandbox; its end is not recorded here."""
+        if self.leases.get(lease.index) != lease:
+            return
+        self.lost.add(lease.index)
+        for item in list(self.running.values()):
+            if item.index == lease.index:
+                item.kill(LEASE_LOST)
+        if lease.index in self.pending:  # waiting for its retry: ends here at once
+            self.pending.remove(lease.index)
+            self.write_status(lease.index, phase="Failed", reason=LEASE_LOST, exit_code=None)
+
+    def abandon(self) -> None:
+        """The host stops before these episodes end: kill them, record nothing (their leases
+        expire and the queue gives them to another host)."""
+        self.abandoned = True
+        self.stopping = True  # no retry, no grading sandbox
+        for item in list(self.running.values()):
+            item.kill("HostStopping")
+
+    def write_status(self, index: int, **fields: Any) -> None:
+        """Send the episode's end to the queue, then forget its files; frees its slot."""
+        lease = self.leases.pop(index, None)
+        if lease is None:
+            return
+        try:
+            if index not in self.lost and not self.abandoned:
+                self.send(lease, self.status_fields(index, **fields))
+        finally:
+            self.forget(index)
+            self.lost.discard(index)
+            self.retried.pop(index, None)
+            if self.idle:
+                self.idle_since = time.monotonic()
+            self.ended(lease)
+
+    def send(self, lease: Lease, status: dict[str, Any]) -> None:
+        index = lease.index
+        log = _read(self.dir.log(index), MAX_LOG_BYTES + len(LOG_CUT_MARK) + 16)
+        records = {}
+        for attempt, _ in enumerate(status.get("retried") or []):
+            kept = _read(self.dir.attempt_log(index, attempt), MAX_LOG_BYTES)
+            if kept:
+                records[f"episode-{index}.attempt{attempt}.log"] = kept
+        for tries_left in range(FINISH_TRIES - 1, -1, -1):
+            try:
+                if not self.queue.finish(lease, status, log, records):
+                    print(f"episode {index}: lease lost, its end not recorded", flush=True)
+                return
+            except redis.RedisError as exc:
+                if not tries_left:
+                    print(f"episode {index}: end not recorded ({exc})", flush=True)
+                    return
+                time.sleep(FINISH_PAUSE_SECONDS)
+
+    def forget(self, index: int) -> None:
+        """Everything of episode `index` left on disk: its logs, attempts and files."""
+        logs = self.dir.log(index).parent
+        names = [f"{index}.log", f"{index}.err"]
+        with contextlib.suppress(FileNotFoundError):
+            names += [n for n in os.listdir(logs) if n.startswith(f"{index}.attempt")]
+        for name in names:
+            (logs / name).unlink(missing_ok=True)
+        self.dir.attempts(index).unlink(missing_ok=True)
+        self.dir.status(index).unlink(missing_ok=True)
+        shutil.rmtree(self.dir.workspace(index), ignore_errors=True)
+        for phase in (AGENT_PHASE, GRADE_PHASE):
+            shutil.rmtree(self.state_dir(index, phase), ignore_errors=True)
+
+    def close(self) -> None:
+        """The host runs nothing of this batch any more: its folder goes."""
+        if self.proxy is not None:
+            self.proxy.close_all()
+        shutil.rmtree(self.dir.path, ignore_errors=True)
+
+
+def _read(path: Path, limit: int) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read(limit)
+    except FileNotFoundError:
+        return b""
