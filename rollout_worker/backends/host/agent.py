@@ -34,7 +34,8 @@ import redis
 
 from rollout_wire.redis_url import redis_client
 from rollout_wire.urls import redacted
-from rollout_worker.backends.host.queue import LEASE_SECONDS, RENEW_SECONDS, HostQueue, Lease
+from rollout_worker.backends.host import queue as host_queue
+from rollout_worker.backends.host.queue import HostQueue, Lease
 from rollout_worker.backends.host.run import HostRun, Machine
 from rollout_worker.backends.local.run_file import program_sha, write_program
 from rollout_worker.backends.local.sandbox import WORKDIR_SUFFIX
@@ -100,6 +101,8 @@ class Agent:
         self.draining_since: float | None = None
         self.last_renewed = time.monotonic()
         self.images = _images(machine.rootfs_dir)
+        # At least three renewals per lease: one lost call never loses an episode.
+        self.renew_seconds = min(host_queue.RENEW_SECONDS, host_queue.LEASE_SECONDS / 3)
 
     # -- lifetime --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -130,7 +133,7 @@ class Agent:
                 break
             if now >= next_renew:
                 self.renew()
-                next_renew = now + RENEW_SECONDS
+                next_renew = now + self.renew_seconds
             if now >= next_look:
                 self.look()
                 next_look = now + LOOK_SECONDS
@@ -226,7 +229,7 @@ class Agent:
             self.queue.heartbeat(self.name, self.info())
         except redis.RedisError as exc:
             print(f"renew: {exc}", flush=True)
-            if time.monotonic() - self.last_renewed < LEASE_SECONDS:
+            if time.monotonic() - self.last_renewed < host_queue.LEASE_SECONDS:
                 return
             lost = leases
         for lease in lost:
@@ -303,6 +306,13 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     parser.add_argument("--rootfs", type=Path, default=Path("/rootfs"), help="image roots")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS)
     parser.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=None,
+        help="how long a silent host keeps its episodes (default: the queue's, 15 s); shorter "
+        "reruns a lost host's episodes sooner, at the cost of more renewals",
+    )
+    parser.add_argument(
         "--isolation",
         choices=("bwrap", "none"),
         default="bwrap",
@@ -318,6 +328,9 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse(argv, prog)
+    if args.lease_seconds is not None:
+        # The queue reads it at each take and renewal: this process's leases get this length.
+        host_queue.LEASE_SECONDS = max(1.0, args.lease_seconds)
     if args.isolation == "bwrap" and (problem := bwrap_problem()):
         print(f"rollout host: sandboxes need bubblewrap, but {problem}", file=sys.stderr)
         return 2

@@ -1,0 +1,245 @@
+"""Sandbox hosts (issue 46) without Kubernetes: host agents as real processes (`python -m
+rollout_worker.backends.host.agent`) on a real redis-server, each episode in a real bwrap
+sandbox with the scripted policy in the loop.
+
+The first tests drive the hosts' queue directly (what HostBackend enqueues, what it reads);
+the last ones run whole batches through real Celery workers (`backend: kubernetes`,
+`isolation: host`), as a trainer submits them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from rollout_wire import constants as k
+from rollout_wire.request import BatchSpec, parse_spec
+from rollout_wire.tasksets import load_task_set
+from rollout_worker.backends.host.queue import HostQueue
+from rollout_worker.backends.local.run_file import run_document
+from rollout_worker.cli.policy_server import bundled_script, running
+from rollout_worker.cli.stack import LocalStack
+
+# Short leases: a lost host's episodes go back to the list after this, not the default 15 s.
+LEASE_SECONDS = 3.0
+# The scripted policy's answers to the fresh-workspace task: the first thing its episode does
+# is list its workspace; its test passes only when that listing is the task's files alone.
+FRESH_TASK = {
+    "id": "fresh-workspace",
+    "statement": "List the workspace, then submit.",
+    "files": {"seed.txt": "seed\n"},
+    "test_files": {
+        "test_fresh.py": (
+            "import unittest\n\n\n"
+            "class FreshTest(unittest.TestCase):\n"
+            "    def test_the_workspace_held_only_the_task_files(self):\n"
+            "        with open('seen.txt') as seen:\n"
+            "            self.assertEqual(seen.read(), 'seed.txt\\n')\n"
+        )
+    },
+    "test_command": ["python", "-B", "-m", "unittest", "-v"],
+    "reward": "all",
+    "time_limit_seconds": 60,
+}
+FRESH_PLAN = [
+    {"tool": "run", "arguments": {"command": "ls -A > /tmp/seen && mv /tmp/seen seen.txt"}},
+    {"tool": "submit", "arguments": {}},
+]
+
+
+def script() -> dict:
+    found = copy.deepcopy(bundled_script())
+    found["tasks"]["fresh-workspace"] = {"plans": [FRESH_PLAN]}
+    return found
+
+
+def wait_for(what: Callable[[], object], timeout: float, why: str) -> object:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout:.0f}s: {why}")
+
+
+class Host:
+    """One agent process, its root and its output."""
+
+    def __init__(self, redis_url: str, name: str, base: Path, slots: int = 2) -> None:
+        self.name = name
+        self.root = base / name
+        self.out = base / f"{name}.out"
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "rollout_worker.backends.host.agent"),
+                    *("--redis-url", redis_url, "--name", name, "--slots", str(slots)),
+                    *("--root", str(self.root), "--lease-seconds", str(LEASE_SECONDS)),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def left(self) -> list[str]:
+        """What is under its root but the program it links into each run."""
+        return sorted(p.name for p in self.root.iterdir() if p.name != "_program")
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    stack = LocalStack()
+    stack.start_redis()
+    try:
+        yield stack.redis_url
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def queue(redis_url: str) -> Iterator[HostQueue]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield HostQueue(client)
+    client.close()
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    # Not pytest's tmp_path: the sandboxes' user (uid 1000) must pass through to the roots.
+    path = Path(f"/tmp/rollout-hosts-test-{os.getpid()}-{time.monotonic_ns()}")
+    path.mkdir(mode=0o755)
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def enqueue(queue: HostQueue, spec: BatchSpec, redis_url: str, deadline: float = 300) -> str:
+    doc = run_document(
+        spec,
+        isolation="bwrap",
+        python="/usr/bin/python3",
+        rootfs_dir="/nonexistent",
+        node="worker",
+        redis_url=redis_url,
+        record_ttl=600,
+    )
+    queue.enqueue(
+        spec.batch_id,
+        doc["run_uid"],
+        orjson.dumps(doc),
+        spec.count,
+        spec.parallelism,
+        time.time() + deadline,
+        spec.infra_retries,
+    )
+    return str(doc["run_uid"])
+
+
+def slow_spec(server_url: str, count: int = 2, **fields: object) -> BatchSpec:
+    """Episodes of a few seconds (each turn of the policy waits): still running when the test
+    acts on them."""
+    return parse_spec(
+        {
+            "tasks": load_task_set("bundled", only=["shipping-boundary"]),
+            "samples_per_task": count,
+            "policy": {"model": "scripted", "url": server_url, "request_timeout_seconds": 30},
+        }
+        | fields,
+        max_episodes=100,
+    )
+
+
+def sandboxes(root: Path) -> list[int]:
+    """Pids of the bwrap processes running an episode under `root`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"bwrap") and any(str(root).encode() in a for a in argv):
+                found.append(int(proc.name))
+    return found
+
+
+pytestmark = pytest.mark.redis
+
+
+def test_a_host_whose_lease_was_taken_kills_that_sandbox_and_records_nothing(
+    queue, redis_url, base
+):
+    host = Host(redis_url, "h-lease", base)
+    with running(turn_seconds=2.0) as server:
+        spec = slow_spec(server.url)
+        run_uid = enqueue(queue, spec, redis_url)
+        batch = spec.batch_id
+        wait_for(lambda: len(queue.taken(batch)) == 2, 20, "both episodes taken")
+        wait_for(lambda: len(sandboxes(host.root)) == 2, 20, "two sandboxes running")
+        # The queue gives episode 0 up (what a host silent for a lease's time gets): with no
+        # retry budget it ends HostLost at once, whatever the host still does.
+        queue.redis.delete(k.host_batch_key(batch, "lease:0"))
+        assert queue.reap(batch) == []
+        assert queue.status(batch, 0)["reason"] == "HostLost"
+        wait_for(lambda: len(sandboxes(host.root)) == 1, 5, "the lost episode's sandbox killed")
+        wait_for(lambda: len(queue.statuses(batch)) == 2, 30, "the other episode ended")
+    statuses = queue.statuses(batch)
+    assert statuses[0]["reason"] == "HostLost"  # not overwritten by the host that lost it
+    assert statuses[1]["phase"] == "Succeeded" and statuses[1]["node"] == "h-lease"
+    assert queue.delete(batch, run_uid)
+    wait_for(lambda: host.left() == [], 10, f"{host.root} emptied")
+    assert host.stop() == 0
+    assert queue.hosts() == {}
+
+
+def test_a_stopped_batch_is_killed_and_a_terminated_host_drains_then_exits(queue, redis_url, base):
+    host = Host(redis_url, "h-drain", base)
+    with running(turn_seconds=1.0) as server:
+        stopped, drained = slow_spec(server.url), slow_spec(server.url)
+        enqueue(queue, stopped, redis_url)
+        wait_for(lambda: len(sandboxes(host.root)) == 2, 20, "two sandboxes running")
+        queue.stop(stopped.batch_id)
+        wait_for(lambda: len(queue.statuses(stopped.batch_id)) == 2, 10, "stopped ends")
+        assert {s["reason"] for s in queue.statuses(stopped.batch_id).values()} == {"Stopped"}
+        enqueue(queue, drained, redis_url)
+        wait_for(lambda: len(queue.taken(drained.batch_id)) == 2, 20, "both taken")
+        host.proc.send_signal(signal.SIGTERM)
+        # Drained: the running episodes end as they would have, then the host leaves.
+        assert host.proc.wait(30) == 0
+    statuses = queue.statuses(drained.batch_id)
+    assert sorted(statuses) == [0, 1]
+    assert {s["phase"] for s in statuses.values()} == {"Succeeded"}, statuses
+    assert host.left() == [] and sandboxes(host.root) == []
+    assert queue.hosts() == {}
+
+
+def test_an_agent_refuses_to_start_without_redis(base):
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollout_worker.backends.host.agent"),
+            *("--redis-url", "redis://127.0.0.1:9/0", "--root", str(base / "r")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "unreachable" in done.stderr
