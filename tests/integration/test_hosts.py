@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from rollout_wire import constants as k
+from rollout_wire.codec import decode_entry
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.backends.host.queue import HostQueue
@@ -33,7 +34,8 @@ from rollout_worker.cli.stack import LocalStack
 # Short leases: a lost host's episodes go back to the list after this, not the default 15 s.
 LEASE_SECONDS = 3.0
 # The scripted policy's answers to the fresh-workspace task: the first thing its episode does
-# is list its workspace; its test passes only when that listing is the task's files alone.
+# is list its workspace; its test passes only when that listing is the task's files alone (its
+# file and its test file, which this task format puts in the workspace).
 FRESH_TASK = {
     "id": "fresh-workspace",
     "statement": "List the workspace, then submit.",
@@ -44,7 +46,7 @@ FRESH_TASK = {
             "class FreshTest(unittest.TestCase):\n"
             "    def test_the_workspace_held_only_the_task_files(self):\n"
             "        with open('seen.txt') as seen:\n"
-            "            self.assertEqual(seen.read(), 'seed.txt\\n')\n"
+            "            self.assertEqual(seen.read(), 'seed.txt\\ntest_fresh.py\\n')\n"
         )
     },
     "test_command": ["python", "-B", "-m", "unittest", "-v"],
@@ -243,3 +245,87 @@ def test_an_agent_refuses_to_start_without_redis(base):
     )
     assert done.returncode == 2
     assert "unreachable" in done.stderr
+
+
+# -- whole batches through real Celery workers -----------------------------------------------
+def start_hosts(stack: LocalStack, base: Path, *names: str) -> list[Host]:
+    hosts = [Host(stack.redis_url, name, base) for name in names]
+    queue = HostQueue(redis.Redis.from_url(stack.redis_url))
+    wait_for(lambda: set(names) <= set(queue.hosts()), 30, f"{names} heartbeating")
+    return hosts
+
+
+def batch_keys(client: redis.Redis, batch: str) -> list[bytes]:
+    return list(client.scan_iter(match=k.host_batch_key(batch, "*")))
+
+
+def host_batch(server_url: str, tasks: list[dict], **fields: object) -> dict:
+    return {
+        "backend": "kubernetes",
+        "isolation": "host",
+        "tasks": tasks,
+        "samples_per_task": 2,
+        "parallelism": 4,
+        "policy": {"url": server_url, "request_timeout_seconds": 10, "max_retries": 0},
+    } | fields
+
+
+@pytest.mark.workers
+def test_two_hosts_run_a_batch_each_episode_once_in_a_fresh_sandbox(client, stack, base):
+    hosts = start_hosts(stack, base, "host-a0", "host-a1")
+    tasks = [*load_task_set("bundled"), FRESH_TASK]
+    with running(script=script()) as server:
+        batch = client.submit(**host_batch(server.url, tasks)).batch_id
+        report = client.wait(batch, timeout=120)
+    count = 2 * len(tasks)
+    rows = report["pods"]
+    assert sorted(r["index"] for r in rows) == list(range(count)), report["errors"]
+    assert len({r["pod"] for r in rows}) == count  # one sandbox per episode, never reused
+    assert {r["node"] for r in rows} == {"host-a0", "host-a1"}
+    assert report["run_isolation"] == "host"
+    fresh = [r for r in rows if r["task_id"] == "fresh-workspace"]
+    # Each saw only its task's files: no other episode's left in its workspace.
+    assert [(r["status"], r["reward"]) for r in fresh] == [("ok", 1), ("ok", 1)], fresh
+    shipped = [r["reward"] for r in rows if r["task_id"] == "shipping-boundary"]
+    assert shipped == [1, 1]
+    assert report["infrastructure_failures"] == 0 and report["lost_episodes"] == 0
+    # Counted once: one episode entry per index in the trainer's stream.
+    entries = [decode_entry(d) for _, d in client.redis.xrange(k.stream_key(batch))]
+    streamed = [e.index for e in entries if e.type == k.ENTRY_EPISODE]
+    assert sorted(streamed) == list(range(count))
+    # Nothing left: the run's keys go with its cleanup, the hosts' folders after it.
+    wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
+    wait_for(lambda: all(h.left() == [] for h in hosts), 10, "the hosts' roots emptied")
+    assert [h.stop() for h in hosts] == [0, 0]
+
+
+@pytest.mark.workers
+def test_a_host_killed_mid_batch_loses_nothing(client, stack, base):
+    doomed, spare = start_hosts(stack, base, "host-b0", "host-b1")
+    queue = HostQueue(client.redis)
+    tasks = load_task_set("bundled", only=["shipping-boundary", "fizzbuzz-order"])
+    # Each turn waits: the doomed host is still running its episodes when it is killed.
+    with running(script=script(), turn_seconds=1.0) as server:
+        batch = client.submit(**host_batch(server.url, tasks, infra_retries=1)).batch_id
+        held = wait_for(
+            lambda: [i for i, h in queue.taken(batch).items() if h == "host-b0"],
+            30,
+            "the doomed host running episodes",
+        )
+        doomed.proc.kill()  # SIGKILL: no drain, no goodbye; its leases just stop renewing
+        report = client.wait(batch, timeout=90)
+    rows = {r["index"]: r for r in report["pods"]}
+    assert sorted(rows) == [0, 1, 2, 3], report["errors"]
+    assert all(r["status"] == "ok" for r in rows.values()), report["errors"]
+    lost = {i for i, r in rows.items() if any(a["reason"] == "HostLost" for a in r["retried"])}
+    assert set(held) <= lost  # each episode the host held ran again elsewhere
+    for index in lost:
+        row = rows[index]
+        assert row["node"] == "host-b1", row
+        assert row["retried"][0]["host"] == "host-b0"
+        assert row["pod"].endswith("-retry1")  # a fresh sandbox name for the new attempt
+    # The killed host's sandboxes died with it (bwrap --die-with-parent).
+    wait_for(lambda: sandboxes(doomed.root) == [], 10, "the killed host's sandboxes gone")
+    wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
+    wait_for(lambda: spare.left() == [], 10, "the spare host's root emptied")
+    assert spare.stop() == 0
