@@ -114,7 +114,11 @@ class Agent:
                 shutil.rmtree(path)
             else:
                 path.unlink()
-        self.root.chmod(0o755)  # the sandboxes' host user passes through to its runs
+        # The sandboxes' host user (uid 1000 when the agent is root) passes through to its
+        # runs; an agent that is not root runs its sandboxes as itself, and may not own the root
+        # (an emptyDir's mount point is root's).
+        with contextlib.suppress(PermissionError):
+            self.root.chmod(0o755)
         write_program(self.root / PROGRAM_DIR / "episode.py", self.machine.python)
         self.queue.recover(self.name)
         self.queue.heartbeat(self.name, self.info())
