@@ -75,6 +75,10 @@ def wait_for(what: Callable[[], object], timeout: float, why: str) -> object:
     raise AssertionError(f"not within {timeout:.0f}s: {why}")
 
 
+# Every agent a test started: killed at its end if the test failed before it stopped them.
+STARTED: list[subprocess.Popen[bytes]] = []
+
+
 class Host:
     """One agent process, its root and its output."""
 
@@ -92,6 +96,7 @@ class Host:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
+        STARTED.append(self.proc)
 
     def left(self) -> list[str]:
         """What is under its root but the program it links into each run."""
@@ -130,6 +135,11 @@ def base() -> Iterator[Path]:
     path = Path(f"/tmp/rollout-hosts-test-{os.getpid()}-{time.monotonic_ns()}")
     path.mkdir(mode=0o755)
     yield path
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
     subprocess.run(["rm", "-rf", str(path)], check=False)
 
 
