@@ -108,6 +108,9 @@ INFRASTRUCTURE_REASONS = (
     "Stopped",
     "SupervisorLost",
     "HostLost",
+    # A host's sandbox killed because its lease went to another host: fencing drops its end,
+    # and were one ever written, it would be no sample of the policy.
+    "LeaseLost",
     "Evicted",
     "BackoffLimitExceeded",
     "Unschedulable",

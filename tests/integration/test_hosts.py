@@ -222,6 +222,35 @@ def test_a_host_whose_lease_was_taken_kills_that_sandbox_and_records_nothing(
     assert queue.hosts() == {}
 
 
+def test_an_episode_given_back_to_the_host_that_still_runs_it_runs_there_once_at_a_time(
+    queue, redis_url, base
+):
+    host = Host(redis_url, "h-again", base)  # two slots: one free to take the episode again
+    with running(turn_seconds=1.0) as server:
+        spec = slow_spec(server.url, count=1, infra_retries=1)
+        enqueue(queue, spec, redis_url)
+        batch = spec.batch_id
+        wait_for(lambda: len(sandboxes(host.root)) == 1, 20, "its sandbox running")
+        # The queue gives the episode up while the host still runs it (renewals it missed):
+        # with a retry left it goes back to the list, and this host's free slot takes it.
+        queue.redis.delete(k.host_batch_key(batch, "lease:0"))
+        given_back = time.time()
+        assert queue.reap(batch) == [0]
+        most = 0
+        while not queue.statuses(batch) and time.time() < given_back + 40:
+            most = max(most, len(sandboxes(host.root)))
+            time.sleep(0.02)
+    status = queue.status(batch, 0)
+    assert status is not None, host.output()
+    # The old sandbox was killed before the new one started, and its end was dropped: what
+    # is recorded is the new sandbox's run, under the new lease.
+    assert most == 1, host.output()
+    assert status["phase"] == "Succeeded" and status["created_at"] > given_back, status
+    assert [a["reason"] for a in status["retried"]] == ["HostLost"]
+    assert status["episode_id"].endswith("-retry1")
+    assert host.stop() == 0
+
+
 def test_a_stopped_batch_is_killed_and_a_terminated_host_drains_then_exits(queue, redis_url, base):
     host = Host(redis_url, "h-drain", base)
     with running(turn_seconds=1.0) as server:

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from rollout_wire.errors import InvalidSpec
 from rollout_wire.request import parse_spec
 from rollout_worker.backends import backend_name
+from rollout_worker.backends.host.run import LEASE_LOST
 from rollout_worker.cli import placement
 from rollout_worker.report import _request_section
 from rollout_worker.validation import INFRASTRUCTURE_REASONS
@@ -85,3 +86,4 @@ def test_the_report_says_what_isolation_ran_and_host_lost_is_infrastructure():
     assert _request_section(spec(backend="kubernetes", isolation="host"))["isolation"] == "host"
     assert _request_section(spec())["isolation"] == "pod"
     assert "HostLost" in INFRASTRUCTURE_REASONS
+    assert LEASE_LOST in INFRASTRUCTURE_REASONS  # a host's lost lease, were one ever recorded

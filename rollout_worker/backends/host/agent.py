@@ -172,7 +172,7 @@ class Agent:
             self.taker.stop.set()
             for run in self.runs.values():
                 run.abandon()
-        return self.taker.inbox.empty() and not any(run.leases for run in self.runs.values())
+        return self.taker.inbox.empty() and not any(run.all_leases() for run in self.runs.values())
 
     def timeout(self, next_look: float) -> float:
         deadlines = [
@@ -226,7 +226,7 @@ class Agent:
     def renew(self) -> None:
         """Renew every lease (kill the sandboxes of those lost) and heartbeat. Unable to
         renew for a lease's lifetime, the host counts every lease lost."""
-        leases = [lease for run in self.runs.values() for lease in run.leases.values()]
+        leases = [lease for run in self.runs.values() for lease in run.all_leases()]
         try:
             lost = self.queue.renew(self.name, leases)
             self.last_renewed = time.monotonic()
@@ -254,11 +254,11 @@ class Agent:
                 del self.runs[batch]
 
     def info(self) -> dict[str, Any]:
-        held = sum(len(run.leases) for run in self.runs.values())
+        held = sum(len(run.all_leases()) for run in self.runs.values())
         return {
             "slots": self.slots,
             "free": self.slots - held,
-            "batches": sorted(batch for batch, run in self.runs.items() if run.leases),
+            "batches": sorted(batch for batch, run in self.runs.items() if run.all_leases()),
             "program_sha": program_sha(),
             "images": self.images,
             "draining": self.draining_since is not None,

@@ -119,21 +119,38 @@ class HostRun(Supervisor):
         # slot) through its retries and its grading sandbox, until its end is sent.
         self.leases: dict[int, Lease] = {}
         self.lost: set[int] = set()
+        # A new lease of an index whose earlier (lost) sandbox has not ended yet here: it
+        # starts when that one's end is dropped, so an old end is never sent under a new
+        # lease, nor does it take the new sandbox's files or slot with it.
+        self.held: dict[int, Lease] = {}
         self.abandoned = False  # the host leaves: nothing more is recorded (leases expire)
         self.parallelism = self.count  # the leases bound it: each pending index holds one
         self.idle_since: float | None = time.monotonic()
 
     @property
     def idle(self) -> bool:
-        return not self.leases and not self.running and not self.pending
+        return not self.leases and not self.held and not self.running and not self.pending
+
+    def all_leases(self) -> list[Lease]:
+        """Every lease this run holds here (the held ones are renewed too)."""
+        return [*self.leases.values(), *self.held.values()]
 
     def begin(self, lease: Lease) -> None:
         """Run a taken episode in a fresh sandbox; attempts lost with earlier hosts count as
         its earlier attempts (its sandbox name and the retry budget follow them)."""
         index = lease.index
         self.idle_since = None
+        earlier = self.leases.get(index)
+        if earlier is not None:
+            # The queue gave the index out again: this host's earlier lease of it is lost
+            # (renewal may not have said so yet). The new one waits for that sandbox's end.
+            stale = self.held.pop(index, None)
+            if stale is not None:
+                self.ended(stale)
+            self.held[index] = lease
+            self.lose(earlier)
+            return
         self.leases[index] = lease
-        self.lost.discard(index)
         try:
             self.retried[index] = self.queue.attempts(self.batch, index)
             self.start(index)
@@ -145,6 +162,10 @@ class HostRun(Supervisor):
     def lose(self, lease: Lease) -> None:
         """The queue gave the episode to someone else (lease expired and reaped, run
         deleted): kill its sandbox; its end is not recorded here."""
+        if self.held.get(lease.index) == lease:  # never started: only its slot to free
+            del self.held[lease.index]
+            self.ended(lease)
+            return
         if self.leases.get(lease.index) != lease:
             return
         self.lost.add(lease.index)
@@ -160,6 +181,9 @@ class HostRun(Supervisor):
         expire and the queue gives them to another host)."""
         self.abandoned = True
         self.stopping = True  # no retry, no grading sandbox
+        for lease in self.held.values():
+            self.ended(lease)
+        self.held.clear()
         for item in list(self.running.values()):
             item.kill("HostStopping")
 
@@ -178,6 +202,9 @@ class HostRun(Supervisor):
             if self.idle:
                 self.idle_since = time.monotonic()
             self.ended(lease)
+        waiting = self.held.pop(index, None)
+        if waiting is not None:
+            self.begin(waiting)
 
     def send(self, lease: Lease, status: dict[str, Any]) -> None:
         index = lease.index
