@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from rollout_wire import constants as k
+from rollout_worker.backends.host.agent import Taker
 from rollout_worker.backends.host.queue import CANCEL_FLAG, HostQueue, Lease
 from rollout_worker.cli.stack import LocalStack
 
@@ -243,3 +244,28 @@ def test_the_cancel_flag_name_is_the_cores():
     from rollout_worker.core.state import FLAG_CANCEL
 
     assert CANCEL_FLAG == FLAG_CANCEL
+
+
+def test_a_take_that_fails_after_its_move_puts_the_item_back(queue, monkeypatch):
+    enqueue(queue, "b", count=1, parallelism=1)
+    taker = Taker(HostQueue(queue.redis), "h1", slots=1)
+    script = taker.queue._take
+    calls: list[int] = []
+
+    def answer_lost(*args: object, **kwargs: object) -> object:
+        """The first TAKE's answer never comes back (after BLMOVE moved the item)."""
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis.ConnectionError("connection lost")
+        return script(*args, **kwargs)
+
+    monkeypatch.setattr(taker.queue, "_take", answer_lost)
+    taker.start()
+    try:
+        lease = taker.inbox.get(timeout=10)
+    finally:
+        taker.stop.set()
+        taker.join(5)
+    assert (lease.batch, lease.index, len(calls)) == ("b", 0, 2)
+    assert queue.redis.llen(k.hosts_taking_key("h1")) == 0
+    assert queue.taken("b") == {0: "h1"}

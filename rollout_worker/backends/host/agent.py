@@ -59,16 +59,23 @@ class Taker(threading.Thread):
         self.inbox: queues.SimpleQueue[Lease] = queues.SimpleQueue()
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.stop = threading.Event()
+        self.unsure = False  # a take failed: it may have moved an item it never leased
 
     def run(self) -> None:
         while not self.stop.is_set():
             if not self.free.acquire(timeout=0.2):
                 continue
             try:
+                if self.unsure:
+                    # Back to the list for any host what that take left on this host's
+                    # taking list (only this thread moves items there while it runs).
+                    self.queue.recover(self.host)
+                    self.unsure = False
                 lease = self.queue.take(self.host, TAKE_WAIT_SECONDS)
             except redis.RedisError as exc:
                 print(f"taker: {exc}", flush=True)
                 lease = None
+                self.unsure = True
                 self.stop.wait(1.0)
             if lease is None:
                 self.free.release()
