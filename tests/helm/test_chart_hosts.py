@@ -22,7 +22,12 @@ def test_hosts_are_off_by_default(render):
 
 
 def test_the_host_pod_is_the_one_manifests_builds(render):
-    objects = render("hosts.enabled=true", "hosts.slots=3", "hosts.replicas=5")
+    objects = render(
+        "hosts.enabled=true",
+        "hosts.slots=3",
+        "hosts.replicas=5",
+        "hosts.terminationGracePeriodSeconds=30",
+    )
     deployment = one(objects, "Deployment", HOSTS)
     assert deployment["spec"]["replicas"] == 5
     pod = deployment["spec"]["template"]["spec"]
@@ -32,6 +37,7 @@ def test_the_host_pod_is_the_one_manifests_builds(render):
         redis_url="redis://rel-rollout-redis:6379/0",
         slots=3,
         redis_secret=("rel-rollout-redis-url", "url"),
+        termination_grace_seconds=30,
     )
     built = manifests.host_pod_spec(pool)
     for key in (
@@ -50,6 +56,9 @@ def test_the_host_pod_is_the_one_manifests_builds(render):
     for key in ("command", "resources", "securityContext", "volumeMounts", "env"):
         assert container[key] == want[key], key
     assert container["image"] == "rollout.local/rollout-worker:host"
+    # The agent's own grace follows the Pod's, 5 s short of it.
+    command = container["command"]
+    assert command[command.index("--grace") + 1] == "25"
     # The Pods match the Deployment's selector, and the release's Redis lets them in.
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()

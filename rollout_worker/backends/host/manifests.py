@@ -46,6 +46,9 @@ DNS_PORT = 53
 # SIGTERM: the agent stops taking and lets running episodes finish; past this they are lost
 # and the Celery side's REAP gives them to another host.
 TERMINATION_GRACE_SECONDS = 60
+# The agent's own grace (--grace) is this much shorter: it kills what still runs and leaves
+# cleanly (its leases given back to the list) before the kubelet's SIGKILL.
+GRACE_MARGIN_SECONDS = 5
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 _DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -144,7 +147,14 @@ def agent_command(pool: HostPool) -> list[str]:
         str(pool.slots),
         "--root",
         HOST_ROOT,
+        "--grace",
+        str(agent_grace(pool)),
     ]
+
+
+def agent_grace(pool: HostPool) -> int:
+    """How long a terminated agent lets its episodes run: the Pod's grace less a margin."""
+    return max(1, pool.termination_grace_seconds - GRACE_MARGIN_SECONDS)
 
 
 def redis_env(pool: HostPool) -> dict[str, Any]:
