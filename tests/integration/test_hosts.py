@@ -24,12 +24,15 @@ import redis
 
 from rollout_wire import constants as k
 from rollout_wire.codec import decode_entry
+from rollout_wire.errors import BackendUnavailable
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.tasksets import load_task_set
+from rollout_worker.backends.host.backend import HostBackend
 from rollout_worker.backends.host.queue import HostQueue
 from rollout_worker.backends.local.run_file import run_document
 from rollout_worker.cli.policy_server import bundled_script, running
 from rollout_worker.cli.stack import LocalStack
+from rollout_worker.settings import Settings
 
 # Short leases: a lost host's episodes go back to the list after this, not the default 15 s.
 LEASE_SECONDS = 3.0
@@ -82,7 +85,7 @@ STARTED: list[subprocess.Popen[bytes]] = []
 class Host:
     """One agent process, its root and its output."""
 
-    def __init__(self, redis_url: str, name: str, base: Path, slots: int = 2) -> None:
+    def __init__(self, redis_url: str, name: str, base: Path, slots: int = 2, *extra: str) -> None:
         self.name = name
         self.root = base / name
         self.out = base / f"{name}.out"
@@ -92,6 +95,7 @@ class Host:
                     *(sys.executable, "-m", "rollout_worker.backends.host.agent"),
                     *("--redis-url", redis_url, "--name", name, "--slots", str(slots)),
                     *("--root", str(self.root), "--lease-seconds", str(LEASE_SECONDS)),
+                    *extra,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -270,6 +274,25 @@ def test_a_stopped_batch_is_killed_and_a_terminated_host_drains_then_exits(queue
     assert {s["phase"] for s in statuses.values()} == {"Succeeded"}, statuses
     assert host.left() == [] and sandboxes(host.root) == []
     assert queue.hosts() == {}
+
+
+def test_a_batch_larger_than_the_hosts_slots_is_refused_before_it_starts(queue, redis_url, base):
+    host = Host(redis_url, "h-small", base, 1, "--slot-memory", "64Mi", "--slot-storage", "1Gi")
+    beat = wait_for(lambda: queue.hosts().get("h-small"), 20, "its heartbeat")
+    assert (beat["slot_memory_bytes"], beat["slot_storage_bytes"]) == (64 * 2**20, 2**30)
+    backend = HostBackend(Settings(redis_url=redis_url))
+
+    def sized(memory: str, storage: str = "1Gi") -> BatchSpec:
+        resources = {"memory_request": memory, "memory_limit": memory, "storage_limit": storage}
+        request = {"backend": "kubernetes", "isolation": "host", "count": 1}
+        return parse_spec(request | {"resources": resources}, max_episodes=None)
+
+    assert backend.preflight(sized("64Mi")) == []
+    for spec, what in ((sized("128Mi"), "memory"), (sized("64Mi", "2Gi"), "storage")):
+        with pytest.raises(BackendUnavailable, match=f"{what} bytes .* over a host slot's"):
+            backend.preflight(spec)
+    assert queue.runs() == {}  # nothing was created
+    assert host.stop() == 0
 
 
 def test_an_agent_refuses_to_start_without_redis(base):

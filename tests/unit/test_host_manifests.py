@@ -61,6 +61,7 @@ def test_the_pod_has_every_field_bubblewrap_needs_and_nothing_more():
         HOST_ROOT,
         "--grace",
         "55",  # the Pod's 60 s less 5: the agent leaves before the kubelet's SIGKILL
+        *("--slot-memory", "128Mi", "--slot-storage", "1024Mi"),  # in its heartbeat
     ]
     env = {e["name"]: e for e in container["env"]}
     assert env["ROLLOUT_REDIS_URL"] == {

@@ -35,6 +35,7 @@ import redis
 from rollout_wire.redis_url import redis_client
 from rollout_wire.urls import redacted
 from rollout_worker.backends.host import queue as host_queue
+from rollout_worker.backends.host.manifests import quantity
 from rollout_worker.backends.host.queue import HostQueue, Lease
 from rollout_worker.backends.host.run import HostRun, Machine
 from rollout_worker.backends.local.run_file import program_sha, write_program
@@ -94,8 +95,12 @@ class Agent:
         root: Path,
         machine: Machine,
         grace: float = DEFAULT_GRACE_SECONDS,
+        slot_size: dict[str, int] | None = None,
     ) -> None:
         self.queue = HostQueue(client)
+        # What one slot holds (slot_memory_bytes, slot_storage_bytes), in the heartbeat: the
+        # Celery side refuses a batch whose limits fit no host's slot.
+        self.slot_size = dict(slot_size or {})
         self.name = name
         self.slots = slots
         self.root = root
@@ -269,6 +274,7 @@ class Agent:
             "program_sha": program_sha(),
             "images": self.images,
             "draining": self.draining_since is not None,
+            **self.slot_size,
         }
 
 
@@ -303,6 +309,17 @@ def bwrap_problem(*extra: str) -> str | None:
     return None if done.returncode == 0 else f"bwrap cannot build a sandbox: {done.stderr.strip()}"
 
 
+def _size(text: str) -> int:
+    """A size in bytes, given as bytes or a Kubernetes quantity (128Mi, 1Gi, 500M)."""
+    try:
+        size = int(quantity(text.strip()))
+    except (ArithmeticError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from exc
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return size
+
+
 def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default=os.environ.get("ROLLOUT_REDIS_URL"))
@@ -316,6 +333,14 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     )
     parser.add_argument("--rootfs", type=Path, default=Path("/rootfs"), help="image roots")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS)
+    for what in ("memory", "storage"):
+        parser.add_argument(
+            f"--slot-{what}",
+            type=_size,
+            default=None,
+            help=f"one slot's {what} (bytes or a quantity: 128Mi), told in the heartbeat so "
+            f"that a batch whose {what} limit is larger is refused at submit",
+        )
     parser.add_argument(
         "--lease-seconds",
         type=float,
@@ -361,8 +386,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         disable_userns=args.isolation == "bwrap"
         and bwrap_problem("--unshare-user", "--disable-userns") is None,
     )
+    sizes = {"slot_memory_bytes": args.slot_memory, "slot_storage_bytes": args.slot_storage}
     agent = Agent(
-        client, name=args.name, slots=args.slots, root=args.root, machine=machine, grace=args.grace
+        client,
+        name=args.name,
+        slots=args.slots,
+        root=args.root,
+        machine=machine,
+        grace=args.grace,
+        slot_size={field: size for field, size in sizes.items() if size is not None},
     )
     signal.signal(signal.SIGTERM, agent.drain)
     signal.signal(signal.SIGINT, agent.drain)

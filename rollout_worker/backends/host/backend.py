@@ -33,7 +33,7 @@ from rollout_worker.backends.local.files import OWNER
 from rollout_worker.backends.local.run_file import program_sha
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
-from rollout_worker.quantities import sandbox_limits, storage_bytes
+from rollout_worker.quantities import parse_quantity, sandbox_limits, storage_bytes
 from rollout_worker.settings import Settings
 
 # As the local backend: how long a cancel waits for the hosts to stop the batch's sandboxes.
@@ -66,10 +66,12 @@ def run_document(spec: BatchSpec, run_uid: str, *, created_at: float, ttl: int) 
 
 def slot_problems(spec: BatchSpec, hosts: dict[str, dict[str, Any]]) -> list[str]:
     """Limits of the batch larger than every host's slot (where the heartbeats say a slot's
-    size): no host could run one of its episodes."""
-    memory_bytes, _ = sandbox_limits(spec.resources, spec.episode_timeout_seconds)
+    size, from the agents' --slot-memory and --slot-storage): no host could run one of its
+    episodes."""
     wanted = {
-        "slot_memory_bytes": memory_bytes,
+        # The memory limit itself: a slot is sized as an episode Pod's limit, and the sandbox's
+        # address-space headroom over it is no memory the host reserves.
+        "slot_memory_bytes": int(parse_quantity(spec.resources.memory_limit)),
         "slot_storage_bytes": storage_bytes(spec.resources),
     }
     problems = []

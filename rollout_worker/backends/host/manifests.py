@@ -149,6 +149,11 @@ def agent_command(pool: HostPool) -> list[str]:
         HOST_ROOT,
         "--grace",
         str(agent_grace(pool)),
+        # A slot's size, in the heartbeat: a batch larger than a slot is refused at submit.
+        "--slot-memory",
+        mebibytes(quantity(pool.slot_memory)),
+        "--slot-storage",
+        mebibytes(quantity(pool.slot_storage)),
     ]
 
 
