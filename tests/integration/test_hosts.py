@@ -255,6 +255,25 @@ def test_an_episode_given_back_to_the_host_that_still_runs_it_runs_there_once_at
     assert host.stop() == 0
 
 
+def test_a_retry_on_a_host_is_an_attempt_the_queue_knows(queue, redis_url, base):
+    host = Host(redis_url, "h-retry", base)
+    outage = copy.deepcopy(bundled_script())
+    plans = outage["tasks"]["shipping-boundary"]["plans"]
+    plans[0] = [{**plans[0][0], "unavailable_on_attempts": [0]}, *plans[0][1:]]
+    # The first attempt's first turn gets a 503 (exit 4); the host runs it again itself.
+    with running(script=outage) as server:
+        policy = {"model": "scripted", "url": server.url, "max_retries": 0}
+        spec = slow_spec(server.url, count=1, infra_retries=1, policy=policy)
+        enqueue(queue, spec, redis_url)
+        status = wait_for(lambda: queue.status(spec.batch_id, 0), 60, "the episode's end")
+    assert isinstance(status, dict) and status["phase"] == "Succeeded", status
+    (first,) = status["retried"]
+    assert first["exit_code"] == 4 and status["episode_id"].endswith("-retry1")
+    # Were the host lost next, the queue would count this attempt (budget, sandbox name).
+    assert queue.attempts(spec.batch_id, 0) == status["retried"]
+    assert host.stop() == 0
+
+
 def test_a_stopped_batch_is_killed_and_a_terminated_host_drains_then_exits(queue, redis_url, base):
     host = Host(redis_url, "h-drain", base)
     with running(turn_seconds=1.0) as server:

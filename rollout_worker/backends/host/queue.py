@@ -166,6 +166,16 @@ return 1
 """
 )
 
+# KEYS: the batch's taken and attempts hashes. ARGV: batch, index, token, attempts JSON. The
+# episode's attempts after its host retried it (exit 4), so a host that takes it next knows
+# them. Returns 0 (nothing written) when the lease was lost.
+_ATTEMPTS = """
+local t = redis.call('HGET', KEYS[1], ARGV[2])
+if not t or cjson.decode(t).token ~= ARGV[3] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
+return 1
+"""
+
 # ARGV: batch, now. Returns the indexes put back on the list.
 _REAP = (
     _COMMON
@@ -289,6 +299,7 @@ class HostQueue:
         self._delete = client.register_script(_DELETE)
         self._stop = client.register_script(_STOP)
         self._recover = client.register_script(_RECOVER)
+        self._attempts = client.register_script(_ATTEMPTS)
 
     # -- Celery side -------------------------------------------------------------------------
     def enqueue(
@@ -426,6 +437,13 @@ class HostQueue:
         for name, data in (records or {}).items():
             args += [name, data]
         return bool(self._finish(args=args))
+
+    def record_attempts(self, lease: Lease, retried: list[dict[str, Any]]) -> bool:
+        """The episode's attempts so far, after a retry on its host (fenced on the lease): the
+        retry budget and the next sandbox's name hold if the host is lost next."""
+        keys = [k.host_batch_key(lease.batch, "taken"), k.host_batch_key(lease.batch, "attempts")]
+        args = [lease.batch, lease.index, lease.token, orjson.dumps(retried)]
+        return bool(self._attempts(keys=keys, args=args))
 
     def attempts(self, batch: str, index: int) -> list[dict[str, Any]]:
         raw = self.redis.hget(k.host_batch_key(batch, "attempts"), str(index))

@@ -27,6 +27,7 @@ from rollout_wire.request import is_batch_id
 from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.host.queue import HostQueue, Lease
 from rollout_worker.backends.local.files import LOG_CUT_MARK, RunDir, write_json_atomic
+from rollout_worker.backends.local.output import Running
 from rollout_worker.backends.local.phases import AGENT_PHASE, GRADE_PHASE
 from rollout_worker.backends.local.run_file import machine_fields, progress_fields
 from rollout_worker.backends.local.supervisor import Supervisor
@@ -175,6 +176,18 @@ class HostRun(Supervisor):
         if lease.index in self.pending:  # waiting for its retry: ends here at once
             self.pending.remove(lease.index)
             self.write_status(lease.index, phase="Failed", reason=LEASE_LOST, exit_code=None)
+
+    def retry(self, item: Running, code: int, finished_at: float) -> bool:
+        """The supervisor's retry (exit 4), its attempt recorded in the queue too."""
+        if not super().retry(item, code, finished_at):
+            return False
+        lease = self.leases.get(item.index)
+        if lease is not None and item.index not in self.lost:
+            try:
+                self.queue.record_attempts(lease, self.retried[item.index])
+            except redis.RedisError as exc:  # the retry runs; only a later host misses it
+                print(f"episode {item.index}: attempt not recorded ({exc})", flush=True)
+        return True
 
     def abandon(self) -> None:
         """The host stops before these episodes end: kill them, record nothing (their leases
