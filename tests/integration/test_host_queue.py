@@ -269,3 +269,17 @@ def test_a_take_that_fails_after_its_move_puts_the_item_back(queue, monkeypatch)
     assert (lease.batch, lease.index, len(calls)) == ("b", 0, 2)
     assert queue.redis.llen(k.hosts_taking_key("h1")) == 0
     assert queue.taken("b") == {0: "h1"}
+
+
+def test_each_client_leases_for_its_own_length(queue):
+    enqueue(queue, "b", count=2, parallelism=2)
+    short = HostQueue(queue.redis, lease_seconds=2.0)  # an agent's --lease-seconds 2
+    mine, theirs = short.take("h1", 1), queue.take("h2", 1)
+    assert mine is not None and theirs is not None
+
+    def ttl(lease: Lease) -> int:
+        return int(queue.redis.pttl(k.host_batch_key("b", f"lease:{lease.index}")))
+
+    assert 0 < ttl(mine) <= 2000 < 14000 < ttl(theirs) <= 15000
+    assert short.renew("h1", [mine]) == [] and 0 < ttl(mine) <= 2000
+    assert queue.renew("h2", [theirs]) == [] and ttl(theirs) > 14000

@@ -96,8 +96,9 @@ class Agent:
         machine: Machine,
         grace: float = DEFAULT_GRACE_SECONDS,
         slot_size: dict[str, int] | None = None,
+        lease_seconds: float = host_queue.LEASE_SECONDS,
     ) -> None:
-        self.queue = HostQueue(client)
+        self.queue = HostQueue(client, lease_seconds)
         # What one slot holds (slot_memory_bytes, slot_storage_bytes), in the heartbeat: the
         # Celery side refuses a batch whose limits fit no host's slot.
         self.slot_size = dict(slot_size or {})
@@ -108,13 +109,13 @@ class Agent:
         self.grace = grace
         self.selector = selectors.DefaultSelector()
         self.runs: dict[str, HostRun] = {}
-        self.taker = Taker(HostQueue(client), name, slots)
+        self.taker = Taker(HostQueue(client, lease_seconds), name, slots)
         self.selector.register(self.taker.wake, selectors.EVENT_READ, None)
         self.draining_since: float | None = None
         self.last_renewed = time.monotonic()
         self.images = _images(machine.rootfs_dir)
         # At least three renewals per lease: one lost call never loses an episode.
-        self.renew_seconds = min(host_queue.RENEW_SECONDS, host_queue.LEASE_SECONDS / 3)
+        self.renew_seconds = min(host_queue.RENEW_SECONDS, lease_seconds / 3)
 
     # -- lifetime --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -245,7 +246,7 @@ class Agent:
             self.queue.heartbeat(self.name, self.info())
         except redis.RedisError as exc:
             print(f"renew: {exc}", flush=True)
-            if time.monotonic() - self.last_renewed < host_queue.LEASE_SECONDS:
+            if time.monotonic() - self.last_renewed < self.queue.lease_seconds:
                 return
             lost = leases
         for lease in lost:
@@ -344,9 +345,9 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     parser.add_argument(
         "--lease-seconds",
         type=float,
-        default=None,
-        help="how long a silent host keeps its episodes (default: the queue's, 15 s); shorter "
-        "reruns a lost host's episodes sooner, at the cost of more renewals",
+        default=host_queue.LEASE_SECONDS,
+        help="how long a silent host keeps its episodes (at least 1; default: %(default)s); "
+        "shorter reruns a lost host's episodes sooner, at the cost of more renewals",
     )
     parser.add_argument(
         "--isolation",
@@ -364,9 +365,6 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse(argv, prog)
-    if args.lease_seconds is not None:
-        # The queue reads it at each take and renewal: this process's leases get this length.
-        host_queue.LEASE_SECONDS = max(1.0, args.lease_seconds)
     if args.isolation == "bwrap" and (problem := bwrap_problem()):
         print(f"rollout host: sandboxes need bubblewrap, but {problem}", file=sys.stderr)
         return 2
@@ -395,6 +393,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         machine=machine,
         grace=args.grace,
         slot_size={field: size for field, size in sizes.items() if size is not None},
+        lease_seconds=max(1.0, args.lease_seconds),
     )
     signal.signal(signal.SIGTERM, agent.drain)
     signal.signal(signal.SIGINT, agent.drain)

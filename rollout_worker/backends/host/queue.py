@@ -289,8 +289,9 @@ def _raw(value: bytes | str) -> bytes:
 
 
 class HostQueue:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, lease_seconds: float = LEASE_SECONDS) -> None:
         self.redis = client
+        self.lease_seconds = lease_seconds  # of the leases this client takes and renews
         self._enqueue = client.register_script(_ENQUEUE)
         self._take = client.register_script(_TAKE)
         self._renew = client.register_script(_RENEW)
@@ -406,7 +407,7 @@ class HostQueue:
             )
             if item is not None:
                 token = secrets.token_hex(16)
-                args = [item, host, token, repr(time.time()), int(LEASE_SECONDS * 1000)]
+                args = [item, host, token, repr(time.time()), int(self.lease_seconds * 1000)]
                 got = self._take(keys=[taking], args=args)
                 if got:
                     return Lease(_text(got[0]), int(got[1]), token, int(got[2]))
@@ -418,7 +419,7 @@ class HostQueue:
         del host  # the token says whose lease it is
         if not leases:
             return []
-        args: list[Any] = [int(LEASE_SECONDS * 1000)]
+        args: list[Any] = [int(self.lease_seconds * 1000)]
         for lease in leases:
             args += [lease.batch, lease.index, lease.token]
         lost = self._renew(args=args)
