@@ -100,6 +100,9 @@ if [[ -n "$import" ]]; then
     # Importing what containerd already holds only re-tags it (a few seconds).
     say "ctr import $tarball"
     "$ctr_bin" --address "$sock" -n k8s.io images import "$tarball" >/dev/null
+    # Pinned, so a low disk never makes the kubelet delete it (hack/localkube/node.sh: pin_image).
+    "$ctr_bin" --address "$sock" -n k8s.io images label "$image" \
+      io.cri-containerd.pinned=pinned >/dev/null
   done
 fi
 echo "ROLLOUT_KUBE_IMAGE=$tag"

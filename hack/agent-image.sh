@@ -32,4 +32,11 @@ if ! "${ctr_bin}" --address "${sock}" -n k8s.io images ls -q | grep -qxF "docker
   && ! "${ctr_bin}" --address "${sock}" -n k8s.io images ls -q | grep -qxF "${image}"; then
   docker save "${image}" | "${ctr_bin}" --address "${sock}" -n k8s.io images import - >&2
 fi
+# Pinned, so a low disk never makes the kubelet delete it (hack/localkube/node.sh: pin_image).
+pinned=""
+for name in "${image}" "docker.io/${image}"; do
+  "${ctr_bin}" --address "${sock}" -n k8s.io images label "${name}" \
+    io.cri-containerd.pinned=pinned >/dev/null 2>&1 && pinned=yes
+done
+[[ -n "${pinned}" ]] || { echo "agent-image: could not pin ${image} in containerd" >&2; exit 1; }
 echo "${image}"

@@ -427,6 +427,15 @@ build_images() {
   IMAGE_TARBALLS="$("${LOCALKUBE_DIR}/../images/build.sh" all)" || localkube_die "image build failed"
 }
 
+# Pinned images are never removed by the kubelet: not by its image GC and not by the eviction
+# manager, which deletes every unused unpinned image when the disk runs low whatever the GC
+# thresholds say (a nearly full CI disk once took the python base away mid-suite, and every
+# real-node test then failed on ErrImageNeverPull).
+pin_image() {
+  ctr_ images label "$1" io.cri-containerd.pinned=pinned >/dev/null \
+    || localkube_die "could not pin $1 in containerd"
+}
+
 import_images() {
   local name tar stamp_dir="${CONTAINERD_ROOT}/rollout-images" stamp
   mkdir -p "${stamp_dir}"
@@ -435,6 +444,7 @@ import_images() {
     stamp="${stamp_dir}/$(tr '/:' '__' <<<"${name}")"
     if [[ "$(cat "${stamp}" 2>/dev/null)" == "${tar}" ]] \
         && grep -qxF "${name}" <<<"$(ctr_ images ls -q)"; then
+      pin_image "${name}"
       continue
     fi
     localkube_log "importing ${name} into containerd (k8s.io) from ${tar} ..."
@@ -443,8 +453,22 @@ import_images() {
     # (A here-string, not `ctr ... | grep -q`: under pipefail, grep -q's early exit SIGPIPEs ctr
     # and turns a found image into "missing".)
     grep -qxF "${name}" <<<"$(ctr_ images ls -q)" || localkube_die "${name} missing after import"
+    pin_image "${name}"
     echo "${tar}" >"${stamp}"
   done <<<"${IMAGE_TARBALLS}"
+}
+
+# The kubelet evicts Pods when the disk's free space falls under evictionHard (1%), and the
+# images and Pods of a suite need several GiB: refuse a too-full disk up front, in words.
+NODE_MIN_FREE_GIB="${ROLLOUT_NODE_MIN_FREE_GIB:-8}"
+node_check_disk() {
+  local dir free_kib
+  dir="$(dirname "${CONTAINERD_ROOT}")"
+  free_kib="$(df -Pk "${dir}" | awk 'NR == 2 {print $4}')"
+  if ((free_kib < NODE_MIN_FREE_GIB * 1024 * 1024)); then
+    localkube_die "only $((free_kib / 1024 / 1024)) GiB free under ${dir}; the node needs at" \
+      "least ${NODE_MIN_FREE_GIB} GiB (set ROLLOUT_NODE_MIN_FREE_GIB to change it)"
+  fi
 }
 
 kubelet_healthz() {
@@ -523,6 +547,7 @@ node_up_locked() {
   local timings=""
   t=${SECONDS}
   node_ensure_packages
+  node_check_disk
   "${LOCALKUBE_DIR}/build.sh" "${LOCALKUBE_NODE_COMPONENTS[@]}" >&2 \
     || localkube_die "kubelet/containerd/runc build failed"
   # Anything half-started (or started for a previous cluster) goes first, with its Node object
