@@ -202,6 +202,17 @@ def test_the_cause_of_a_failed_episode_is_the_one_kubernetes_gives():
     obs = observe_pods(handle, 2, {"a": stuck})
     assert obs.terminal and obs.phase == "Failed"
     assert obs.reason == "ErrImageNeverPull: image not present"
+    # The same for the agent's init container of a Pod graded apart (its main container waits
+    # as PodInitializing, which is no end by itself).
+    stuck_init = pod("rollout-4-a", created, phase="Pending")
+    stuck_init["status"]["containerStatuses"][0]["state"] = {
+        "waiting": {"reason": "PodInitializing"}
+    }
+    stuck_init["status"]["initContainerStatuses"] = [
+        {"name": "agent", "state": {"waiting": {"reason": "ErrImageNeverPull", "message": "x"}}}
+    ]
+    obs = observe_pods(handle, 4, {"a": stuck_init})
+    assert obs.terminal and obs.phase == "Failed" and obs.reason == "ErrImageNeverPull: x"
     # Deleted while it ran.
     gone = pod("rollout-3-a", created, phase="Failed", exit_code=137)
     gone["metadata"]["deletionTimestamp"] = "2026-11-30T10:00:05Z"

@@ -283,6 +283,17 @@ def _init_containers(
     return terminated, (agent_state.get("running") or ended).get("startedAt"), logs
 
 
+def _init_never_starts(status: dict[str, Any]) -> dict[str, Any] | None:
+    """The waiting state of an init container that can never start (graded apart, the agent's
+    init container runs first: without this its missing image held the episode to its
+    deadline, as a CI run whose images the kubelet had deleted showed)."""
+    for init in status.get("initContainerStatuses") or []:
+        waiting = (init.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in NEVER_STARTS:
+            return waiting
+    return None
+
+
 def _pod_phase(
     pod: dict[str, Any], state: dict[str, Any], terminated: dict[str, Any]
 ) -> tuple[str, str | None]:
@@ -296,6 +307,8 @@ def _pod_phase(
     # Evicted for the episode's own disk use (its limit, not the node's pressure): its doing.
     reason = own_disk_eviction(status) or reason
     waiting = state.get("waiting") or {}
+    if waiting.get("reason") not in NEVER_STARTS:
+        waiting = _init_never_starts(status) or waiting
     if (
         phase in ("Pending", "Running")
         and state.get("terminated")
