@@ -130,10 +130,18 @@ stop_pids() { # what pids...: TERM, wait up to 10 s, KILL
 # found nothing and called a starting kubelet dead after 0 s (a CI run failed so). With -w, $!
 # lives as long as the daemon even when setsid has to fork.
 DAEMON_PID=""
-start_daemon() { # log exe args...: start detached (own session, no inherited lock fds)
+start_daemon() { # log exe args...: start detached (own session, no inherited fds)
   local log="$1"
   shift
-  setsid -w "$@" </dev/null >>"${log}" 2>&1 7>&- 8>&- 9>&- &
+  # Every inherited descriptor above 2 is closed: a daemon that kept a caller's lock file open
+  # (`flock -x LOCK cluster.sh node-up`) would hold that lock for as long as the node runs.
+  (
+    for fd in /proc/self/fd/*; do
+      fd="${fd##*/}"
+      ((fd > 2)) && eval "exec ${fd}>&-" 2>/dev/null
+    done
+    exec setsid -w "$@" </dev/null >>"${log}" 2>&1
+  ) &
   DAEMON_PID=$!
 }
 
