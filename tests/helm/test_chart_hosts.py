@@ -84,6 +84,10 @@ def test_host_network_policy_reaches_only_redis_and_the_policy_endpoints(render)
         "to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}],
         "ports": [{"protocol": "TCP", "port": 8000}],
     }
+    # The agents are told the same list (their heartbeats carry it; preflight checks it).
+    (container,) = one(objects, "Deployment", HOSTS)["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[command.index("--policy-egress") + 1] == "10.9.0.0/16:8000"
     external = render(
         "hosts.enabled=true",
         "redis.enabled=false",

@@ -228,3 +228,21 @@ def test_delete_needs_the_receipts_run_uid_and_leaves_no_key(backend):
     with pytest.raises(BackendError, match="is gone"):
         backend.wait_episode(handle, 0, 0.05)
     assert backend.wait_ended(handle, [0, 2], 0.05, ready=frozenset()) == [0, 2]
+
+
+def test_preflight_refuses_a_policy_endpoint_outside_a_live_hosts_policy_egress(backend):
+    # The hosts' NetworkPolicy lets them reach 10.9.0.0/16 port 8000 only (their heartbeats
+    # say so, from --policy-egress): POLICY (10.0.0.1:8000) could never be asked.
+    live_host(backend.queue, "h1", policy_egress=[{"cidr": "10.9.0.0/16", "port": 8000}])
+    why = refused(backend, spec(tasks=[TASK], policy=POLICY))
+    assert "policy endpoint 10.0.0.1:8000 is outside the policy egress" in why
+    assert "['h1']" in why and "10.9.0.0/16:8000" in why
+    wrong_port = {"url": "http://10.9.1.2:9000/v1"}
+    assert "10.9.1.2:9000" in refused(backend, spec(tasks=[TASK], policy=wrong_port))
+    assert backend.queue.runs() == {} and backend.queue.redis.llen(k.HOSTS_TODO_KEY) == 0
+    inside = {"url": "http://10.9.1.2:8000/v1"}
+    assert backend.preflight(spec(tasks=[TASK], policy=inside)) == []
+    # Any host takes any episode: one host that cannot reach it is enough to refuse.
+    live_host(backend.queue, "h2", policy_egress=[])
+    assert "['h2']" in refused(backend, spec(tasks=[TASK], policy=inside))
+    assert backend.preflight(spec()) == []  # no policy: nothing to reach

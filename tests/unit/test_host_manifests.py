@@ -4,6 +4,7 @@ NetworkPolicy that lets it reach only Redis and the configured policy endpoints.
 
 import pytest
 
+from rollout_worker.backends.host import agent
 from rollout_worker.backends.host.manifests import (
     HOST_ROOT,
     HOST_SECCOMP_PROFILE,
@@ -62,6 +63,7 @@ def test_the_pod_has_every_field_bubblewrap_needs_and_nothing_more():
         "--grace",
         "55",  # the Pod's 60 s less 5: the agent leaves before the kubelet's SIGKILL
         *("--slot-memory", "128Mi", "--slot-storage", "1024Mi"),  # in its heartbeat
+        *("--policy-egress", ""),  # no policy endpoint: in its heartbeat, refused at submit
     ]
     env = {e["name"]: e for e in container["env"]}
     assert env["ROLLOUT_REDIS_URL"] == {
@@ -151,6 +153,18 @@ def test_network_policy_allows_only_redis_and_the_policy_endpoints():
             "ports": [{"protocol": "TCP", "port": 443}],
         },
     ]
+    # The agents are told the same list: their heartbeats carry it, preflight checks it.
+    command = host_objects(pool(policy_egress=endpoints))[1]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["command"]
+    told = command[command.index("--policy-egress") + 1]
+    assert told == "10.9.0.0/16:8000,192.168.1.5/32:443"
+    assert agent.parse(["--redis-url", "redis://x", "--policy-egress", told]).policy_egress == [
+        {"cidr": "10.9.0.0/16", "port": 8000},
+        {"cidr": "192.168.1.5/32", "port": 443},
+    ]
+    assert agent.parse(["--redis-url", "redis://x", "--policy-egress", ""]).policy_egress == []
+    assert agent.parse(["--redis-url", "redis://x"]).policy_egress is None
 
 
 def test_dns_only_when_redis_is_a_name():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import queue as queues
 import selectors
@@ -97,8 +98,13 @@ class Agent:
         grace: float = DEFAULT_GRACE_SECONDS,
         slot_size: dict[str, int] | None = None,
         lease_seconds: float = host_queue.LEASE_SECONDS,
+        policy_egress: list[dict[str, Any]] | None = None,
     ) -> None:
         self.queue = HostQueue(client, lease_seconds)
+        # The policy endpoints this host's NetworkPolicy lets it reach ([{cidr, port}]), in the
+        # heartbeat: a batch whose endpoint is outside them is refused at submit. None: no
+        # such list was given (no NetworkPolicy of ours in front of this host).
+        self.policy_egress = policy_egress
         # What one slot holds (slot_memory_bytes, slot_storage_bytes), in the heartbeat: the
         # Celery side refuses a batch whose limits fit no host's slot.
         self.slot_size = dict(slot_size or {})
@@ -276,6 +282,7 @@ class Agent:
             "images": self.images,
             "draining": self.draining_since is not None,
             **self.slot_size,
+            **({} if self.policy_egress is None else {"policy_egress": self.policy_egress}),
         }
 
 
@@ -321,6 +328,22 @@ def _size(text: str) -> int:
     return size
 
 
+def _egress(text: str) -> list[dict[str, Any]]:
+    """`CIDR:PORT[,CIDR:PORT...]` (maybe empty: no policy endpoint) as [{cidr, port}]."""
+    endpoints = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        cidr, _, port = part.rpartition(":")  # an IPv6 CIDR has colons of its own
+        try:
+            network = ipaddress.ip_network(cidr, strict=False)
+            number = int(port)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not CIDR:PORT: {part!r}") from exc
+        if not 0 < number < 65536:
+            raise argparse.ArgumentTypeError(f"not a port: {part!r}")
+        endpoints.append({"cidr": str(network), "port": number})
+    return endpoints
+
+
 def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--redis-url", default=os.environ.get("ROLLOUT_REDIS_URL"))
@@ -348,6 +371,14 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
         default=host_queue.LEASE_SECONDS,
         help="how long a silent host keeps its episodes (at least 1; default: %(default)s); "
         "shorter reruns a lost host's episodes sooner, at the cost of more renewals",
+    )
+    parser.add_argument(
+        "--policy-egress",
+        type=_egress,
+        default=None,
+        help="CIDR:PORT,... the policy endpoints this host may reach (its NetworkPolicy's), "
+        "told in the heartbeat so that a batch whose policy is elsewhere is refused at submit; "
+        "empty: none. Not given: the host claims no limit",
     )
     parser.add_argument(
         "--isolation",
@@ -394,6 +425,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         grace=args.grace,
         slot_size={field: size for field, size in sizes.items() if size is not None},
         lease_seconds=max(1.0, args.lease_seconds),
+        policy_egress=args.policy_egress,
     )
     signal.signal(signal.SIGTERM, agent.drain)
     signal.signal(signal.SIGINT, agent.drain)

@@ -9,6 +9,7 @@ and read here as they do on the local backend.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 import uuid
 from collections.abc import Set as AbstractSet
@@ -18,6 +19,7 @@ from typing import Any
 import orjson
 
 from rollout_wire.errors import BackendError, BackendUnavailable, OwnershipError
+from rollout_wire.policy import PolicyEndpoint
 from rollout_wire.redis_url import redis_client
 from rollout_wire.request import BatchSpec
 from rollout_wire.states import RunVerdict
@@ -83,6 +85,45 @@ def slot_problems(spec: BatchSpec, hosts: dict[str, dict[str, Any]]) -> list[str
     return problems
 
 
+def _allows(policy: PolicyEndpoint, egress: list[dict[str, Any]]) -> bool:
+    if not policy.is_ip:
+        return False  # a NetworkPolicy matches addresses only
+    address = ipaddress.ip_address(policy.host)
+    for rule in egress:
+        try:
+            network = ipaddress.ip_network(str(rule.get("cidr")), strict=False)
+        except ValueError:
+            continue
+        if rule.get("port") == policy.port and address in network:
+            return True
+    return False
+
+
+def egress_problems(spec: BatchSpec, hosts: dict[str, dict[str, Any]]) -> list[str]:
+    """The batch's policy endpoint outside a live host's policy egress (its NetworkPolicy's
+    list, which the agent tells in its heartbeat from --policy-egress): any host takes any
+    episode, so every host must reach it. A host that tells no list claims no limit."""
+    policy = spec.policy
+    if policy is None:
+        return []
+    closed = sorted(
+        name
+        for name, info in hosts.items()
+        if isinstance(info.get("policy_egress"), list)
+        and not _allows(policy, info["policy_egress"])
+    )
+    if not closed:
+        return []
+    allowed = sorted(
+        {f"{r.get('cidr')}:{r.get('port')}" for n in closed for r in hosts[n]["policy_egress"]}
+    )
+    return [
+        f"the batch's policy endpoint {policy.host}:{policy.port} is outside the policy egress "
+        f"of sandbox hosts {closed} (they may reach {allowed or 'no policy endpoint'}: the "
+        "chart's hosts.policyEgress)"
+    ]
+
+
 class HostBackend:
     name = "hosts"
     streams_progress = True  # the hosts' supervisors stream running/ready, as locally
@@ -118,7 +159,11 @@ class HostBackend:
                 f"no sandbox host runs this worker's episode program {sha[:12]} (the hosts run "
                 f"{theirs}): upgrade the hosts and the workers together"
             )
-        problems = [*_task_problems(spec), *slot_problems(spec, ours)]
+        problems = [
+            *_task_problems(spec),
+            *slot_problems(spec, ours),
+            *egress_problems(spec, ours),
+        ]
         if problems:
             raise BackendUnavailable("; ".join(problems))
         if spec.warm_pool:

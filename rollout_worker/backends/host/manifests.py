@@ -154,6 +154,10 @@ def agent_command(pool: HostPool) -> list[str]:
         mebibytes(quantity(pool.slot_memory)),
         "--slot-storage",
         mebibytes(quantity(pool.slot_storage)),
+        # The NetworkPolicy's policy endpoints, in the heartbeat: a batch whose policy endpoint
+        # is outside them is refused at submit.
+        "--policy-egress",
+        ",".join(f"{e.cidr}:{e.port}" for e in pool.policy_egress),
     ]
 
 
@@ -309,8 +313,10 @@ def redis_egress(url: str) -> list[dict[str, Any]]:
 
 def network_policy_manifest(pool: HostPool) -> dict[str, Any]:
     """No ingress. Egress to Redis and to the configured policy endpoints only: a batch's own
-    endpoint cannot be added per batch to a shared host (preflight refuses one outside the
-    list); the sandboxes themselves have no network but their policy socket."""
+    endpoint cannot be added per batch to a shared host. The agents are given the same list
+    (--policy-egress) and tell it in their heartbeats; preflight refuses a batch whose policy
+    endpoint (IP and port) is outside a live host's list. The sandboxes themselves have no
+    network but their policy socket."""
     egress = redis_egress(pool.redis_url)
     egress += [tcp_rule(e.port, e.cidr) for e in pool.policy_egress]
     return {
