@@ -283,3 +283,29 @@ def test_each_client_leases_for_its_own_length(queue):
     assert 0 < ttl(mine) <= 2000 < 14000 < ttl(theirs) <= 15000
     assert short.renew("h1", [mine]) == [] and 0 < ttl(mine) <= 2000
     assert queue.renew("h2", [theirs]) == [] and ttl(theirs) > 14000
+
+
+def test_a_host_of_another_program_puts_the_item_back_untouched_for_a_host_of_the_batchs(queue):
+    # A rolling update: the batch was submitted by workers of program "new"; a host still on
+    # "old" must not run it, nor spend its retries. A host of "new" takes it.
+    new, old = "a" * 64, "b" * 64
+    body = orjson.dumps({"episode_prefix": "s-ep", "image_id": "file-task", "program_sha": new})
+    queue.enqueue("s", "uid-s", body, 1, 1, time.time() + 600, 1)
+    began = time.monotonic()
+    assert queue.take("old-host", 0.3, old) is None
+    assert time.monotonic() - began >= 0.25  # it paused, no busy loop on the one item
+    assert todo(queue) == ["s:0"] and queue.attempts("s", 0) == []
+    assert queue.statuses("s") == {} and queue.taken("s") == {}
+    assert queue.redis.llen(k.hosts_taking_key("old-host")) == 0
+    lease = queue.take("new-host", 1, new)
+    assert lease is not None and (lease.index, lease.attempt) == (0, 0)
+    assert queue.taken("s") == {0: "new-host"}
+
+
+def test_with_no_host_of_its_program_a_batch_ends_at_its_deadline(queue):
+    body = orjson.dumps({"episode_prefix": "d-ep", "image_id": "file-task", "program_sha": "a"})
+    queue.enqueue("d", "uid-d", body, 1, 1, time.time() + 0.5, 0)
+    assert queue.take("old-host", 0.2, "b") is None and todo(queue) == ["d:0"]
+    time.sleep(0.5)
+    assert queue.take("old-host", 0.2, "b") is None and todo(queue) == []
+    assert queue.status("d", 0)["reason"] == "DeadlineExceeded"

@@ -62,6 +62,9 @@ class Taker(threading.Thread):
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.stop = threading.Event()
         self.unsure = False  # a take failed: it may have moved an item it never leased
+        # A batch that expects another episode program (a rolling update) is left to hosts
+        # that run it: preflight checked one at submit, TAKE checks this host's.
+        self.program_sha = program_sha()
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -73,7 +76,7 @@ class Taker(threading.Thread):
                     # taking list (only this thread moves items there while it runs).
                     self.queue.recover(self.host)
                     self.unsure = False
-                lease = self.queue.take(self.host, TAKE_WAIT_SECONDS)
+                lease = self.queue.take(self.host, TAKE_WAIT_SECONDS, self.program_sha)
             except redis.RedisError as exc:
                 print(f"taker: {exc}", flush=True)
                 lease = None

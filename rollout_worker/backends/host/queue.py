@@ -30,6 +30,8 @@ HEARTBEAT_SECONDS = 15.0  # a host's heartbeat expires after this
 # and a test checks both agree).
 CANCEL_FLAG = "cancel"
 HOST_LOST = "HostLost"
+# A host that put back an item of another program's batch waits this long before its next take.
+SKEW_PAUSE_SECONDS = 0.5
 DONE_TTL = 3600  # as local/signal.SIGNAL_TTL
 
 # Per-batch keys are built inside the scripts (TAKE learns the batch from the item it pops):
@@ -83,7 +85,7 @@ end
 """
 
 # KEYS: run hash, runs registry. ARGV: batch, run_uid, doc, count, parallelism, deadline_at,
-# infra_retries, episode_prefix, image_id, now.
+# infra_retries, episode_prefix, image_id, now, program_sha.
 _ENQUEUE = (
     _COMMON
     + """
@@ -93,15 +95,17 @@ local count, par = tonumber(ARGV[4]), math.max(1, tonumber(ARGV[5]))
 local n = math.min(count, par)
 redis.call('HSET', KEYS[1], 'doc', ARGV[3], 'count', count, 'parallelism', par,
   'deadline_at', ARGV[6], 'infra_retries', ARGV[7], 'episode_prefix', ARGV[8],
-  'image_id', ARGV[9], 'released', n, 'created_at', ARGV[10])
+  'image_id', ARGV[9], 'released', n, 'created_at', ARGV[10], 'program_sha', ARGV[11])
 redis.call('HSET', KEYS[2], b, cjson.encode({run_uid = ARGV[2], created_at = tonumber(ARGV[10])}))
 for i = 0, n - 1 do redis.call('RPUSH', TODO, b .. ':' .. i) end
 return 1
 """
 )
 
-# KEYS: the host's taking list. ARGV: item, host, token, now, lease ms.
-# Returns {batch, index, attempt} when leased, else false (the item is dropped).
+# KEYS: the host's taking list. ARGV: item, host, token, now, lease ms, the host's program sha.
+# Returns {batch, index, attempt} when leased; 0 when the batch expects another episode program
+# (a rolling update): the item goes back to the list's tail, untouched, for a host that runs
+# that program (none: the batch's deadline ends it); else false (the item is dropped).
 _TAKE = (
     _COMMON
     + """
@@ -116,6 +120,11 @@ if redis.call('HEXISTS', hkey(b, 'taken'), i) == 1 then return false end
 if now >= tonumber(redis.call('HGET', run, 'deadline_at')) then
   if fail(b, i, 'DeadlineExceeded', '', now) == 1 then release(b) end
   return false
+end
+local want = redis.call('HGET', run, 'program_sha')
+if ARGV[6] ~= '' and want and want ~= '' and want ~= ARGV[6] then
+  redis.call('RPUSH', TODO, item)
+  return 0
 end
 local attempts = redis.call('HGET', hkey(b, 'attempts'), i)
 local attempt = 0
@@ -319,7 +328,8 @@ class HostQueue:
         args += [str(run.get("episode_prefix") or batch), str(run.get("image_id") or "")]
         keys = [k.host_batch_key(batch, "run"), k.HOSTS_RUNS_KEY]
         created_at = float(run.get("created_at") or time.time())  # the run's origin
-        self._enqueue(keys=keys, args=[*args, repr(created_at)])
+        sha = str(run.get("program_sha") or "")  # hosts of another program do not take it
+        self._enqueue(keys=keys, args=[*args, repr(created_at), sha])
 
     def run_doc(self, batch: str) -> bytes | None:
         doc = self.redis.hget(k.host_batch_key(batch, "run"), "doc")
@@ -395,8 +405,11 @@ class HostQueue:
         return {h: info for (h, info), up in zip(beats.items(), live, strict=True) if up}
 
     # -- host side ---------------------------------------------------------------------------
-    def take(self, host: str, timeout: float) -> Lease | None:
-        """Block up to `timeout` for an episode to run; None when nothing came."""
+    def take(self, host: str, timeout: float, program_sha: str = "") -> Lease | None:
+        """Block up to `timeout` for an episode to run; None when nothing came. With the
+        host's `program_sha`, an episode of a batch that expects another program is put back
+        (no retry spent) and this host pauses SKEW_PAUSE_SECONDS before the next item, so a
+        host of that program takes it meanwhile."""
         end = time.monotonic() + timeout
         taking = k.hosts_taking_key(host)
         while True:
@@ -408,8 +421,10 @@ class HostQueue:
             if item is not None:
                 token = secrets.token_hex(16)
                 args = [item, host, token, repr(time.time()), int(self.lease_seconds * 1000)]
-                got = self._take(keys=[taking], args=args)
-                if got:
+                got = self._take(keys=[taking], args=[*args, program_sha])
+                if got == 0:
+                    time.sleep(max(0.0, min(SKEW_PAUSE_SECONDS, end - time.monotonic())))
+                elif got:
                     return Lease(_text(got[0]), int(got[1]), token, int(got[2]))
             if time.monotonic() >= end:
                 return None
