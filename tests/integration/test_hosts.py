@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,8 +28,10 @@ from rollout_wire.codec import decode_entry
 from rollout_wire.errors import BackendUnavailable
 from rollout_wire.request import BatchSpec, parse_spec
 from rollout_wire.tasksets import load_task_set
+from rollout_worker.backends.host.agent import Agent
 from rollout_worker.backends.host.backend import HostBackend
 from rollout_worker.backends.host.queue import HostQueue
+from rollout_worker.backends.host.run import Machine
 from rollout_worker.backends.local.run_file import run_document
 from rollout_worker.cli.policy_server import bundled_script, running
 from rollout_worker.cli.stack import LocalStack
@@ -410,3 +413,52 @@ def test_a_host_killed_mid_batch_loses_nothing(client, stack, base):
     wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
     wait_for(lambda: spare.left() == [], 10, "the spare host's root emptied")
     assert spare.stop() == 0
+
+
+def test_a_loop_stuck_longer_than_a_lease_loses_no_episode(queue, redis_url, base, monkeypatch):
+    # The agent's loop stuck (a slow Redis call, a slow disk) for more than a lease: its
+    # leases are renewed meanwhile, on their own thread and client, so the queue never gives
+    # its episode to another host. An agent in this process, to hold its loop.
+    name = "h-stuck"
+    machine = Machine(
+        node=name,
+        python=Settings().local_python,
+        redis_url=redis_url,
+        rootfs_dir=Path("/rootfs"),
+    )
+    agent = Agent(
+        redis.Redis.from_url(redis_url, socket_timeout=10),
+        name=name,
+        slots=1,
+        root=base / name,
+        machine=machine,
+        lease_seconds=LEASE_SECONDS,
+        renew_client=redis.Redis.from_url(redis_url, socket_timeout=1),
+    )
+    stuck, look = threading.Event(), agent.look
+
+    def stuck_look() -> None:
+        if agent.runs and not stuck.is_set():
+            stuck.set()
+            time.sleep(2.5 * LEASE_SECONDS)
+        look()
+
+    monkeypatch.setattr(agent, "look", stuck_look)
+    loop = threading.Thread(target=agent.serve, daemon=True)
+    loop.start()
+    with running(turn_seconds=1.0) as server:
+        spec = slow_spec(server.url, count=1, infra_retries=1)
+        enqueue(queue, spec, redis_url)
+        batch = spec.batch_id
+        wait_for(stuck.is_set, 20, "the loop stuck with an episode of its own")
+        end = time.monotonic() + 2 * LEASE_SECONDS
+        while time.monotonic() < end:
+            assert queue.reap(batch) == [], "the lease expired while the loop was stuck"
+            assert queue.taken(batch) == {0: name}
+            time.sleep(0.2)
+        status = wait_for(lambda: queue.status(batch, 0), 60, "the episode's end")
+    assert isinstance(status, dict) and status["phase"] == "Succeeded", status
+    assert status["retried"] == [] and status["node"] == name
+    agent.drain()
+    loop.join(30)
+    assert not loop.is_alive() and queue.hosts() == {}

@@ -62,6 +62,7 @@ class Taker(threading.Thread):
         self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.stop = threading.Event()
         self.unsure = False  # a take failed: it may have moved an item it never leased
+        self.renewer: Renewer | None = None  # renews what it takes from the moment it takes it
         # A batch that expects another episode program (a rolling update) is left to hosts
         # that run it: preflight checked one at submit, TAKE checks this host's.
         self.program_sha = program_sha()
@@ -85,7 +86,62 @@ class Taker(threading.Thread):
             if lease is None:
                 self.free.release()
                 continue
+            if self.renewer is not None:
+                self.renewer.hold(lease)
             self.inbox.put(lease)
+            os.eventfd_write(self.wake, 1)
+
+
+class Renewer(threading.Thread):
+    """Renews every lease the host holds and heartbeats, on its own thread and Redis client
+    (short timeouts): a loop busy or stuck in a slow Redis call loses no lease. Leases it
+    finds lost (or all of them, unable to renew for a lease's lifetime) go to the loop."""
+
+    def __init__(self, queue: HostQueue, host: str, every: float, wake: int) -> None:
+        super().__init__(name="renewer", daemon=True)
+        self.queue = queue
+        self.host = host
+        self.every = every
+        self.wake = wake  # the loop's eventfd
+        self.lock = threading.Lock()
+        self.held: set[Lease] = set()  # taken and not yet ended (in the inbox or running)
+        self.gone: set[Lease] = set()  # of those, the ones told lost
+        self.lost: queues.SimpleQueue[Lease] = queues.SimpleQueue()
+        self.info: dict[str, Any] = {}  # the heartbeat, as the loop last published it
+        self.stop = threading.Event()
+        self.last_renewed = time.monotonic()
+
+    def hold(self, lease: Lease) -> None:
+        with self.lock:
+            self.held.add(lease)
+
+    def drop(self, lease: Lease) -> None:
+        with self.lock:
+            self.held.discard(lease)
+            self.gone.discard(lease)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.renew()
+
+    def renew(self) -> None:
+        with self.lock:
+            leases = sorted(self.held - self.gone, key=lambda x: (x.batch, x.index, x.token))
+        try:
+            lost = self.queue.renew(self.host, leases)
+            self.last_renewed = time.monotonic()
+            if self.info:
+                self.queue.heartbeat(self.host, self.info)
+        except redis.RedisError as exc:
+            print(f"renew: {exc}", flush=True)
+            if time.monotonic() - self.last_renewed < self.queue.lease_seconds:
+                return
+            lost = leases
+        if lost:
+            with self.lock:
+                self.gone.update(lease for lease in lost if lease in self.held)
+            for lease in lost:
+                self.lost.put(lease)
             os.eventfd_write(self.wake, 1)
 
 
@@ -102,6 +158,7 @@ class Agent:
         slot_size: dict[str, int] | None = None,
         lease_seconds: float = host_queue.LEASE_SECONDS,
         policy_egress: list[dict[str, Any]] | None = None,
+        renew_client: redis.Redis | None = None,
     ) -> None:
         self.queue = HostQueue(client, lease_seconds)
         # The policy endpoints this host's NetworkPolicy lets it reach ([{cidr, port}]), in the
@@ -121,10 +178,16 @@ class Agent:
         self.taker = Taker(HostQueue(client, lease_seconds), name, slots)
         self.selector.register(self.taker.wake, selectors.EVENT_READ, None)
         self.draining_since: float | None = None
-        self.last_renewed = time.monotonic()
         self.images = _images(machine.rootfs_dir)
-        # At least three renewals per lease: one lost call never loses an episode.
-        self.renew_seconds = min(host_queue.RENEW_SECONDS, lease_seconds / 3)
+        # At least three renewals per lease: one lost call never loses an episode. Its own
+        # client (main gives it short timeouts), so the loop's Redis calls never delay it.
+        self.renewer = Renewer(
+            HostQueue(renew_client or client, lease_seconds),
+            name,
+            min(host_queue.RENEW_SECONDS, lease_seconds / 3),
+            self.taker.wake,
+        )
+        self.taker.renewer = self.renewer
 
     # -- lifetime --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -143,7 +206,8 @@ class Agent:
             self.root.chmod(0o755)
         write_program(self.root / PROGRAM_DIR / "episode.py", self.machine.python)
         self.queue.recover(self.name)
-        self.queue.heartbeat(self.name, self.info())
+        self.renewer.info = self.info()
+        self.queue.heartbeat(self.name, self.renewer.info)
 
     def drain(self, *_: object) -> None:
         if self.draining_since is None:
@@ -152,21 +216,21 @@ class Agent:
     def serve(self) -> int:
         self.prepare()
         self.taker.start()
-        next_renew = next_look = 0.0
+        self.renewer.start()
+        next_look = 0.0
         while True:
             now = time.monotonic()
             if self.draining_since is not None and self.drained(now):
                 break
-            if now >= next_renew:
-                self.renew()
-                next_renew = now + self.renew_seconds
             if now >= next_look:
                 self.look()
                 next_look = now + LOOK_SECONDS
+            self.lose_lost()
             self.take_in()
             for run in list(self.runs.values()):
                 run.tick(time.time())
-            for key, _ in self.selector.select(self.timeout(min(next_renew, next_look))):
+            self.renewer.info = self.info()  # what the renewer's next heartbeat tells
+            for key, _ in self.selector.select(self.timeout(next_look)):
                 if key.data is None:
                     with contextlib.suppress(BlockingIOError):
                         os.eventfd_read(self.taker.wake)
@@ -178,6 +242,8 @@ class Agent:
         self.runs.clear()
         self.taker.stop.set()
         self.taker.join(TAKE_WAIT_SECONDS + 1)
+        self.renewer.stop.set()
+        self.renewer.join(TAKE_WAIT_SECONDS + 1)  # no heartbeat after the host leaves
         with contextlib.suppress(redis.RedisError):
             # What the taker moved off the list but never took goes back for other hosts.
             self.queue.recover(self.name)
@@ -214,6 +280,9 @@ class Agent:
                 lease = self.taker.inbox.get_nowait()
             except queues.Empty:
                 return
+            if lease in self.renewer.gone:  # lost before it started: only its slot to free
+                self.ended(lease)
+                continue
             run = self.runs.get(lease.batch) or self.open_run(lease)
             if run is not None:
                 run.begin(lease)
@@ -222,7 +291,7 @@ class Agent:
         try:
             doc = self.queue.run_doc(lease.batch)
             if doc is None:  # deleted since it was taken: nothing to run or record
-                self.taker.free.release()
+                self.ended(lease)
                 return None
             run = HostRun(
                 self.root,
@@ -236,30 +305,25 @@ class Agent:
         except (OSError, ValueError, KeyError, TypeError, redis.RedisError) as exc:
             # Its lease expires: the queue runs it elsewhere or ends it (HostLost).
             print(f"batch {lease.batch}: cannot run it here: {exc!r}", flush=True)
-            self.taker.free.release()
+            self.ended(lease)
             return None
         self.runs[lease.batch] = run
         return run
 
     def ended(self, lease: Lease) -> None:
-        del lease
+        self.renewer.drop(lease)
         self.taker.free.release()
 
-    def renew(self) -> None:
-        """Renew every lease (kill the sandboxes of those lost) and heartbeat. Unable to
-        renew for a lease's lifetime, the host counts every lease lost."""
-        leases = [lease for run in self.runs.values() for lease in run.all_leases()]
-        try:
-            lost = self.queue.renew(self.name, leases)
-            self.last_renewed = time.monotonic()
-            self.queue.heartbeat(self.name, self.info())
-        except redis.RedisError as exc:
-            print(f"renew: {exc}", flush=True)
-            if time.monotonic() - self.last_renewed < self.queue.lease_seconds:
+    def lose_lost(self) -> None:
+        """Kill the sandboxes of the leases the renewer found lost."""
+        while True:
+            try:
+                lease = self.renewer.lost.get_nowait()
+            except queues.Empty:
                 return
-            lost = leases
-        for lease in lost:
-            self.runs[lease.batch].lose(lease)
+            run = self.runs.get(lease.batch)
+            if run is not None:
+                run.lose(lease)  # a lease it no longer holds is ignored there
 
     def look(self) -> None:
         """Kill a cancelled or deleted batch's sandboxes; drop the folders of idle runs."""
@@ -418,6 +482,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         disable_userns=args.isolation == "bwrap"
         and bwrap_problem("--unshare-user", "--disable-userns") is None,
     )
+    lease_seconds = max(1.0, args.lease_seconds)
+    # Renewal's calls give up well within a lease: a slow Redis call is retried at the next
+    # renewal instead of outliving the lease (the loop's client keeps its 10 s).
+    timeout = max(0.5, min(2.0, lease_seconds / 4))
     sizes = {"slot_memory_bytes": args.slot_memory, "slot_storage_bytes": args.slot_storage}
     agent = Agent(
         client,
@@ -427,8 +495,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         machine=machine,
         grace=args.grace,
         slot_size={field: size for field, size in sizes.items() if size is not None},
-        lease_seconds=max(1.0, args.lease_seconds),
+        lease_seconds=lease_seconds,
         policy_egress=args.policy_egress,
+        renew_client=redis_client(
+            args.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        ),
     )
     signal.signal(signal.SIGTERM, agent.drain)
     signal.signal(signal.SIGINT, agent.drain)
