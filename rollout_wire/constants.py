@@ -225,8 +225,11 @@ POOLS_KEY = f"{KEY_PREFIX}:pools"
 
 # Sandbox hosts (isolation "host", rollout_worker/backends/host/queue.py). Global keys:
 HOSTS_PREFIX = f"{KEY_PREFIX}:hosts"
-# List of `batch:index` released to hosts (KEDA's listName): hosts BLMOVE from it.
+# List of `batch:index` released to hosts and not taken yet: hosts BLMOVE from it.
 HOSTS_TODO_KEY = f"{HOSTS_PREFIX}:todo"
+# List of `batch:index` released and not ended yet (waiting or running), one entry each, kept
+# by the queue's scripts: the hosts' demand, KEDA's listName (LLEN / slots = hosts wanted).
+HOSTS_DEMAND_KEY = f"{HOSTS_PREFIX}:demand"
 # Hash host -> its last heartbeat (JSON: slots, free, batches, program_sha, images, seen_at).
 HOSTS_ALIVE_KEY = f"{HOSTS_PREFIX}:alive"
 # Hash batch id -> JSON {run_uid, created_at} of every host run not deleted yet (list_runs).

@@ -122,9 +122,11 @@ def test_keda_scales_hosts_on_their_work_list(render):
     assert scaled["spec"]["scaleTargetRef"] == {"name": HOSTS}
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "redis"
-    # The list hosts take from (rollout_worker/backends/host/queue.py).
-    assert trigger["metadata"]["listName"] == k.HOSTS_TODO_KEY == "rollout:hosts:todo"
-    assert trigger["metadata"]["listLength"] == "6"  # one host per `slots` waiting episodes
+    # The demand the queue's scripts keep (rollout_worker/backends/host/queue.py): episodes
+    # released and not ended, running ones too. Not the work list, which busy hosts that keep
+    # up leave empty (KEDA would scale them down).
+    assert trigger["metadata"]["listName"] == k.HOSTS_DEMAND_KEY == "rollout:hosts:demand"
+    assert trigger["metadata"]["listLength"] == "6"  # one host per `slots` such episodes
     assert trigger["metadata"]["address"] == "rel-rollout-redis.rollout.svc:6379"
     # The collectors' KEDA stays off: the hosts' scaler stands alone.
     assert [o["metadata"]["name"] for o in by_kind(objects, "ScaledObject")] == [HOSTS]

@@ -309,3 +309,40 @@ def test_with_no_host_of_its_program_a_batch_ends_at_its_deadline(queue):
     time.sleep(0.5)
     assert queue.take("old-host", 0.2, "b") is None and todo(queue) == []
     assert queue.status("d", 0)["reason"] == "DeadlineExceeded"
+
+
+def demand(q: HostQueue) -> list[str]:
+    return sorted(item.decode() for item in q.redis.lrange(k.HOSTS_DEMAND_KEY, 0, -1))
+
+
+def test_demand_counts_what_is_released_and_not_ended_running_or_waiting(queue):
+    # KEDA sizes the hosts on it: busy hosts that keep up leave the work list empty, but
+    # their running episodes are still demand.
+    enqueue(queue, "m", count=4, parallelism=2, infra_retries=1)
+    assert demand(queue) == ["m:0", "m:1"] and len(todo(queue)) == 2
+    a, b = queue.take("h1", 1), queue.take("h2", 1)
+    assert a is not None and b is not None
+    assert todo(queue) == [] and demand(queue) == ["m:0", "m:1"]  # running: still demand
+    assert queue.finish(a, {"phase": "Succeeded"}, b"")
+    assert demand(queue) == ["m:1", "m:2"]  # one ended, the next released
+    # A host lost: requeued with a retry left (still demand), then ended HostLost.
+    queue.redis.delete(k.host_batch_key("m", f"lease:{b.index}"))
+    assert queue.reap("m") == [b.index] and demand(queue) == ["m:1", "m:2"]
+    again = queue.take("h1", 1)
+    assert again is not None
+    queue.redis.delete(k.host_batch_key("m", f"lease:{again.index}"))
+    queue.reap("m")
+    assert queue.status("m", again.index)["reason"] == "HostLost"
+    assert demand(queue) == ["m:2", "m:3"]
+    # Stopped: what a host takes of it is dropped, and is no demand any more.
+    queue.stop("m")
+    while queue.take("h1", 0.05) is not None:
+        pass
+    assert todo(queue) == [] and demand(queue) == []
+    # Deleted with episodes waiting: their demand goes with it.
+    enqueue(queue, "n", count=3, parallelism=3)
+    assert len(demand(queue)) == 3
+    assert queue.delete("n", "uid-n") and demand(queue) == []
+    # Past its deadline: ended DeadlineExceeded, no demand.
+    enqueue(queue, "p", count=2, parallelism=1, deadline_at=time.time() - 1)
+    assert queue.take("h1", 0.1) is None and demand(queue) == []

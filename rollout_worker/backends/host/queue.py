@@ -40,6 +40,9 @@ _HEAD, _TAIL = k.batch_key("\0", "").split("\0")
 
 _COMMON = f"""
 local HEAD, TAIL, TODO = '{_HEAD}', '{_TAIL}', '{k.HOSTS_TODO_KEY}'
+-- One entry per episode released and not ended: what the hosts have to do (KEDA scales on it).
+local DEMAND = '{k.HOSTS_DEMAND_KEY}'
+local function ended(b, i) redis.call('LREM', DEMAND, 1, b .. ':' .. i) end
 local function key(b, part) return HEAD .. b .. TAIL .. part end
 local function hkey(b, part) return key(b, 'host:' .. part) end
 local function stopped(b)
@@ -60,6 +63,7 @@ local function release(b)
   if released and count and released < count then
     redis.call('HSET', run, 'released', released + 1)
     redis.call('RPUSH', TODO, b .. ':' .. released)
+    redis.call('RPUSH', DEMAND, b .. ':' .. released)
   end
 end
 -- End episode i with a status nobody ran (deadline, host lost): as the local supervisor
@@ -77,6 +81,7 @@ local function fail(b, i, reason, node, now)
     exit_code = cjson.null, finished_at = tonumber(now)}})
   body = string.sub(body, 1, -2) .. ',"retried":' .. retried .. '}}'
   if redis.call('HSETNX', hkey(b, 'status'), tostring(i), body) == 1 then
+    ended(b, i)
     notify(b, i)
     return 1
   end
@@ -97,7 +102,10 @@ redis.call('HSET', KEYS[1], 'doc', ARGV[3], 'count', count, 'parallelism', par,
   'deadline_at', ARGV[6], 'infra_retries', ARGV[7], 'episode_prefix', ARGV[8],
   'image_id', ARGV[9], 'released', n, 'created_at', ARGV[10], 'program_sha', ARGV[11])
 redis.call('HSET', KEYS[2], b, cjson.encode({run_uid = ARGV[2], created_at = tonumber(ARGV[10])}))
-for i = 0, n - 1 do redis.call('RPUSH', TODO, b .. ':' .. i) end
+for i = 0, n - 1 do
+  redis.call('RPUSH', TODO, b .. ':' .. i)
+  redis.call('RPUSH', DEMAND, b .. ':' .. i)
+end
 return 1
 """
 )
@@ -114,8 +122,9 @@ redis.call('LREM', KEYS[1], 1, item)
 local b, i = string.match(item, '^(.*):(%d+)$')
 if not b then return false end
 local run = hkey(b, 'run')
-if redis.call('EXISTS', run) == 0 or stopped(b) then return false end
-if redis.call('HEXISTS', hkey(b, 'status'), i) == 1 then return false end
+-- Dropped: it will never run (nor end), so it is no demand either.
+if redis.call('EXISTS', run) == 0 or stopped(b) then ended(b, i) return false end
+if redis.call('HEXISTS', hkey(b, 'status'), i) == 1 then ended(b, i) return false end
 if redis.call('HEXISTS', hkey(b, 'taken'), i) == 1 then return false end
 if now >= tonumber(redis.call('HGET', run, 'deadline_at')) then
   if fail(b, i, 'DeadlineExceeded', '', now) == 1 then release(b) end
@@ -165,6 +174,7 @@ local t = redis.call('HGET', hkey(b, 'taken'), i)
 if not t or cjson.decode(t).token ~= token then return 0 end
 redis.call('HDEL', hkey(b, 'taken'), i)
 redis.call('DEL', hkey(b, 'lease:' .. i))
+ended(b, i)
 if redis.call('HSETNX', hkey(b, 'status'), i, ARGV[4]) == 1 then
   redis.call('SET', hkey(b, 'log:' .. i), ARGV[5])
   for n = 6, #ARGV, 2 do redis.call('HSET', hkey(b, 'records'), ARGV[n], ARGV[n + 1]) end
@@ -257,8 +267,12 @@ local b = ARGV[1]
 local uid = redis.call('HGET', KEYS[1], 'run_uid')
 if uid and uid ~= ARGV[2] then return 0 end
 local count = tonumber(redis.call('HGET', KEYS[1], 'count') or '0')
+local released = tonumber(redis.call('HGET', KEYS[1], 'released') or '0')
 for i = 0, count - 1 do
   redis.call('DEL', hkey(b, 'log:' .. i), hkey(b, 'lease:' .. i))
+  if i < released and redis.call('HEXISTS', hkey(b, 'status'), tostring(i)) == 0 then
+    ended(b, i)
+  end
 end
 redis.call('DEL', KEYS[1], hkey(b, 'status'), hkey(b, 'taken'), hkey(b, 'attempts'),
   hkey(b, 'records'))
