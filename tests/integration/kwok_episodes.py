@@ -699,6 +699,34 @@ def describe_mix(report: dict[str, Any], fates: list[str], seconds: float) -> st
     )
 
 
+def describe_timing(report: dict[str, Any], fates: list[str], submitted_at: float) -> str:
+    """Where a batch's time went, in seconds after ``submitted_at`` (wall clock): its last Pod
+    created, finished and collected, its report, and the episode collected longest after it
+    finished (a slow run then says whether the Pods, the collectors or the report lagged)."""
+    rows = report.get("pods") or []
+
+    def last(key: str) -> str:
+        values = [row[key] for row in rows if row.get(key) is not None]
+        return f"{max(values) - submitted_at:.1f}" if values else "-"
+
+    lags = [
+        (row["collected_at"] - row["finished_at"], row["index"])
+        for row in rows
+        if row.get("collected_at") is not None and row.get("finished_at") is not None
+    ]
+    worst = ""
+    if lags:
+        lag, index = max(lags)
+        worst = f"; slowest collect {lag:.1f}s after its end (episode {index}, {fates[index]})"
+    reported = report.get("reported_at")
+    return (
+        f"created<={last('created_at')} finished<={last('finished_at')} "
+        f"collected<={last('collected_at')} reported="
+        f"{reported - submitted_at if reported else float('nan'):.1f} "
+        f"by {report.get('finalized_by')}{worst}"
+    )
+
+
 # -- the cluster's stages --------------------------------------------------------------------
 class StagesMismatch(RuntimeError):
     """The KWOK controller does not run hack/localkube/kwok-stages.yaml's stages."""

@@ -29,6 +29,7 @@ from tests.integration.kwok_episodes import (  # noqa: F401 - fixtures
     Mix,
     classification_problems,
     describe_mix,
+    describe_timing,
     episodes_fixture,
     kube_stack_fixture,
     kwok_request,
@@ -122,7 +123,7 @@ def test_ten_concurrent_batches_of_40(kube_stack, kwok_runtime, episodes):
     rollout = RolloutClient(kube_stack.redis_url)
     mixes = [Mix(1000 + n) for n in range(10)]
     batch_ids = [episodes.use_mix(new_batch_id(), mix) for mix in mixes]
-    t0 = time.monotonic()
+    t0, submitted_at = time.monotonic(), time.time()
     for n, batch_id in enumerate(batch_ids):
         rollout.submit(
             batch_id=batch_id,
@@ -138,6 +139,7 @@ def test_ten_concurrent_batches_of_40(kube_stack, kwok_runtime, episodes):
     for n, batch_id in enumerate(batch_ids):
         report, fates = reports[batch_id], mixes[n].fates(PER_ROUND)
         print(f"\nround {n}: " + describe_mix(report, fates, elapsed))
+        print(f"round {n} timing: " + describe_timing(report, fates, submitted_at))
         assert report["labels"] == {"round": str(n)}
         problems += [f"round {n}: {p}" for p in classification_problems(report, fates)]
         pods |= {(report["run"]["namespace"], row["pod"]) for row in report["pods"]}
