@@ -221,8 +221,16 @@ start_supervisor() {
   # It runs from a copy: bash reads a script as it goes, so editing (or checking out) the
   # repository's file must not change a running supervisor.
   cp "${SUPERVISE}" "${SUP_DIR}/supervise.sh"
-  setsid bash "${SUP_DIR}/supervise.sh" "${SUP_DIR}" </dev/null >>"${CLUSTER_DIR}/logs/supervisor.log" 2>&1 \
-    6>&- 7>&- 8>&- 9>&- &
+  # Every descriptor above 2 closed, not only our locks (6-9): a caller's lock (`flock -x LOCK
+  # cluster.sh up` holds it on fd 3) or pipe would stay open for as long as the supervisor runs.
+  (
+    for fd in /proc/"${BASHPID}"/fd/*; do
+      fd="${fd##*/}"
+      if ((fd > 2)); then eval "exec ${fd}>&-"; fi
+    done
+    exec setsid bash "${SUP_DIR}/supervise.sh" "${SUP_DIR}" </dev/null \
+      >>"${CLUSTER_DIR}/logs/supervisor.log" 2>&1
+  ) &
   local i
   for i in $(seq 1 50); do
     supervisor_pid >/dev/null && return 0
