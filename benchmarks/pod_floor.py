@@ -31,7 +31,15 @@ from benchmarks.harness import require_rounds
 from benchmarks.proc import TICK, machine_busy_seconds, settle
 from tests.k8s import cluster as kc
 
-PODS_CGROUP = "/sys/fs/cgroup/cpuacct/kubepods/cpuacct.usage"  # the kubelet's (cgroup v1)
+
+def pods_cgroup() -> str:
+    """The kubelet's Pods cgroup (cgroup v1): under /rollout-node-N for node N > 0, as
+    hack/localkube/node.sh sets its cgroupRoot (hack/with-caches.sh runs node 1)."""
+    node = int(os.environ.get("ROLLOUT_LOCALKUBE_NODE_ID") or 0)
+    root = "" if node == 0 else f"/rollout-node-{node}"
+    return f"/sys/fs/cgroup/cpuacct{root}/kubepods/cpuacct.usage"
+
+
 DAEMONS = ("kubelet", "containerd", "kube-apiserver", "etcd")
 LABEL = {"rollout.dev/probe": "pod-floor"}
 
@@ -45,7 +53,7 @@ class Floor:
 
 
 def pods_cgroup_seconds() -> float:
-    with open(PODS_CGROUP) as handle:
+    with open(pods_cgroup()) as handle:
         return int(handle.read()) / 1e9
 
 
