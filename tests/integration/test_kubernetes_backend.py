@@ -115,7 +115,7 @@ PER_ROUND = 40
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # the reports may take their whole 900 s wait
+@pytest.mark.timeout(600)  # the reports may take their whole 400 s wait
 def test_ten_concurrent_batches_of_40(kube_stack, kwok_runtime, episodes):
     """Ten rounds at once, each with its own seeded mix of fates: each report holds exactly
     its own batch's outcomes, classified as drawn. (40 each: the size of one batch is
@@ -129,11 +129,14 @@ def test_ten_concurrent_batches_of_40(kube_stack, kwok_runtime, episodes):
             batch_id=batch_id,
             count=PER_ROUND,
             parallelism=20,
-            deadline_seconds=600,  # the harness must keep up on a loaded 2-core machine
+            # The rounds take 27-94 s (CI and alone). The deadline bounds what an ended
+            # episode its collectors missed costs: it is collected when its batch gives up
+            # (deadline + 30 s grace), so with 600 s one CI run took 632 s, all rows right.
+            deadline_seconds=240,
             labels={"round": str(n)},
             **kwok_request(kwok_runtime),
         )
-    reports = rollout.wait_many(batch_ids, timeout=900)
+    reports = rollout.wait_many(batch_ids, timeout=400)
     elapsed = time.monotonic() - t0
     pods, problems = set(), []
     for n, batch_id in enumerate(batch_ids):
