@@ -187,17 +187,20 @@ def slow_spec(server_url: str, count: int = 2, **fields: object) -> BatchSpec:
 
 
 def sandboxes(root: Path) -> list[int]:
-    """Pids of the bwrap processes running an episode under `root`."""
-    found = []
+    """Pids of the bwrap processes running an episode under `root`, one per sandbox: bwrap
+    forks its namespace's init from itself (same command line), and counting that child too
+    made a sandbox starting or ending look like two."""
+    found: dict[int, int] = {}  # pid -> parent pid
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
+                stat = (proc / "stat").read_text()
             except OSError:
                 continue
             if argv[0].endswith(b"bwrap") and any(str(root).encode() in a for a in argv):
-                found.append(int(proc.name))
-    return found
+                found[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 pytestmark = pytest.mark.redis
