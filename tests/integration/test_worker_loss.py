@@ -84,7 +84,11 @@ def test_killed_collector_loses_nothing_and_counts_nothing_twice():
         rescuer = stack.start_worker(k.QUEUE_COLLECT, "collect2", pool="threads", concurrency=4)
         report = client.wait(batch_id, timeout=180)
         assert report["ok"] is True, report["errors"]
-        assert report["finalized_by"] == "chord"  # the chord completed, not the watchdog
+        # The chord completed: its callback ran. It may find the report written already: the
+        # watchdog finalises a batch whose rows are all in when it looks, and one of its looks
+        # can fall between the last row and the callback (a CI run under load saw it). The
+        # rescuer's log below shows the rows came from the restored tasks, not the watchdog.
+        assert_chord_callback_ran(client, batch_id)
         assert report["successful_episodes"] == 40 and report["reward_sum"] == 40
         assert sorted(row["index"] for row in report["pods"]) == list(range(40))
         assert len(client.redis.hkeys(k.episodes_key(batch_id))) == 40
@@ -107,6 +111,17 @@ def test_killed_collector_loses_nothing_and_counts_nothing_twice():
             else:
                 assert "'status': 'ok'" in line, line
         client.close()
+
+
+def assert_chord_callback_ran(client, batch_id: str, timeout: float = 30) -> None:
+    """The chord's callback ran and succeeded: its result is in the result backend (written by
+    the worker that ran it), whoever wrote the report first."""
+    key = f"celery-task-meta-{k.aggregate_task_id(batch_id)}"
+    deadline = time.monotonic() + timeout
+    while (raw := client.redis.get(key)) is None:
+        assert time.monotonic() < deadline, f"the chord's callback never ran ({key})"
+        time.sleep(0.2)
+    assert json.loads(raw)["status"] == "SUCCESS", raw
 
 
 def task_index(task_id: str) -> int:
@@ -188,7 +203,7 @@ def test_a_stalled_run_is_reported_with_lost_episodes_after_its_deadline():
         finally:
             os.kill(pid, signal.SIGCONT)
         assert report["ok"] is False
-        assert report["finalized_by"] == "chord"  # collectors retried past Celery's default 3
+        assert_chord_callback_ran(client, submission.batch_id)  # retried past Celery's default 3
         assert sorted(row["index"] for row in report["pods"]) == list(range(20))
         assert report["lost_episodes"] > 0
         assert (
