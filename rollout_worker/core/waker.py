@@ -66,6 +66,10 @@ class Wakers:
                 continue
             except Exception:  # Redis away, or a bug
                 errors += 1
+                if look_fully:
+                    # That full look was spent on the error: the next look is full, not one
+                    # FULL_LOOK_SECONDS later (an end only it can see would wait that long).
+                    full_look_at = time.monotonic()
                 log.exception("waker of %s", batch_id)
                 time.sleep(TRANSIENT_PAUSE_SECONDS)
                 continue

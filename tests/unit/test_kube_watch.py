@@ -161,3 +161,62 @@ def test_a_repeated_caller_has_only_new_episodes_and_new_events_checked(monkeypa
         assert w.wait_any([1, 2], 0.05, ended) == [] and sorted(checked) == [1, 2]
     finally:
         w.stop()
+
+
+class GoneOnceWatch:
+    """The first watch request finds its resourceVersion expired (410); later ones stream
+    nothing. Whatever happened in between is seen only through the next listing."""
+
+    calls = 0
+
+    def stream(self, *args, **kwargs):
+        GoneOnceWatch.calls += 1
+        if GoneOnceWatch.calls == 1:
+            raise ApiException(status=410, reason="Expired")
+        time.sleep(2)
+        yield from ()
+
+    def stop(self):
+        pass
+
+
+def deleted(_index: int, pods: dict) -> bool:
+    return any(p.get(DELETED_MARK) for p in pods.values())
+
+
+def test_a_relist_keeps_a_pod_deleted_while_no_watch_ran_as_deleted(monkeypatch):
+    # Pod a (episode 0) is deleted in the gap a 410 leaves: its DELETED event never comes, and
+    # the second listing no longer has it. Dropped, its episode read Pending until its deadline.
+    GoneOnceWatch.calls = 0
+    monkeypatch.setattr(watch, "RawWatch", GoneOnceWatch)
+    listings = [[pod("a", 0, "Running"), pod("b", 1, "Running")], [pod("b", 1, "Running")]]
+
+    def listing() -> dict:
+        items = listings.pop(0) if len(listings) > 1 else listings[0]
+        return {"items": items, "metadata": {"resourceVersion": "1"}}
+
+    w = watch.PodWatch("ns", listing, (None, (), {}), lambda p: int(p["metadata"]["labels"][INDEX]))
+    try:
+        end = time.monotonic() + 5
+        while w.lists < 2:
+            assert time.monotonic() < end, "the watch never listed again after its 410"
+            time.sleep(0.01)
+        assert w.wait_any([0, 1], 0.2, deleted, caller="waker") == [0]
+        pods = w.wait(0, 0.1, lambda pods: True)
+        assert pods["a"][DELETED_MARK] is True and pods["a"]["status"]["phase"] == "Running"
+    finally:
+        w.stop()
+
+
+def test_an_episode_returned_to_a_caller_is_checked_again_on_its_next_call(monkeypatch):
+    # The waker that got an ended episode may fail before it unparks it: with no new event, a
+    # cursor that counted it checked never returned it again.
+    w = scripted_watch(monkeypatch, [], [pod("a", 0, "Succeeded"), pod("b", 1, "Running")])
+    checked: list[int] = []
+    try:
+        assert w.wait_any([0, 1], 5, counting_ended(checked), caller="waker") == [0]
+        checked.clear()
+        assert w.wait_any([0, 1], 0.2, counting_ended(checked), caller="waker") == [0]
+        assert checked.count(1) == 0  # still only what is owed a look: 1 had no event
+    finally:
+        w.stop()

@@ -238,6 +238,26 @@ def test_job_index_lists_are_read_as_kubernetes_writes_them():
     assert not index_in("1,3-5,9", 2) and not index_in("", 0)
 
 
+def test_an_index_its_running_job_counted_failed_has_ended_without_a_pod():
+    # A Pod deleted before any watch saw it leaves no Pod to read: the Job's failedIndexes
+    # says the episode ended, even while the Job runs on. Waiting for the whole Job to end
+    # parked such an episode for up to its deadline.
+    from rollout_worker.backends.kube.objects import FIRST_INDEX_LABEL
+    from rollout_worker.backends.kube.verdicts import ended_without_pod
+    from rollout_worker.observation import EpisodeObservation
+
+    labels = {FIRST_INDEX_LABEL: "10"}
+    job = {
+        "spec": {"completions": 40, "template": {"metadata": {"labels": labels}}},
+        "status": {"failedIndexes": "3,7", "active": 20},
+    }
+    ended = ended_without_pod([job], 13, EpisodeObservation(13, "p-13", "Pending"))
+    assert ended.terminal and ended.phase == "Failed" and "deleted" in (ended.reason or "")
+    waiting = ended_without_pod([job], 14, EpisodeObservation(14, "p-14", "Pending"))
+    assert not waiting.terminal and waiting.phase == "Pending"
+    assert not ended_without_pod([], 13, EpisodeObservation(13, "p-13", "Pending")).terminal
+
+
 def test_a_retry_budget_counts_only_infrastructure_failures_and_disruptions():
     js = job_manifest(spec(infra_retries=2), ttl_seconds_after_finished=60)["spec"]
     assert js["backoffLimitPerIndex"] == 2

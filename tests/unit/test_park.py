@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import types
 from dataclasses import replace
 
 import pytest
 
+from rollout_wire.errors import TransientBackendError
 from rollout_worker import core
 from rollout_worker.core import park as park_module
 from rollout_worker.core import waker as waker_module
@@ -183,6 +185,27 @@ def test_the_waker_thread_looks_fully_once_a_while(parts, monkeypatch):
     fully.clear()
     w.wakers.run("b1", "t1")
     assert fully == [False, False, False]
+
+
+def test_a_full_look_that_fails_is_taken_again_at_the_next_look(parts, monkeypatch):
+    w = parts[0]
+    fully: list[bool] = []
+
+    def look(batch_id: str, token: str, *, look_fully: bool = False) -> dict[str, str]:
+        fully.append(look_fully)
+        if len(fully) == 1:
+            raise TransientBackendError("the API server is away")
+        return {"wake": "nothing parked"}
+
+    monkeypatch.setattr(w, "wake_once", look)
+    # The clock reads 0 at the start, then 10 s on ever after: the first look is the full one
+    # due then; it fails, and the next look is full too, though the next one was due at 20 s.
+    monkeypatch.setattr(waker_module, "FULL_LOOK_SECONDS", 10.0)
+    ticks = iter([0.0])
+    clock = types.SimpleNamespace(monotonic=lambda: next(ticks, 10.0), sleep=lambda _s: None)
+    monkeypatch.setattr(waker_module, "time", clock)
+    w.wakers.run("b1", "t1")
+    assert fully == [True, True]
 
 
 def test_a_second_waker_stands_aside_while_the_first_holds_the_lease(parts):

@@ -124,14 +124,16 @@ def no_retry_coming(jobs: list[dict[str, Any]], index: int) -> bool:
 def ended_without_pod(
     jobs: list[dict[str, Any]], index: int, obs: EpisodeObservation
 ) -> EpisodeObservation:
-    """No Pod for this index: if its Job has ended, the episode ended with it."""
+    """No Pod for this index: if its Job has ended, or counted the index failed (no Pod will
+    come for it, even while the Job runs on), the episode ended."""
     state = index_in_job(jobs, index)
-    if state is None or state.verdict == RunVerdict.RUNNING:
+    if state is None or (state.verdict == RunVerdict.RUNNING and not state.failed):
         return obs
     obs.phase = "Failed"
     if state.failed:
-        # The Job counted this index failed: its Pod ended (failed, or was deleted)
-        # before any watch of ours saw it.
+        # The Job counted this index failed: its Pod ended (failed, or was deleted) before
+        # any watch of ours saw it. Waiting for the whole Job to end parked such an episode
+        # for up to its deadline (a CI run's ten-round test took 632 s).
         obs.reason = f"Job {state.verdict}: its Pod failed or was deleted before it could be read"
     else:
         reasons = state.reasons

@@ -177,7 +177,9 @@ class PodWatch:
                     ]
                     if ended or time.monotonic() >= end:
                         if caller is not None:
-                            self._cursors[caller] = (relists, seen, checked)
+                            # Those returned stay unchecked: a caller that fails before it
+                            # acts on them sees them again next call (no event will come).
+                            self._cursors[caller] = (relists, seen, checked.difference(ended))
                         return ended
                 remaining = end - time.monotonic()
                 if remaining <= 0:
@@ -222,7 +224,7 @@ class PodWatch:
             if index is not None:
                 by_index.setdefault(index, {})[pod["metadata"]["uid"]] = pod
         with self._cond:
-            self._by_index = by_index
+            self._by_index = _carry_deleted(self._by_index, by_index)
             self._relists += 1
             self._synced = True
             self._error = None
@@ -280,6 +282,20 @@ class PodWatch:
                 del self._changes[: MAX_CHANGES // 2]
                 self._changes_base += MAX_CHANGES // 2
             self._any.notify_all()
+
+
+def _carry_deleted(before: dict[int, Pods], listed: dict[int, Pods]) -> dict[int, Pods]:
+    """A new listing, with each Pod known before but missing from it kept as deleted: its
+    DELETED event fell in the gap the relist covers (a 410, a broken watch), and with no
+    Pod at all its episode would read Pending until its deadline. Known Pods keep their
+    order (`observe_pods` sorts stably on creation seconds)."""
+    merged = dict(listed)
+    for index, pods in before.items():
+        now = listed.get(index, {})
+        if any(uid not in now for uid in pods):
+            kept = {uid: now.get(uid) or {**pod, DELETED_MARK: True} for uid, pod in pods.items()}
+            merged[index] = kept | {uid: pod for uid, pod in now.items() if uid not in pods}
+    return merged
 
 
 class _Gone(Exception):
