@@ -32,10 +32,23 @@ pods/local (and pods/before).
 
 `--reports DIR` keeps each timed batch's report (`<side>-round<N>.json`, for `rollout report
 --plot` of a round that stands out) and its episodes' logs (`<side>-round<N>.logs.json`: the
-runner's events, each policy turn's seconds and attempts among them).
+runner's events, each policy turn's seconds and attempts among them). `--sides` runs only some
+of pods, hosts and local (all three by default).
+
+The burst (issue 46's goal: a burst of 1,000 one-second episodes, hosts at least 3x faster than
+one Pod per episode): `--burst N` times a batch of N episodes instead of the bundled tasks, each
+taking about `--episode-seconds` (default 1) in its sandbox: its test sleeps that long, then
+passes, so every episode still earns its reward through real grading (benchmarks/burst_tasks.py
+builds the batch in process; a round whose episodes were not all graded 1, or whose grading took
+less than the sleep, fails). The warm-up, the pools, the hosts and the node's floor are as above.
+Printed besides: each side's episodes per second and median grading seconds, and instead of the
+goals above, `goal burst: hosts >= 3x faster than pods` on the median of the rounds' pods / hosts
+wall ratio.
 
     python -m benchmarks.bench_slots [--rounds 3] [--samples 18] [--parallelism 10]
-        [--hosts 1] [--before REV] [--reports DIR]
+        [--hosts 1] [--before REV] [--reports DIR] [--sides pods,hosts,local]
+    python -m benchmarks.bench_slots --burst 1000 --episode-seconds 1 --parallelism 10
+        --rounds 3 --sides pods,hosts
 """
 
 from __future__ import annotations
@@ -52,10 +65,24 @@ import redis
 
 from benchmarks.bench_tail import ensure_real_node, node_address
 from benchmarks.bench_warm import waiting_pods
+from benchmarks.burst_tasks import (
+    burst_limits,
+    burst_problems,
+    burst_tasks,
+    check_burst_args,
+    grading_seconds,
+)
 from benchmarks.harness import Figures, Stats, require_rounds
 from benchmarks.pod_floor import Floor, describe, lowest, measure
 from benchmarks.proc import machine_busy_seconds, settle
-from benchmarks.slot_hosts import HostPoolRun, goal_lines, ratios, side_by_side
+from benchmarks.slot_hosts import (
+    BURST_GOALS,
+    GOALS,
+    HostPoolRun,
+    goal_lines,
+    ratios,
+    side_by_side,
+)
 from rollout_wire import constants as k
 from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.host.manifests import Endpoint
@@ -69,6 +96,7 @@ from trainer_stub.client import RolloutClient
 
 REPO = Path(__file__).resolve().parents[1]
 RESOURCES = {"cpu_request": "50m", "memory_request": "64Mi"}
+SIDES = ("pods", "hosts", "local")
 
 
 def worktree(rev: str) -> Path:
@@ -117,11 +145,13 @@ class Side:
             total += waiting_pods(self.cluster, objects.pool_namespace(key))
         return total
 
-    def batch(self, parallelism: int, **extra: Any) -> tuple[dict[str, Any], float, float]:
+    def batch(
+        self, parallelism: int, timeout: float = 1800, **extra: Any
+    ) -> tuple[dict[str, Any], float, float]:
         self.busy, self.busy_at = machine_busy_seconds(), time.monotonic()
         start, clock = time.perf_counter(), time.time()
         submission = self.client.submit(**self.fields, parallelism=parallelism, **extra)
-        report = self.client.wait(submission.batch_id, timeout=1800)
+        report = self.client.wait(submission.batch_id, timeout=timeout)
         wall = time.perf_counter() - start
         deadline = time.monotonic() + 600
         while self.client.receipt(submission.batch_id).get("cleanup") != "deleted":
@@ -151,28 +181,61 @@ class Side:
             time.sleep(0.5)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=18)
     parser.add_argument("--parallelism", type=int, default=10)
     parser.add_argument("--hosts", type=int, default=1, help="host Pods (the hosts side)")
     parser.add_argument("--before", default=None, help="also run an older checkout's workers")
     parser.add_argument("--reports", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--burst", type=int, default=None, metavar="N", help="a burst of N episodes instead"
+    )
+    parser.add_argument(
+        "--episode-seconds", type=float, default=None, help="a burst test's sleep (default 1)"
+    )
+    parser.add_argument("--sides", default=",".join(SIDES), help="of " + ",".join(SIDES))
+    args = parser.parse_args(argv)
     require_rounds(parser, args.rounds)
+    check_burst_args(parser, args)
+    args.sides = sides_of(parser, args.sides)
     if args.reports is not None:
         args.reports.mkdir(parents=True, exist_ok=True)
     return args
 
 
+def sides_of(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """--sides: a comma-separated subset of SIDES, in SIDES' order."""
+    named = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(named) - set(SIDES))
+    if unknown or not named:
+        parser.error(f"--sides {text!r}: name one or more of {','.join(SIDES)}")
+    return [name for name in SIDES if name in named]
+
+
+def timed_batch(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, Any]]:
+    """Each timed batch's tasks, samples per task and other request fields: the bundled tasks,
+    or the burst (benchmarks/burst_tasks.py) with its timeout and deadline."""
+    if args.burst is None:
+        return bundled_tasks(), args.samples, {}
+    tasks, samples = burst_tasks(args.burst, args.episode_seconds)
+    return tasks, samples, burst_limits(tasks, args.burst, args.parallelism, args.episode_seconds)
+
+
 class Rounds:
     """The rounds of the sides, and the figures they gave."""
 
-    def __init__(self, args: argparse.Namespace, floor: Floor, tasks: list[Any]) -> None:
-        self.args, self.floor, self.tasks = args, floor, tasks
+    def __init__(self, args: argparse.Namespace, floor: Floor) -> None:
+        self.args, self.floor = args, floor
+        self.tasks, self.samples, self.extra = timed_batch(args)
+        # A burst may take up to its deadline (its report comes by then, whatever happened).
+        deadline = self.extra.get("deadline_seconds")
+        self.timeout = 1800 if deadline is None else deadline + 300
         self.p = args.parallelism
-        self.count = len(tasks) * args.samples
+        self.count = len(self.tasks) * self.samples
         self.cores = (os.cpu_count() or 1) - floor.idle_cores
         self.figures = Figures()
 
@@ -193,8 +256,10 @@ class Rounds:
         print(f"  round {number + 1} {side.name}: load {os.getloadavg()}", flush=True)
         warm = {} if side.hosts is not None else {"warm_pool": p}
         report, wall, clock = side.batch(
-            p, tasks=self.tasks, samples_per_task=self.args.samples, **warm
+            p, self.timeout, tasks=self.tasks, samples_per_task=self.samples, **self.extra, **warm
         )
+        if self.args.burst is not None:
+            self.burst_figures(number, side.name, report, wall)
         if self.args.reports is not None:
             path = self.args.reports / f"{side.name}-round{number + 1}.json"
             path.write_text(json.dumps(report, indent=1))
@@ -216,6 +281,18 @@ class Rounds:
             flush=True,
         )
         return wall
+
+    def burst_figures(self, number: int, name: str, report: dict[str, Any], wall: float) -> None:
+        """A burst's episodes were graded as built (else the round fails), and how fast."""
+        seconds = self.args.episode_seconds
+        problems = burst_problems(report, seconds)
+        if problems:
+            raise RuntimeError(f"{name}: {len(problems)} episodes not as built: {problems[:5]}")
+        self.figures.add(f"{name} episodes per s", self.count / wall)
+        tests = grading_seconds(report)
+        if tests is not None:
+            self.figures.add(f"{name} grading s per episode", tests)
+        print(f"  round {number + 1} {name}: {self.count / wall:.2f} episodes per s", flush=True)
 
     def node_bound(self, number: int, report: dict[str, Any], clock: float, used: float) -> None:
         """The least wall any scheduler could give the "pods" batch on this node."""
@@ -247,13 +324,19 @@ class Rounds:
         for line in side_by_side(figures.values, sides):
             print(f"  {line}")
         medians = {name: figures.median(name) for name in figures.values}
-        for line in goal_lines(medians):
+        burst = self.args.burst is not None
+        for line in goal_lines(medians, BURST_GOALS if burst else GOALS):
             print(f"  {line}")
-        least = figures.median("pods: least wall on this node s")
-        for other in sides:
-            if other != "pods":
-                ratio = least / figures.median(f"{other} submit -> report s")
-                print(f"  pods / {other} at the node's bound ({least:.1f} s): {ratio:.2f}")
+        if burst:  # no side is faster than its slots, each busy the episodes' own seconds
+            least = self.count * self.args.episode_seconds / self.p
+            print(f"  burst: no side can take less than {self.count} x ", end="")
+            print(f"{self.args.episode_seconds} s / {self.p} slots = {least:.1f} s")
+        if "pods" in sides:
+            least = figures.median("pods: least wall on this node s")
+            for other in sides:
+                if other != "pods":
+                    ratio = least / figures.median(f"{other} submit -> report s")
+                    print(f"  pods / {other} at the node's bound ({least:.1f} s): {ratio:.2f}")
         print(f"  load average after: {os.getloadavg()}")
 
 
@@ -266,67 +349,98 @@ def kube_fields(cluster: Any, node: Any, policy_port: int) -> dict[str, Any]:
     }
 
 
+def make_stacks(
+    args: argparse.Namespace, cluster: Any, address: str, old: Path | None
+) -> dict[str, LocalStack]:
+    """Each side's stack (redis-server, a control worker, two collectors)."""
+    kube_env = {"KUBECONFIG": str(cluster.kubeconfig)}
+    stacks = {}
+    if "pods" in args.sides:
+        stacks["pods"] = LocalStack(collectors=2, extra_env=kube_env)
+    if "hosts" in args.sides:
+        # The host Pods reach this stack's Redis at the node's address, behind a password.
+        stacks["hosts"] = LocalStack(
+            collectors=2, extra_env=kube_env, redis_bind=address, password=os.urandom(12).hex()
+        )
+    if "local" in args.sides:
+        stacks["local"] = LocalStack(collectors=2, extra_env={"ROLLOUT_LOCAL_ISOLATION": "bwrap"})
+    if old is not None:
+        stacks["before"] = LocalStack(
+            collectors=2, extra_env=kube_env | {"PYTHONPATH": str(old)}, cwd=str(old)
+        )
+    return stacks
+
+
+def make_sides(
+    args: argparse.Namespace,
+    cluster: Any,
+    node: Any,
+    stacks: dict[str, LocalStack],
+    image: str,
+    policy_port: int,
+    pools: list[HostPoolRun],
+) -> list[Side]:
+    """The sides on their started stacks; the hosts side's pool started and ready (it goes
+    into `pools` before it starts, for the caller to stop whatever happens)."""
+    address = node_address(cluster, node)
+    fields = kube_fields(cluster, node, policy_port)
+    sides = []
+    if "pods" in stacks:
+        sides.append(Side("pods", stacks["pods"], fields, cluster))
+    if "hosts" in stacks:
+        hosts = HostPoolRun.plan(
+            cluster,
+            node,
+            image,
+            stacks["hosts"].redis_url_at(address),
+            args.parallelism,
+            replicas=args.hosts,
+            slot_cpu_request=RESOURCES["cpu_request"],
+            policy_egress=(Endpoint(f"{address}/32", policy_port),),
+        )
+        pools.append(hosts)
+        ready = hosts.start(redis.Redis.from_url(stacks["hosts"].redis_url))
+        print(f"{args.hosts} host Pods x {hosts.pool.slots} slots ready in {ready:.1f} s")
+        sides.append(Side("hosts", stacks["hosts"], fields | {"isolation": "host"}, None, hosts))
+    if "local" in stacks:
+        local = {"backend": "local", "policy": {"url": f"http://127.0.0.1:{policy_port}"}}
+        sides.append(Side("local", stacks["local"], local, None))
+    if "before" in stacks:
+        sides.append(Side("before", stacks["before"], fields, cluster))
+    return sides
+
+
 def main() -> None:
     args = parse_args()
     cluster, node = ensure_real_node()
     old = worktree(args.before) if args.before else None
     floor = lowest([measure(cluster, node, pods=30) for _ in range(3)])
     print(f"the node's own work (30 bare Pods, lowest of 3 rounds): {describe(floor)}", flush=True)
-    rounds = Rounds(args, floor, bundled_tasks())
-    tasks, p = rounds.tasks, rounds.p
-    address = node_address(cluster, node)
-    kube_env = {"KUBECONFIG": str(cluster.kubeconfig)}
-    stacks = {
-        "pods": LocalStack(collectors=2, extra_env=kube_env),
-        # The host Pods reach this stack's Redis at the node's address, behind a password.
-        "hosts": LocalStack(
-            collectors=2, extra_env=kube_env, redis_bind=address, password=os.urandom(12).hex()
-        ),
-        "local": LocalStack(collectors=2, extra_env={"ROLLOUT_LOCAL_ISOLATION": "bwrap"}),
-    }
-    if old is not None:
-        stacks["before"] = LocalStack(
-            collectors=2, extra_env=kube_env | {"PYTHONPATH": str(old)}, cwd=str(old)
-        )
+    rounds = Rounds(args, floor)
+    p = rounds.p
+    stacks = make_stacks(args, cluster, node_address(cluster, node), old)
     image = kube_images()["ROLLOUT_KUBE_HOST_IMAGE"]
-    hosts: HostPoolRun | None = None
+    pools: list[HostPoolRun] = []
     with running(host="0.0.0.0", script=bundled_script()) as server:
         try:
             for stack in stacks.values():
                 stack.start()
                 stack.wait_ready()
-            hosts = HostPoolRun.plan(
-                cluster,
-                node,
-                image,
-                stacks["hosts"].redis_url_at(address),
-                p,
-                replicas=args.hosts,
-                slot_cpu_request=RESOURCES["cpu_request"],
-                policy_egress=(Endpoint(f"{address}/32", server.port),),
-            )
-            ready = hosts.start(redis.Redis.from_url(stacks["hosts"].redis_url))
-            print(f"{args.hosts} host Pods x {hosts.pool.slots} slots ready in {ready:.1f} s")
-            fields = kube_fields(cluster, node, server.port)
-            local = {"backend": "local", "policy": {"url": f"http://127.0.0.1:{server.port}"}}
-            sides = [
-                Side("pods", stacks["pods"], fields, cluster),
-                Side("hosts", stacks["hosts"], fields | {"isolation": "host"}, None, hosts),
-                Side("local", stacks["local"], local, None),
-            ]
-            if old is not None:
-                sides.append(Side("before", stacks["before"], fields, cluster))
+            sides = make_sides(args, cluster, node, stacks, image, server.port, pools)
             for side in sides:  # warm-up (images, imports) and the first fill: not measured
                 warm = {} if side.hosts is not None else {"warm_pool": p}
-                side.batch(2, tasks=tasks[:2], **warm)
-            print(f"{rounds.count} episodes ({len(tasks)} tasks x {args.samples}), parallelism {p}")
+                side.batch(2, tasks=bundled_tasks()[:2], **warm)
+            print(
+                f"{rounds.count} episodes ({len(rounds.tasks)} tasks x {rounds.samples}), "
+                f"parallelism {p}"
+            )
             for number in range(args.rounds):
                 rounds.round(number, sides)
             for side in sides:
                 side.client.close()
         finally:
-            if hosts is not None:
-                hosts.stop()
+            for pool in pools:
+                pool.stop()
             for stack in stacks.values():
                 stack.stop()
     rounds.print_summary([side.name for side in sides])
