@@ -45,10 +45,21 @@ Printed besides: each side's episodes per second and median grading seconds, and
 goals above, `goal burst: hosts >= 3x faster than pods` on the median of the rounds' pods / hosts
 wall ratio.
 
+The issue's batch (its first goal: "164 short single-file Python tasks, one sample each, a
+policy that answers right at once, parallelism 10": hosts within 1.3x local's wall and 1.2x its
+CPU per episode): `--distinct 164` times 164 distinct tasks instead, one sample each, generated
+in process (benchmarks/distinct_tasks.py: a function per task, broken or not yet written, its
+hidden tests counted by the grader's harness). The scripted policy is given each task's right
+file, which it writes in the agent's first turn; a round whose episodes did not each earn reward
+1 with all their tests run and passed, one episode per task, fails. The goals printed are the
+issue's first: `hosts / local` wall <= 1.3 and machine CPU per episode <= 1.2.
+
     python -m benchmarks.bench_slots [--rounds 3] [--samples 18] [--parallelism 10]
         [--hosts 1] [--before REV] [--reports DIR] [--sides pods,hosts,local]
     python -m benchmarks.bench_slots --burst 1000 --episode-seconds 1 --parallelism 10
         --rounds 3 --sides pods,hosts
+    python -m benchmarks.bench_slots --distinct 164 --parallelism 10 --rounds 3
+        --sides hosts,local
 """
 
 from __future__ import annotations
@@ -72,11 +83,18 @@ from benchmarks.burst_tasks import (
     check_burst_args,
     grading_seconds,
 )
+from benchmarks.distinct_tasks import (
+    check_distinct_args,
+    distinct_problems,
+    distinct_tasks,
+    policy_script,
+)
 from benchmarks.harness import Figures, Stats, require_rounds
 from benchmarks.pod_floor import Floor, describe, lowest, measure
 from benchmarks.proc import machine_busy_seconds, settle
 from benchmarks.slot_hosts import (
     BURST_GOALS,
+    DISTINCT_GOALS,
     GOALS,
     HostPoolRun,
     goal_lines,
@@ -88,7 +106,7 @@ from rollout_wire.tasksets import bundled_tasks
 from rollout_worker.backends.host.manifests import Endpoint
 from rollout_worker.backends.kube import objects
 from rollout_worker.cli.plots import busy_spans, run_origin
-from rollout_worker.cli.policy_server import bundled_script, running
+from rollout_worker.cli.policy_server import running
 from rollout_worker.cli.stack import LocalStack
 from rollout_worker.metrics import slot_utilisation
 from tests.helm.test_chart_install import kube_images
@@ -186,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=18)
+    parser.add_argument("--samples", type=int, default=None, help="default 18")
     parser.add_argument("--parallelism", type=int, default=10)
     parser.add_argument("--hosts", type=int, default=1, help="host Pods (the hosts side)")
     parser.add_argument("--before", default=None, help="also run an older checkout's workers")
@@ -197,10 +215,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--episode-seconds", type=float, default=None, help="a burst test's sleep (default 1)"
     )
+    parser.add_argument(
+        "--distinct", type=int, default=None, metavar="N", help="N generated tasks instead"
+    )
     parser.add_argument("--sides", default=",".join(SIDES), help="of " + ",".join(SIDES))
     args = parser.parse_args(argv)
     require_rounds(parser, args.rounds)
     check_burst_args(parser, args)
+    check_distinct_args(parser, args)
+    if args.samples is None:
+        args.samples = 18
     args.sides = sides_of(parser, args.sides)
     if args.reports is not None:
         args.reports.mkdir(parents=True, exist_ok=True)
@@ -218,7 +242,10 @@ def sides_of(parser: argparse.ArgumentParser, text: str) -> list[str]:
 
 def timed_batch(args: argparse.Namespace) -> tuple[list[Any], int, dict[str, Any]]:
     """Each timed batch's tasks, samples per task and other request fields: the bundled tasks,
-    or the burst (benchmarks/burst_tasks.py) with its timeout and deadline."""
+    the distinct tasks (benchmarks/distinct_tasks.py) one sample each, or the burst
+    (benchmarks/burst_tasks.py) with its timeout and deadline."""
+    if args.distinct is not None:
+        return [g.task for g in distinct_tasks(args.distinct)], 1, {}
     if args.burst is None:
         return bundled_tasks(), args.samples, {}
     tasks, samples = burst_tasks(args.burst, args.episode_seconds)
@@ -231,6 +258,9 @@ class Rounds:
     def __init__(self, args: argparse.Namespace, floor: Floor) -> None:
         self.args, self.floor = args, floor
         self.tasks, self.samples, self.extra = timed_batch(args)
+        # What the policy answers: the bundled tasks' plans, and the distinct tasks' files.
+        self.generated = distinct_tasks(args.distinct) if args.distinct is not None else []
+        self.script = policy_script(self.generated)
         # A burst may take up to its deadline (its report comes by then, whatever happened).
         deadline = self.extra.get("deadline_seconds")
         self.timeout = 1800 if deadline is None else deadline + 300
@@ -258,13 +288,17 @@ class Rounds:
         report, wall, clock = side.batch(
             p, self.timeout, tasks=self.tasks, samples_per_task=self.samples, **self.extra, **warm
         )
-        if self.args.burst is not None:
-            self.burst_figures(number, side.name, report, wall)
-        if self.args.reports is not None:
+        if self.args.reports is not None:  # kept first: a round that fails below is looked at
             path = self.args.reports / f"{side.name}-round{number + 1}.json"
             path.write_text(json.dumps(report, indent=1))
             logs = side.client.logs(report["batch_id"])
             path.with_suffix(".logs.json").write_text(json.dumps(logs, indent=1))
+        if self.args.burst is not None:
+            self.burst_figures(number, side.name, report, wall)
+        if self.generated:  # each task's one episode graded 1 by all its hidden tests
+            problems = distinct_problems(report, self.generated)
+            if problems:
+                raise RuntimeError(f"{side.name}: {len(problems)} problems: {problems[:5]}")
         warmed = sum(1 for r in report["pods"] if "pool_created_at" in r["timing"])
         used = utilisation(report, p, clock)
         cpu = side.machine_cpu(self.floor.idle_cores)
@@ -325,7 +359,8 @@ class Rounds:
             print(f"  {line}")
         medians = {name: figures.median(name) for name in figures.values}
         burst = self.args.burst is not None
-        for line in goal_lines(medians, BURST_GOALS if burst else GOALS):
+        goals = BURST_GOALS if burst else DISTINCT_GOALS if self.generated else GOALS
+        for line in goal_lines(medians, goals):
             print(f"  {line}")
         if burst:  # no side is faster than its slots, each busy the episodes' own seconds
             least = self.count * self.args.episode_seconds / self.p
@@ -421,7 +456,7 @@ def main() -> None:
     stacks = make_stacks(args, cluster, node_address(cluster, node), old)
     image = kube_images()["ROLLOUT_KUBE_HOST_IMAGE"]
     pools: list[HostPoolRun] = []
-    with running(host="0.0.0.0", script=bundled_script()) as server:
+    with running(host="0.0.0.0", script=rounds.script) as server:
         try:
             for stack in stacks.values():
                 stack.start()

@@ -101,16 +101,27 @@ def burst_problems(report: Mapping[str, Any], seconds: float) -> list[str]:
     counted as passed, or grading that took less than the test's sleep."""
     problems = []
     for row in report["pods"]:
-        index = row.get("index")
-        if row.get("reward") != 1 or row.get("tests_passed") != 1:
-            problems.append(
-                f"episode {index}: reward {row.get('reward')}, tests passed "
-                f"{row.get('tests_passed')} of {row.get('tests_total')}"
-            )
+        problem = graded_problem(row, 1)
+        if problem is not None:
+            problems.append(problem)
         tests = ((row.get("cost") or {}).get("wall") or {}).get("tests")
         if tests is not None and tests < seconds:
-            problems.append(f"episode {index}: its tests took {tests:.2f} s, under {seconds} s")
+            problems.append(
+                f"episode {row.get('index')}: its tests took {tests:.2f} s, under {seconds} s"
+            )
     return problems
+
+
+def graded_problem(row: Mapping[str, Any], tests: int) -> str | None:
+    """What is wrong with an episode that should have earned reward 1 by `tests` tests, each
+    counted as run and passed by the grader's harness (a count no exit status can fake); None
+    when nothing is."""
+    passed, total = row.get("tests_passed"), row.get("tests_total")
+    if row.get("reward") == 1 and passed == total == tests:
+        return None
+    return (
+        f"episode {row.get('index')}: reward {row.get('reward')}, tests passed {passed} of {total}"
+    )
 
 
 def grading_seconds(report: Mapping[str, Any]) -> float | None:

@@ -51,6 +51,11 @@ GOALS = [
 ]
 # Issue 46's, for a burst (benchmarks/burst_tasks.py).
 BURST_GOALS = [Goal("pods / hosts", 3.0, ">=", "burst: hosts >= 3x faster than pods")]
+# Issue 46's first, for its batch (benchmarks/distinct_tasks.py): the plan's two, by name.
+DISTINCT_GOALS = [
+    Goal("hosts / local", 1.3, "<=", "issue 46 batch: hosts' wall at most 1.3x local's"),
+    Goal("hosts / local machine CPU", 1.2, "<=", "issue 46 batch: hosts' CPU at most 1.2x local's"),
+]
 
 
 def ratios(walls: dict[str, float], cpu: dict[str, float]) -> dict[str, float]:

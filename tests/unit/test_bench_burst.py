@@ -95,9 +95,10 @@ def test_the_test_grades_the_code(tmp_path: Path) -> None:
 
 
 def test_burst_problems_name_an_ungraded_or_short_episode() -> None:
-    good = {"index": 0, "reward": 1.0, "tests_passed": 1, "cost": {"wall": {"tests": 1.3}}}
+    graded = {"reward": 1.0, "tests_passed": 1, "tests_total": 1}
+    good = {"index": 0, **graded, "cost": {"wall": {"tests": 1.3}}}
     zero = {"index": 1, "reward": 0.0, "tests_passed": 0, "tests_total": 1}
-    short = {"index": 2, "reward": 1.0, "tests_passed": 1, "cost": {"wall": {"tests": 0.4}}}
+    short = {"index": 2, **graded, "cost": {"wall": {"tests": 0.4}}}
     assert burst_problems({"pods": [good]}, 1.0) == []
     got = burst_problems({"pods": [good, zero, short]}, 1.0)
     assert got == [
