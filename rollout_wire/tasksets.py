@@ -54,7 +54,12 @@ def agent_view(task: Mapping[str, Any]) -> dict[str, Any]:
     """What an agent's sandbox may hold of its task: not the tests it is graded by, and the
     solution only when the agent is the oracle (every backend hands the agent this part)."""
     hidden = {"tests"} | (set() if task.get("agent") == "oracle" else {"solution"})
-    return {name: value for name, value in task.items() if name not in hidden}
+    view = {name: value for name, value in task.items() if name not in hidden}
+    if task.get("tests"):
+        # Its tests come only after the agent: the runner that holds this view has none to
+        # run first, and a baseline of no tests passes (every episode failed so on hosts).
+        view["baseline"] = False
+    return view
 
 
 def agent_task(task: Mapping[str, Any]) -> dict[str, Any]:

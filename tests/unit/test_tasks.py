@@ -115,3 +115,19 @@ def test_a_task_set_file_and_unknown_names(tmp_path):
         load_task_set(str(tmp_path / "missing.json"))
     with pytest.raises(InvalidSpec, match="has no task"):
         load_task_set("bundled", only=["nope"])
+
+
+def test_the_agent_s_view_of_a_task_with_hidden_tests_runs_no_baseline(tmp_path):
+    # The agent's runner never holds hidden tests, so a baseline there runs none, and a run of
+    # no tests passes: every episode of such a task failed "tests pass before any action".
+    from rollout_wire.tasksets import agent_view
+    from rollout_worker.sandbox.runner.runner import Runner
+
+    hidden = {"id": "t", "files": {"a.py": "x = 1\n"}, "tests": {"test_a.py": "assert False\n"}}
+    view = agent_view(hidden)
+    assert "tests" not in view and view["baseline"] is False
+    assert not Runner(view, None, {}, str(tmp_path)).wants_baseline()
+    # A task whose tests the agent's sandbox holds keeps its baseline.
+    visible = {"id": "v", "files": {"a.py": "x = 1\n"}, "test_files": {"test_a.py": "x\n"}}
+    assert "baseline" not in agent_view(visible)
+    assert Runner(agent_view(visible), None, {}, str(tmp_path)).wants_baseline()
