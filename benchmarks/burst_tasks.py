@@ -104,7 +104,7 @@ def burst_problems(report: Mapping[str, Any], seconds: float) -> list[str]:
         problem = graded_problem(row, 1)
         if problem is not None:
             problems.append(problem)
-        tests = ((row.get("cost") or {}).get("wall") or {}).get("tests")
+        tests = row_grading_seconds(row)
         if tests is not None and tests < seconds:
             problems.append(
                 f"episode {row.get('index')}: its tests took {tests:.2f} s, under {seconds} s"
@@ -124,13 +124,14 @@ def graded_problem(row: Mapping[str, Any], tests: int) -> str | None:
     )
 
 
+def row_grading_seconds(row: Mapping[str, Any]) -> float | None:
+    """An episode's grading seconds, from its cost ledger (None: not recorded)."""
+    return ((row.get("cost") or {}).get("wall") or {}).get("tests")
+
+
 def grading_seconds(report: Mapping[str, Any]) -> float | None:
     """The median of the episodes' grading seconds (their test's sleep and its start)."""
-    got = sorted(
-        t
-        for row in report["pods"]
-        if (t := ((row.get("cost") or {}).get("wall") or {}).get("tests")) is not None
-    )
+    got = sorted(t for row in report["pods"] if (t := row_grading_seconds(row)) is not None)
     return got[(len(got) - 1) // 2] if got else None
 
 
