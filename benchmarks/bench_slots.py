@@ -89,7 +89,7 @@ from benchmarks.distinct_tasks import (
     distinct_tasks,
     policy_script,
 )
-from benchmarks.harness import Figures, Stats, require_rounds
+from benchmarks.harness import Figures, Stats, new_parser, require_rounds
 from benchmarks.pod_floor import Floor, describe, lowest, measure
 from benchmarks.proc import machine_busy_seconds, settle
 from benchmarks.slot_hosts import (
@@ -200,9 +200,7 @@ class Side:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=None, help="default 18")
     parser.add_argument("--parallelism", type=int, default=10)
