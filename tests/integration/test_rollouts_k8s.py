@@ -12,7 +12,7 @@ import pytest
 
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli.policy_server import bundled_script, running
-from tests.integration.agents import MINI_ENV, mini_command
+from tests.integration.agents import AGENT_ENVS, MINI_ENV, mini_command
 from trainer_stub.client import RolloutClient
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
@@ -351,15 +351,15 @@ def agent_image(real_node) -> str:
 
 
 OPENAI_AGENT = [
-    "/opt/rollout-agents/openai/bin/python",
-    "/opt/rollout-agents/openai/openai_chat_agent.py",
+    f"{AGENT_ENVS}/openai/bin/python",
+    f"{AGENT_ENVS}/openai/openai_chat_agent.py",
 ]
 
 
 @pytest.mark.parametrize(
     "agent",
     [
-        {"command": mini_command("/opt/rollout-agents/mini"), "env": MINI_ENV},
+        {"command": mini_command(AGENT_ENVS / "mini"), "env": MINI_ENV},
         {"command": OPENAI_AGENT},
     ],
     ids=["mini-swe-agent", "openai-streaming"],

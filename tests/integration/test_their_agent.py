@@ -14,6 +14,7 @@ import pytest
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.cli.policy_server import running
 from rollout_worker.cli.stack import LocalStack
+from tests.integration import agents
 from tests.integration.agents import MINI_ENV, mini_command
 from trainer_stub.client import RolloutClient
 
@@ -28,12 +29,9 @@ SAMPLING = {"logprobs": True, "return_token_ids": True}
 
 @pytest.fixture(scope="module")
 def agent_envs() -> dict[str, Path]:
-    done = subprocess.run(
-        [str(ROOT / "hack" / "agent-envs.sh")], capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, f"hack/agent-envs.sh failed: {done.stderr[-2000:]}"
-    base = Path(done.stdout.strip().splitlines()[-1])
-    return {"openai": base / "openai", "mini": base / "mini"}
+    """The environments the real node's agent image is made of (tests/integration/agents.py):
+    installed once a session, whichever test asks first."""
+    return agents.agent_envs()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +62,12 @@ def rootfs():
 @pytest.fixture(scope="module")
 def agent_client(agent_envs, rootfs):
     allowed = ":".join(str(p) for p in agent_envs.values())
-    env = {"ROLLOUT_AGENT_ENVS": allowed, "ROLLOUT_ROOTFS_DIR": str(rootfs)}
+    env = {
+        "ROLLOUT_AGENT_ENVS": allowed,
+        "ROLLOUT_ROOTFS_DIR": str(rootfs),
+        # The sandboxes' interpreter is the one the agent environments were made with.
+        "ROLLOUT_LOCAL_PYTHON": agents.AGENT_PYTHON,
+    }
     with LocalStack(collectors=2, extra_env=env) as stack:
         stack.wait_ready()
         client = RolloutClient(stack.redis_url)
