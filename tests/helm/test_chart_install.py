@@ -14,6 +14,7 @@ deploy/chart/README.md, "Clusters without a Pod network").
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -64,6 +65,14 @@ def kubectl_path() -> str:
 
 def kube_images() -> dict[str, str]:
     """Build the worker image and the Redis image, import them into the node's containerd."""
+    return dict(_kube_images())
+
+
+# Once a session (the chart test, the two-image test and the host tests all ask): the tree
+# does not change during a run, and the node's containerd keeps the images (pinned, and no test
+# removes one). A call that fails is not remembered: the next one builds again.
+@functools.cache
+def _kube_images() -> dict[str, str]:
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         subprocess.run(["bash", str(ROOT / "hack" / "docker-up.sh")], check=True, timeout=1200)
     proc = subprocess.run(
