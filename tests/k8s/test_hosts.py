@@ -30,6 +30,7 @@ from .host_pool import (
     node_address,
     pool_pods,
     wait_hosts,
+    with_lease,
 )
 from .test_sandbox_host import PROBE, _sandbox_argv
 
@@ -146,7 +147,9 @@ def test_hosts_run_a_batch_once_each_and_lose_nothing_to_a_killed_host(
             stack.redis_url_at(address),
             policy_egress=(endpoint,),
         )
-        create_pool(k8s_cluster, manifests.host_objects(pool))
+        # A 5 s lease (the agent's option; default 15 s): the killed host's episodes run
+        # again elsewhere that much sooner, which is all the kill waits on.
+        create_pool(k8s_cluster, with_lease(manifests.host_objects(pool), 5))
         queue = HostQueue(redis.Redis.from_url(stack.redis_url))
         wait_hosts(queue, None, 2, 180)
         hosts = set(pool_pods(k8s_cluster, pool))

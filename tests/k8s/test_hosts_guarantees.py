@@ -32,7 +32,15 @@ from rollout_worker.cli.stack import LocalStack
 from trainer_stub.client import RolloutClient
 
 from . import cluster as kc
-from .host_pool import create_pool, host_pool, kubectl_exec, node_address, pool_pods, wait_hosts
+from .host_pool import (
+    create_pool,
+    host_pool,
+    kubectl_exec,
+    node_address,
+    pool_pods,
+    wait_hosts,
+    with_lease,
+)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
 
@@ -51,6 +59,10 @@ DEADLINE = 9
 # Hosts stamp the times; the Celery side stamps the run's start: same node clock, plus how
 # long a host takes to see a limit pass and kill (its loop wakes at each deadline).
 SLACK = 3.0
+# The agents' lease: how long a killed host keeps its episode before a collector may end it
+# HostLost (the default 15 s would only make the last test wait longer). Renewed every
+# 5/3 s, so a live host keeps its leases through a few slow renewals.
+LEASE_SECONDS = 5
 
 # Run in a host Pod (its PID namespace is the Pod's: shareProcessNamespace): how many sandboxes
 # run, one per bwrap process whose parent is no bwrap (bwrap forks its namespace's init from
@@ -151,7 +163,7 @@ def hosts(k8s_cluster, real_node, host_image) -> Iterator[Hosts]:
             endpoint = manifests.Endpoint(f"{address}/32", server.port)
             url = stack.redis_url_at(address)
             pool = host_pool(real_node, namespace, host_image, url, policy_egress=(endpoint,))
-            create_pool(k8s_cluster, manifests.host_objects(pool))
+            create_pool(k8s_cluster, with_lease(manifests.host_objects(pool), LEASE_SECONDS))
             queue = HostQueue(redis.Redis.from_url(stack.redis_url))
             client = RolloutClient(stack.redis_url)
             found = Hosts(
@@ -347,7 +359,8 @@ def test_without_retries_a_host_killed_mid_episode_ends_it_host_lost(hosts):
         "its first policy call",
     )
     hosts.cluster.core.delete_namespaced_pod(victim, hosts.namespace, grace_period_seconds=0)
-    # Its lease (15 s) expires, then a collector's next look (one collect block) ends it.
+    # Its lease (LEASE_SECONDS) expires, then a collector's next look (one collect block) ends
+    # it.
     report, entries = hosts.follow(batch, 90)
     assert dict(entries) == {0: 1}, f"stream entries per index {entries}"
     (row,) = report["pods"]
