@@ -9,12 +9,14 @@ each episode counted exactly once, within RECOVERY_LIMIT_S of the replacement st
 the default reliability settings (visibility timeout 40 s, kombu's unacked restore sweep every
 10 s): nothing here shortens the real recovery path.
 
-Where the kills land: two batches without a kill are run first and the second is timed; trial
-i of the j-th kind then kills at a seeded random moment of window i + j (cycling): while
-`submit_batch` runs (between its receipt and the chord's publication: the worst case for the
-control worker, whose unacknowledged submit then comes back only after the visibility timeout),
-during the collection, and in the last second before the report (the last rows and the chord
-callback).
+Each backend's three kinds share one stack (started by the first of them, stopped when the other
+backend's starts or the module ends; a test that fails leaves the next kind a new one) and its
+calibration. Where the kills land: two batches without a kill are run first on a new stack and
+the second is timed; trial i of the j-th kind then kills at a seeded random moment of window
+i + j (cycling): while `submit_batch` runs (between its receipt and the chord's publication:
+the worst case for the control worker, whose unacknowledged submit then comes back only after
+the visibility timeout), during the collection, and in the last second before the report (the
+last rows and the chord callback).
 
 Every kill must land before the batch's report, or the trial would prove no recovery: once the
 victim is dead the report must still be absent. A batch whose report was already out is not
@@ -33,7 +35,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +108,57 @@ class Trial:
 
 
 RESULTS: list[Trial] = []
+
+Window = tuple[str, float, float]
+
+
+class SharedStack:
+    """One backend's stack and its calibration windows, kept from one kind's test to the next:
+    the three kinds run their trials on the stack the first of them started (its workers as
+    the kills before left them: replacements on the same queues) and aim at the windows the
+    first timed. One stack runs at a time: asking for another backend's stops this one."""
+
+    def __init__(self) -> None:
+        self.backend = ""
+        self.stack: LocalStack | None = None
+        self.windows: list[Window] | None = None
+
+    def get(self, backend: str, make: Callable[[], LocalStack]) -> LocalStack:
+        if self.stack is None or self.backend != backend:
+            self.close()
+            stack = make().start()
+            try:
+                stack.wait_ready()
+            except BaseException:
+                stack.stop()
+                raise
+            self.backend, self.stack = backend, stack
+        return self.stack
+
+    def close(self) -> None:
+        stack, self.stack, self.backend, self.windows = self.stack, None, "", None
+        if stack is not None:
+            stack.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_stack() -> Iterator[SharedStack]:
+    shared = SharedStack()
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+def stack_for(
+    request: pytest.FixtureRequest, shared: SharedStack, backend: str, make
+) -> Iterator[LocalStack]:
+    failed = request.session.testsfailed
+    yield shared.get(backend, make)
+    if request.session.testsfailed != failed:
+        # This kind failed (its report is in by now): the next one starts on a new stack,
+        # calibrated afresh, whatever state this one was left in.
+        shared.close()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -227,7 +280,7 @@ def check_counted_once(client: RolloutClient, report: dict, count: int) -> None:
     assert client.redis.hlen(k.episodes_key(batch_id)) == count
 
 
-def calibrate(client: RolloutClient, submit) -> list[tuple[str, float, float]]:
+def calibrate(client: RolloutClient, submit) -> list[Window]:
     """Run one batch without a kill and time its phases (seconds after submit); returns the
     windows kill delays are drawn from, each ending before the report: `submit_batch` running
     (receipt written -> chord published: the run starts, the chord goes out), the collection,
@@ -276,7 +329,7 @@ def kill_before_report(
     trial: Trial,
     submit,
     rng: random.Random,
-    window: tuple[str, float, float],
+    window: Window,
     delay: float,
     abandoned: list[str],
 ) -> tuple[float, float]:
@@ -324,19 +377,23 @@ def kill_before_report(
 
 
 def run_trials(
-    stack: LocalStack,
+    shared: SharedStack,
     backend: str,
     kind: str,
     submit,
     seed_tag: str,
 ) -> None:
+    stack = shared.stack
+    assert stack is not None and shared.backend == backend, (shared.backend, backend)
     rng = random.Random(f"{SEED}:{seed_tag}")
     client = RolloutClient(stack.redis_url)
     trials: list[Trial] = []
     abandoned: list[str] = []  # batches whose kill came after their report
     try:
-        calibrate(client, submit)  # the first batch of a stack is slower (cold workers)
-        windows = calibrate(client, submit)
+        if shared.windows is None:  # a new stack: time it (once for its three kinds)
+            calibrate(client, submit)  # the first batch of a stack is slower (cold workers)
+            shared.windows = calibrate(client, submit)
+        windows = shared.windows
         for number in range(1, TRIALS + 1):
             # Trial i of kind j kills at a random moment of window i + j (cycling): with two
             # trials per kind, every phase is still hit twice per backend.
@@ -393,29 +450,33 @@ def wait_cleanup(client: RolloutClient, batch_id: str) -> str:
 
 # -- local backend ---------------------------------------------------------------------------
 @pytest.fixture
-def local_stack() -> Iterator[LocalStack]:
-    with LocalStack(collectors=2, keep_dir=bool(os.environ.get("ROLLOUT_KILL_KEEP"))) as stack:
-        stack.wait_ready()
-        yield stack
+def local_stack(request, shared_stack) -> Iterator[LocalStack]:
+    keep = bool(os.environ.get("ROLLOUT_KILL_KEEP"))
+    yield from stack_for(
+        request, shared_stack, "local", lambda: LocalStack(collectors=2, keep_dir=keep)
+    )
 
 
 @pytest.mark.timeout(TRIALS_TIMEOUT_S)
 @pytest.mark.parametrize("kind", KINDS)
-def test_local_batches_survive_killed_workers(local_stack, kind):
+def test_local_batches_survive_killed_workers(local_stack, shared_stack, kind):
     def submit(client: RolloutClient) -> str:
         return client.submit(count=COUNT, parallelism=3).batch_id
 
-    run_trials(local_stack, "local", kind, submit, f"local:{kind}")
+    run_trials(shared_stack, "local", kind, submit, f"local:{kind}")
 
 
 # -- Kubernetes (KWOK nodes) -----------------------------------------------------------------
 @pytest.fixture
-def kwok_stack(k8s_cluster, kwok_nodes) -> Iterator[LocalStack]:
+def kwok_stack(request, shared_stack, k8s_cluster, kwok_nodes) -> Iterator[LocalStack]:
     env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
     keep = bool(os.environ.get("ROLLOUT_KILL_KEEP"))
-    with LocalStack(collectors=2, extra_env=env, keep_dir=keep) as stack:
-        stack.wait_ready()
-        yield stack
+    yield from stack_for(
+        request,
+        shared_stack,
+        "kubernetes",
+        lambda: LocalStack(collectors=2, extra_env=env, keep_dir=keep),
+    )
 
 
 ALL_SUCCEED = Mix(SEED, weights=((SUCCESS, 1),))
@@ -425,10 +486,12 @@ ALL_SUCCEED = Mix(SEED, weights=((SUCCESS, 1),))
 @pytest.mark.k8s
 @pytest.mark.timeout(TRIALS_TIMEOUT_S)
 @pytest.mark.parametrize("kind", KINDS)
-def test_kwok_batches_survive_killed_workers(kwok_stack, kwok_runtime, episodes, kind):
+def test_kwok_batches_survive_killed_workers(
+    kwok_stack, shared_stack, kwok_runtime, episodes, kind
+):
     def submit(client: RolloutClient) -> str:
         batch_id = episodes.use_mix(new_batch_id(), ALL_SUCCEED)
         request = kwok_request(kwok_runtime, batch_id=batch_id, count=COUNT, parallelism=COUNT)
         return client.submit(**request).batch_id
 
-    run_trials(kwok_stack, "kubernetes", kind, submit, f"kwok:{kind}")
+    run_trials(shared_stack, "kubernetes", kind, submit, f"kwok:{kind}")
