@@ -2,7 +2,8 @@
 rollout_worker/backends/host/manifests.py builds, in the host image that
 docker/build-kube-image.sh makes (`--target host`: the workers' code plus bubblewrap), reaches the
 test's Redis at the node's address (LocalStack.redis_bind) and runs the local backend's sandbox
-in each of its Pods."""
+in each of its Pods. A batch on such a pool, one host killed mid-batch, runs on the pool of
+test_hosts_guarantees.py (one stack and pool for every host batch)."""
 
 from __future__ import annotations
 
@@ -14,24 +15,11 @@ import pytest
 import redis
 from kubernetes import client as kube_client
 
-from rollout_wire import constants as k
-from rollout_wire.tasksets import load_task_set
 from rollout_worker.backends.host import manifests
-from rollout_worker.backends.host.queue import HostQueue
-from rollout_worker.cli.policy_server import running
 from rollout_worker.cli.stack import LocalStack
-from trainer_stub.client import RolloutClient
 
 from . import cluster as kc
-from .host_pool import (
-    create_pool,
-    host_pool,
-    kubectl_exec,
-    node_address,
-    pool_pods,
-    wait_hosts,
-    with_lease,
-)
+from .host_pool import create_pool, host_pool, node_address, pool_pods
 from .test_sandbox_host import PROBE, _sandbox_argv
 
 pytestmark = [pytest.mark.k8s, pytest.mark.k8s_real, pytest.mark.redis, pytest.mark.workers]
@@ -120,102 +108,3 @@ def test_host_pods_reach_the_stacks_redis_and_run_the_sandbox(
         kc.wait_for(lambda: not pool_pods(k8s_cluster, pool), 120, "the host Pods to go")
     finally:
         stack.stop()
-
-
-def test_hosts_run_a_batch_once_each_and_lose_nothing_to_a_killed_host(
-    k8s_cluster, k8s_namespace, real_node, host_image
-):
-    """2 host Pods x 2 slots run the bundled tasks x 2 (`isolation: host`): every row once,
-    each on a host Pod; one host killed (grace 0) mid-batch loses nothing (infra_retries=1:
-    its episodes run again elsewhere, `retried` says HostLost); after the run's cleanup no key
-    of the batch is left, nor its folder in any host."""
-    address = node_address(k8s_cluster, real_node)
-    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
-    tasks = load_task_set("bundled")
-    with (
-        LocalStack(collectors=2, extra_env=env, redis_bind=address, password="hosts") as stack,
-        # Each policy turn takes 2 s: episodes outlast the kubelet's 2 s kill of a force-deleted
-        # Pod (SIGTERM lets the agent drain only that long), so the killed host loses some.
-        running(host="0.0.0.0", turn_seconds=2.0) as server,
-    ):
-        stack.wait_ready()
-        endpoint = manifests.Endpoint(f"{address}/32", server.port)
-        pool = host_pool(
-            real_node,
-            k8s_namespace,
-            host_image,
-            stack.redis_url_at(address),
-            policy_egress=(endpoint,),
-        )
-        # A 5 s lease (the agent's option; default 15 s): the killed host's episodes run
-        # again elsewhere that much sooner, which is all the kill waits on.
-        create_pool(k8s_cluster, with_lease(manifests.host_objects(pool), 5))
-        queue = HostQueue(redis.Redis.from_url(stack.redis_url))
-        wait_hosts(queue, None, 2, 180)
-        hosts = set(pool_pods(k8s_cluster, pool))
-        assert set(queue.hosts()) == hosts, (queue.hosts(), hosts)
-
-        client = RolloutClient(stack.redis_url)
-        started = time.monotonic()
-        submission = client.submit(
-            backend="kubernetes",
-            isolation="host",
-            tasks=tasks,
-            samples_per_task=2,
-            parallelism=4,
-            infra_retries=1,
-            policy={"url": f"http://{address}:{server.port}", "request_timeout_seconds": 10},
-        )
-        batch = submission.batch_id
-        count = len(tasks) * 2
-
-        # Kill the host that holds the most running episodes, once it holds one.
-        def busy_host():
-            taken = queue.taken(batch)
-            return max(set(taken.values()), key=list(taken.values()).count) if taken else None
-
-        victim = kc.wait_for(busy_host, 60, "a host to take an episode", interval=0.1)
-        lost = {i for i, host in queue.taken(batch).items() if host == victim}
-        k8s_cluster.core.delete_namespaced_pod(victim, k8s_namespace, grace_period_seconds=0)
-        report = client.wait(batch, timeout=240)
-        elapsed = time.monotonic() - started
-        print(f"{count} episodes on 2 hosts x 2 slots, one host killed: {elapsed:.1f}s")
-
-        assert report["ok"], report["errors"]
-        assert report["run_isolation"] == "host"
-        rows = report["pods"]
-        assert sorted(r["index"] for r in rows) == list(range(count))  # every row, once
-        assert len({r["pod"] for r in rows}) == count  # each its own sandbox
-        assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
-        hosts_now = set(pool_pods(k8s_cluster, pool))
-        assert {r["node"] for r in rows} <= hosts | hosts_now, {r["node"] for r in rows}
-        # What the killed host held either ended there before the kill landed, or ran again
-        # on another host, its first attempt recorded as HostLost; nothing else was retried.
-        retried = [r for r in rows if r["retried"]]
-        assert retried, f"no episode of {victim} was lost: {sorted(lost)}"
-        for row in rows:
-            if row["retried"]:
-                assert row["index"] in lost and row["node"] != victim, row
-                assert [a["reason"] for a in row["retried"]] == ["HostLost"], row
-            elif row["index"] in lost:
-                assert row["node"] == victim, row
-
-        kc.wait_for(
-            lambda: client.receipt(batch).get("cleanup") == "deleted", 120, "the run's cleanup"
-        )
-        # The run is gone (its rows and report stay, as every backend's records do).
-        leftover = list(queue.redis.scan_iter(k.host_batch_key(batch, "*")))
-        assert leftover == [], leftover
-        assert batch not in queue.runs()
-        assert not [i for i in queue.redis.lrange(k.HOSTS_TODO_KEY, 0, -1) if batch in str(i)]
-        live = set(pool_pods(k8s_cluster, pool))
-        for pod in live:
-            # A host drops a batch's folder at its next look once the run is gone.
-            def gone(pod=pod):
-                ls = kubectl_exec(k8s_cluster, k8s_namespace, pod, "ls", manifests.HOST_ROOT)
-                return batch not in ls.split()
-
-            kc.wait_for(gone, 30, f"{pod} to remove its folder of {batch}", interval=1)
-        for name, info in wait_hosts(queue, live, len(live), 30).items():
-            assert not info.get("batches"), (name, info)
-        client.close()

@@ -1,9 +1,11 @@
 """Sandbox hosts on the real node keep the per-Pod path's guarantees (issue 46): one pool of
 2 host Pods x 2 slots (the agent as rollout_worker/backends/host/manifests.py runs it), one
-stack reached at the node's address, one scripted policy, and a small batch per guarantee:
-records reach `rollout run --output`, an exit 4 is retried and counted once, a quota met and
-`rollout cancel` stop what runs and free the slots, a host killed without a retry budget ends
-its episode HostLost, and a hung episode ends DeadlineExceeded with its sandbox gone.
+stack reached at the node's address, one scripted policy (and one whose every turn takes 2 s),
+and a batch per guarantee: records reach `rollout run --output`, an exit 4 is retried and
+counted once, a quota met and `rollout cancel` stop what runs and free the slots, a hung
+episode ends DeadlineExceeded with its sandbox gone, a host killed mid-batch with a retry
+budget loses nothing (its episodes run again elsewhere, the batch's keys and folders go after
+its cleanup), and a host killed without a retry budget ends its episode HostLost.
 
 Every outcome checked is written by the parts under test: the report and rows by the workers,
 the heartbeats by the agents, the records by the CLI, the processes counted in the Pods."""
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -24,6 +27,7 @@ from typing import Any
 import pytest
 import redis
 
+from rollout_wire import constants as k
 from rollout_wire.tasksets import load_task_set
 from rollout_worker.backends.host import manifests
 from rollout_worker.backends.host.queue import HostQueue
@@ -102,6 +106,9 @@ class Hosts:
     queue: HostQueue
     client: RolloutClient
     policy_url: str
+    # The bundled plans, every turn 2 s (the killed-host batch).
+    paced: PolicyServer
+    paced_url: str
 
     def names(self) -> set[str]:
         return set(pool_pods(self.cluster, self.pool))
@@ -147,7 +154,7 @@ class Hosts:
 
 @pytest.fixture(scope="module")
 def hosts(k8s_cluster, real_node, host_image) -> Iterator[Hosts]:
-    """One pool for every test here: the tests run in file order, the one that kills a host
+    """One pool for every test here: the tests run in file order, the two that kill a host
     last."""
     namespace = kc.create_test_namespace(k8s_cluster, "host-guarantees")
     address = node_address(k8s_cluster, real_node)
@@ -158,11 +165,12 @@ def hosts(k8s_cluster, real_node, host_image) -> Iterator[Hosts]:
                 collectors=2, extra_env=env, redis_bind=address, password=uuid.uuid4().hex
             ) as stack,
             running(host="0.0.0.0", script=script()) as server,
+            running(host="0.0.0.0", turn_seconds=2.0) as paced,
         ):
             stack.wait_ready()
-            endpoint = manifests.Endpoint(f"{address}/32", server.port)
+            endpoints = tuple(manifests.Endpoint(f"{address}/32", s.port) for s in (server, paced))
             url = stack.redis_url_at(address)
-            pool = host_pool(real_node, namespace, host_image, url, policy_egress=(endpoint,))
+            pool = host_pool(real_node, namespace, host_image, url, policy_egress=endpoints)
             create_pool(k8s_cluster, with_lease(manifests.host_objects(pool), LEASE_SECONDS))
             queue = HostQueue(redis.Redis.from_url(stack.redis_url))
             client = RolloutClient(stack.redis_url)
@@ -175,6 +183,8 @@ def hosts(k8s_cluster, real_node, host_image) -> Iterator[Hosts]:
                 queue,
                 client,
                 f"http://{address}:{server.port}",
+                paced,
+                f"http://{address}:{paced.port}",
             )
             wait_hosts(queue, None, 2, 180)
             yield found
@@ -337,9 +347,85 @@ def test_a_hung_episode_on_a_host_ends_deadline_exceeded_and_its_sandbox_goes(ho
     hosts.freed(batch)
 
 
+def test_hosts_run_a_batch_once_each_and_lose_nothing_to_a_killed_host(hosts):
+    """The bundled tasks x 2 (`isolation: host`, 2 hosts x 2 slots): every row once, each on a
+    host Pod; one host killed (grace 0) mid-batch loses nothing (infra_retries=1: its episodes
+    run again elsewhere, `retried` says HostLost); after the run's cleanup no key of the batch
+    is left, nor its folder in any host. Next to last: it kills one of the pool's Pods (its
+    Deployment makes another)."""
+    hosts.idle()
+    names = hosts.names()
+    assert set(hosts.queue.hosts()) == names, (hosts.queue.hosts(), names)
+    queue, client = hosts.queue, hosts.client
+    tasks = load_task_set("bundled")
+    started = time.monotonic()
+    submission = client.submit(
+        backend="kubernetes",
+        isolation="host",
+        tasks=tasks,
+        samples_per_task=2,
+        parallelism=4,
+        infra_retries=1,
+        # Each turn takes 2 s: episodes outlast the kubelet's 2 s kill of a force-deleted Pod
+        # (SIGTERM lets the agent drain only that long), so the killed host loses some.
+        policy={"url": hosts.paced_url, "request_timeout_seconds": 10},
+    )
+    batch = submission.batch_id
+    count = len(tasks) * 2
+
+    # Kill the host that holds the most running episodes, once it holds one.
+    def busy_host():
+        taken = queue.taken(batch)
+        return max(set(taken.values()), key=list(taken.values()).count) if taken else None
+
+    victim = kc.wait_for(busy_host, 60, "a host to take an episode", interval=0.1)
+    lost = {i for i, host in queue.taken(batch).items() if host == victim}
+    hosts.cluster.core.delete_namespaced_pod(victim, hosts.namespace, grace_period_seconds=0)
+    report = client.wait(batch, timeout=240)
+    elapsed = time.monotonic() - started
+    print(f"{count} episodes on 2 hosts x 2 slots, one host killed: {elapsed:.1f}s")
+
+    assert report["ok"], report["errors"]
+    assert report["run_isolation"] == "host"
+    rows = report["pods"]
+    assert sorted(r["index"] for r in rows) == list(range(count))  # every row, once
+    assert len({r["pod"] for r in rows}) == count  # each its own sandbox
+    assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+    hosts_now = hosts.names()
+    assert {r["node"] for r in rows} <= names | hosts_now, {r["node"] for r in rows}
+    # What the killed host held either ended there before the kill landed, or ran again
+    # on another host, its first attempt recorded as HostLost; nothing else was retried.
+    retried = [r for r in rows if r["retried"]]
+    assert retried, f"no episode of {victim} was lost: {sorted(lost)}"
+    for row in rows:
+        if row["retried"]:
+            assert row["index"] in lost and row["node"] != victim, row
+            assert [a["reason"] for a in row["retried"]] == ["HostLost"], row
+        elif row["index"] in lost:
+            assert row["node"] == victim, row
+
+    kc.wait_for(lambda: client.receipt(batch).get("cleanup") == "deleted", 120, "the run's cleanup")
+    # The run is gone (its rows and report stay, as every backend's records do).
+    leftover = list(queue.redis.scan_iter(k.host_batch_key(batch, "*")))
+    assert leftover == [], leftover
+    assert batch not in queue.runs()
+    assert not [i for i in queue.redis.lrange(k.HOSTS_TODO_KEY, 0, -1) if batch in str(i)]
+    live = hosts.names()
+    for pod in live:
+        # A host drops a batch's folder at its next look once the run is gone.
+        def gone(pod=pod):
+            ls = kubectl_exec(hosts.cluster, hosts.namespace, pod, "ls", manifests.HOST_ROOT)
+            return batch not in ls.split()
+
+        kc.wait_for(gone, 30, f"{pod} to remove its folder of {batch}", interval=1)
+    for name, info in wait_hosts(queue, live, len(live), 30).items():
+        assert not info.get("batches"), (name, info)
+
+
 def test_without_retries_a_host_killed_mid_episode_ends_it_host_lost(hosts):
     """Last: it kills one of the pool's Pods."""
-    hosts.idle()
+    # The test before killed a host: its replacement may still be starting.
+    hosts.idle(120)
     before = {c["episode_id"] for c in hosts.server.calls()}
     batch = hosts.submit(
         tasks=load_task_set("bundled", only=[SLOW_TASK]),
