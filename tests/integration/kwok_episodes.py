@@ -839,10 +839,8 @@ def kube_stack_fixture(k8s_cluster):
 
 @pytest.fixture(scope="module", name="episodes")
 def episodes_fixture(k8s_cluster, kwok_nodes, tmp_path_factory):
-    try:
-        verify_stages(k8s_cluster)
-    except StagesMismatch as exc:
-        pytest.fail(str(exc), pytrace=False)
+    # The KWOK controller runs this clone's stages: kwok_nodes (session) proved it with
+    # verify_stages before any module's harness starts, and nothing here changes the cluster.
     with KwokEpisodes(k8s_cluster, tmp_path_factory.mktemp("kwok-episodes")) as harness:
         yield harness
     assert not harness.errors, harness.errors[:10]
