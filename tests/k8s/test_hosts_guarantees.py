@@ -67,6 +67,9 @@ SLACK = 3.0
 # HostLost (the default 15 s would only make the last test wait longer). Renewed every
 # 5/3 s, so a live host keeps its leases through a few slow renewals.
 LEASE_SECONDS = 5
+# The collectors' block (default 15 s), as the KWOK stacks run it: a lost host's episode ends at
+# most this long after its lease is gone.
+COLLECT_BLOCK_SECONDS = 2
 
 # Run in a host Pod (its PID namespace is the Pod's: shareProcessNamespace): how many sandboxes
 # run, one per bwrap process whose parent is no bwrap (bwrap forks its namespace's init from
@@ -158,7 +161,12 @@ def hosts(k8s_cluster, real_node, host_image) -> Iterator[Hosts]:
     last."""
     namespace = kc.create_test_namespace(k8s_cluster, "host-guarantees")
     address = node_address(k8s_cluster, real_node)
-    env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
+    env = {
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+        # A collector looks again every COLLECT_BLOCK_SECONDS when its episode has not ended;
+        # that look is what ends a killed host's episodes once their lease is gone.
+        "ROLLOUT_COLLECT_BLOCK_SECONDS": str(COLLECT_BLOCK_SECONDS),
+    }
     try:
         with (
             LocalStack(
@@ -445,8 +453,8 @@ def test_without_retries_a_host_killed_mid_episode_ends_it_host_lost(hosts):
         "its first policy call",
     )
     hosts.cluster.core.delete_namespaced_pod(victim, hosts.namespace, grace_period_seconds=0)
-    # Its lease (LEASE_SECONDS) expires, then a collector's next look (one collect block) ends
-    # it.
+    # Its lease (LEASE_SECONDS) expires, then a collector's next look (within
+    # COLLECT_BLOCK_SECONDS) ends it.
     report, entries = hosts.follow(batch, 90)
     assert dict(entries) == {0: 1}, f"stream entries per index {entries}"
     (row,) = report["pods"]
