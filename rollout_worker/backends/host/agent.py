@@ -40,7 +40,7 @@ from rollout_worker.backends.host.manifests import quantity
 from rollout_worker.backends.host.queue import HostQueue, Lease
 from rollout_worker.backends.host.run import HostRun, Machine
 from rollout_worker.backends.local.run_file import program_sha, write_program
-from rollout_worker.backends.local.sandbox import WORKDIR_SUFFIX
+from rollout_worker.backends.local.sandbox import WORKDIR_SUFFIX, rootfs_dirname
 from rollout_worker.settings import Settings
 
 LOOK_SECONDS = 1.0  # how often the agent reads its batches' flags (cancelled, deleted)
@@ -178,7 +178,8 @@ class Agent:
         self.taker = Taker(HostQueue(client, lease_seconds), name, slots)
         self.selector.register(self.taker.wake, selectors.EVENT_READ, None)
         self.draining_since: float | None = None
-        self.images = _images(machine.rootfs_dir)
+        # Without bwrap an image task would run on the host's own root: none told.
+        self.images = _images(machine.rootfs_dir) if machine.isolation == "bwrap" else []
         # At least three renewals per lease: one lost call never loses an episode. Its own
         # client (main gives it short timeouts), so the loop's Redis calls never delay it.
         self.renewer = Renewer(
@@ -364,6 +365,24 @@ def _images(rootfs_dir: Path) -> list[str]:
     )
 
 
+def write_workdirs(rootfs_dir: Path, workdirs: list[tuple[str, str]]) -> None:
+    """Each mounted image's WORKDIR beside its root, as `rollout tasks build --rootfs` leaves
+    it: an image volume has no image config to read it from (the pool says it)."""
+    for image, workdir in workdirs:
+        path = rootfs_dir / (rootfs_dirname(image) + WORKDIR_SUFFIX)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(workdir + "\n")
+        partial.replace(path)
+
+
+def _image_workdir(text: str) -> tuple[str, str]:
+    """`IMAGE=WORKDIR` (no image reference holds "=")."""
+    image, sep, workdir = text.partition("=")
+    if not image or not sep or not workdir.startswith("/"):
+        raise argparse.ArgumentTypeError(f"not IMAGE=/WORKDIR: {text!r}")
+    return image, workdir
+
+
 def bwrap_problem(*extra: str) -> str | None:
     """None when bubblewrap builds a sandbox here with `extra` options, run as the sandboxes
     run (uid 1000 when the agent is root), else why not."""
@@ -423,6 +442,15 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
         help="the sandboxes' interpreter (default: as the local backend's)",
     )
     parser.add_argument("--rootfs", type=Path, default=Path("/rootfs"), help="image roots")
+    parser.add_argument(
+        "--image-workdir",
+        type=_image_workdir,
+        action="append",
+        default=[],
+        metavar="IMAGE=WORKDIR",
+        help="a task image whose root is mounted (not exported) at --rootfs/<its folder>: its "
+        "WORKDIR, written beside it at start (repeat per image)",
+    )
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS)
     for what in ("memory", "storage"):
         parser.add_argument(
@@ -465,6 +493,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse(argv, prog)
     if args.isolation == "bwrap" and (problem := bwrap_problem()):
         print(f"rollout host: sandboxes need bubblewrap, but {problem}", file=sys.stderr)
+        return 2
+    try:
+        write_workdirs(args.rootfs, args.image_workdir)
+    except OSError as exc:
+        print(f"rollout host: cannot write the images' WORKDIRs: {exc}", file=sys.stderr)
         return 2
     client = redis_client(args.redis_url, socket_timeout=10, socket_connect_timeout=5)
     try:

@@ -33,6 +33,7 @@ from rollout_worker.backends.base import (
 from rollout_worker.backends.host.queue import HostQueue
 from rollout_worker.backends.local.files import OWNER
 from rollout_worker.backends.local.run_file import program_sha
+from rollout_worker.backends.local.sandbox import rootfs_dirname
 from rollout_worker.backends.local.signal import DoneSignal
 from rollout_worker.observation import EpisodeObservation
 from rollout_worker.quantities import parse_quantity, sandbox_limits, storage_bytes
@@ -124,6 +125,27 @@ def egress_problems(spec: BatchSpec, hosts: dict[str, dict[str, Any]]) -> list[s
     ]
 
 
+def image_problems(spec: BatchSpec, hosts: dict[str, dict[str, Any]]) -> list[str]:
+    """Task images some live host does not carry (its heartbeat's `images`: the folders of
+    its --rootfs that hold an image's root, sandbox.rootfs_dirname). Any host takes any
+    episode from the one list, so every live host must carry every image of the batch."""
+    images = sorted({str(t["image"]) for t in spec.tasks if t.get("image") and not t.get("files")})
+    problems = []
+    for image in images:
+        folder = rootfs_dirname(image)
+        lacking = sorted(n for n, h in hosts.items() if folder not in (h.get("images") or []))
+        if not lacking:
+            continue
+        carried = {n: sorted(hosts[n].get("images") or []) for n in lacking}
+        some = "no sandbox host" if len(lacking) == len(hosts) else f"sandbox hosts {lacking}"
+        problems.append(
+            f"task image {image} (folder {folder}): {some} carries it (they carry "
+            f"{carried}); any live host may take any episode, so every one must: add it to "
+            "the pool's images (the chart's hosts.images) or run the batch with isolation: pod"
+        )
+    return problems
+
+
 class HostBackend:
     name = "hosts"
     streams_progress = True  # the hosts' supervisors stream running/ready, as locally
@@ -163,6 +185,7 @@ class HostBackend:
             *_task_problems(spec),
             *slot_problems(spec, ours),
             *egress_problems(spec, ours),
+            *image_problems(spec, ours),
         ]
         if problems:
             raise BackendUnavailable("; ".join(problems))
@@ -334,15 +357,10 @@ class HostBackend:
 
 
 def _task_problems(spec: BatchSpec) -> list[str]:
-    """What a shared sandbox host cannot be given (slice 1): task images, per-batch secrets
-    and folders of the worker's machine."""
+    """What a shared sandbox host cannot be given: per-batch secrets and folders of the
+    worker's machine (task images: image_problems, from the hosts' heartbeats)."""
     problems = []
     for task in spec.tasks:
-        if task.get("image") and not task.get("files"):
-            problems.append(
-                f"task {task.get('id')!r} runs in its image {task['image']}: sandbox hosts run "
-                "file tasks only (no host carries task images yet)"
-            )
         if task.get("env"):
             problems.append(
                 f"task {task.get('id')!r} has env tables: their values (secrets) cannot reach a "

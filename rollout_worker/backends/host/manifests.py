@@ -21,6 +21,7 @@ from typing import Any
 from rollout_wire import constants as k
 from rollout_wire.redis_url import is_sentinel, parse_sentinel
 from rollout_wire.resources import DEFAULT_STORAGE_LIMIT
+from rollout_worker.backends.local.sandbox import rootfs_dirname
 
 # hack/localkube/seccomp/bwrap-host.json, installed under the kubelet's seccomp root.
 HOST_SECCOMP_PROFILE = "rollout/bwrap-host.json"
@@ -32,6 +33,12 @@ HOST_VOLUME = "/var/lib/rollout-host"
 # folder of the volume, since uid 1000 may neither chmod nor remove the mount point (root's).
 HOST_ROOT = f"{HOST_VOLUME}/root"
 HOST_TMP = "/tmp"
+# The agent's --rootfs when the pool carries task images: an emptyDir of its own (uid 1000 writes
+# each image's WORKDIR file there) with each image volume mounted at <dir>/<rootfs_dirname>.
+# Not under HOST_VOLUME: its folders would be made by the runtime as root, and the agent wipes
+# its root at start.
+HOST_IMAGES = "/var/lib/rollout-images"
+IMAGES_SIZE = "1Mi"  # the WORKDIR files only: the images' files are their volumes'
 HOST_UID = 1000
 # The agent's own share of the Pod, on top of its slots: a Python process with a Redis client
 # and the supervisor's bookkeeping.
@@ -63,6 +70,17 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class TaskImage:
+    """A task image the pool's hosts carry (a read-only Kubernetes image volume, KEP-4639):
+    `reference` exactly as the tasks name it (`image`), `workdir` its WORKDIR (an image volume
+    has no image config: the pool says it; a task's own `workdir` still wins)."""
+
+    reference: str
+    workdir: str = "/"
+    pull_policy: str = "IfNotPresent"
+
+
+@dataclass(frozen=True)
 class HostPool:
     """One Deployment of host Pods and what each Pod gets."""
 
@@ -88,6 +106,8 @@ class HostPool:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[dict[str, str], ...] = ()
     termination_grace_seconds: int = TERMINATION_GRACE_SECONDS
+    # Task images every host of the pool carries: an image task runs only on hosts that do.
+    images: tuple[TaskImage, ...] = ()
 
 
 def pool_labels(pool: HostPool) -> dict[str, str]:
@@ -158,7 +178,75 @@ def agent_command(pool: HostPool) -> list[str]:
         # is outside them is refused at submit.
         "--policy-egress",
         ",".join(f"{e.cidr}:{e.port}" for e in pool.policy_egress),
+        *image_args(pool),
     ]
+
+
+def image_args(pool: HostPool) -> list[str]:
+    """Where the image volumes are (--rootfs) and each one's WORKDIR, which the agent writes
+    beside it as `rollout tasks build --rootfs` does: it then tells the images in its
+    heartbeat, and its sandboxes find each root as the local backend's do."""
+    if not pool.images:
+        return []
+    args = ["--rootfs", HOST_IMAGES]
+    for image in pool.images:
+        args += ["--image-workdir", f"{image.reference}={image.workdir}"]
+    return args
+
+
+def image_volume_name(index: int) -> str:
+    return f"task-image-{index}"
+
+
+def image_volumes(pool: HostPool) -> list[dict[str, Any]]:
+    if not pool.images:
+        return []
+    return [
+        {"name": "images", "emptyDir": {"sizeLimit": IMAGES_SIZE}},
+        *(
+            {
+                "name": image_volume_name(index),
+                "image": {"reference": image.reference, "pullPolicy": image.pull_policy},
+            }
+            for index, image in enumerate(pool.images)
+        ),
+    ]
+
+
+def image_mounts(pool: HostPool) -> list[dict[str, Any]]:
+    """The images' folder, then each image read-only inside it (a mount below a mount: listed
+    after it). The kubelet mounts image volumes read-only anyway; said here too."""
+    if not pool.images:
+        return []
+    return [
+        {"name": "images", "mountPath": HOST_IMAGES},
+        *(
+            {
+                "name": image_volume_name(index),
+                "mountPath": f"{HOST_IMAGES}/{rootfs_dirname(image.reference)}",
+                "readOnly": True,
+            }
+            for index, image in enumerate(pool.images)
+        ),
+    ]
+
+
+def image_problems(pool: HostPool) -> list[str]:
+    """Images the pool cannot carry as given."""
+    problems = []
+    folders: dict[str, str] = {}
+    for image in pool.images:
+        if not image.reference or "=" in image.reference:
+            problems.append(f"task image {image.reference!r} is not an image reference")
+        if not image.workdir.startswith("/"):
+            problems.append(f"task image {image.reference}: workdir {image.workdir!r} is relative")
+        folder = rootfs_dirname(image.reference)
+        if folder in folders:
+            problems.append(
+                f"task images {folders[folder]} and {image.reference} share the folder {folder}"
+            )
+        folders[folder] = image.reference
+    return problems
 
 
 def agent_grace(pool: HostPool) -> int:
@@ -196,6 +284,7 @@ def host_container(pool: HostPool) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "root", "mountPath": HOST_VOLUME},
             {"name": "tmp", "mountPath": HOST_TMP},
+            *image_mounts(pool),
         ],
     }
 
@@ -221,6 +310,7 @@ def host_pod_spec(pool: HostPool) -> dict[str, Any]:
         "volumes": [
             {"name": "root", "emptyDir": {"sizeLimit": root_size(pool)}},
             {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+            *image_volumes(pool),
         ],
     }
     if pool.runtime_class:
@@ -336,4 +426,6 @@ def host_objects(pool: HostPool) -> list[dict[str, Any]]:
     without it."""
     if pool.slots < 1 or pool.replicas < 0:
         raise ValueError("a host pool needs at least one slot per host and replicas >= 0")
+    if problems := image_problems(pool):
+        raise ValueError("; ".join(problems))
     return [network_policy_manifest(pool), deployment_manifest(pool)]

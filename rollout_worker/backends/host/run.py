@@ -30,6 +30,7 @@ from rollout_worker.backends.local.files import LOG_CUT_MARK, RunDir, write_json
 from rollout_worker.backends.local.output import Running
 from rollout_worker.backends.local.phases import AGENT_PHASE, GRADE_PHASE
 from rollout_worker.backends.local.run_file import machine_fields, progress_fields
+from rollout_worker.backends.local.sandbox import ImageRoot
 from rollout_worker.backends.local.supervisor import Supervisor
 
 # A finish the queue did not take (Redis away) is tried again this often before it is given up
@@ -176,6 +177,16 @@ class HostRun(Supervisor):
         if lease.index in self.pending:  # waiting for its retry: ends here at once
             self.pending.remove(lease.index)
             self.write_status(lease.index, phase="Failed", reason=LEASE_LOST, exit_code=None)
+
+    def image_root(self, index: int) -> ImageRoot | None:
+        """The local supervisor's; but an image task whose image this host does not carry (one
+        that joined after the batch's preflight) fails to start (StartError) rather than run
+        on the host's own root."""
+        root = super().image_root(index)
+        task = self.task_of(index)
+        if root is None and task.get("image") and not task.get("files"):
+            raise ValueError(f"this sandbox host does not carry the task image {task['image']}")
+        return root
 
     def retry(self, item: Running, code: int, finished_at: float) -> bool:
         """The supervisor's retry (exit 4), its attempt recorded in the queue too."""

@@ -60,6 +60,10 @@ WORKDIR_SUFFIX = ".workdir"
 MOUNT_POINTS = ("sandbox", "workspace", "tmp", "logs", "tests", "solution", "proc", "dev")
 
 
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
 def rootfs_dirname(image: str) -> str:
     """An image name as one path-safe folder name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", image)
@@ -68,10 +72,14 @@ def rootfs_dirname(image: str) -> str:
 @dataclass(frozen=True)
 class ImageRoot:
     """An image's root filesystem, exported for bubblewrap: the sandbox's / (read-only), with
-    a per-episode copy of its working directory writable at `workdir`."""
+    a per-episode copy of its working directory writable at `workdir`. `mount_points`: the
+    root holds MOUNT_POINTS (the export makes them); a root that does not (a Kubernetes image
+    volume on a sandbox host: the image's files as built, read-only) is shown entry by entry
+    instead, on a root of bubblewrap's own where the mount points can be made."""
 
     path: Path
     workdir: str
+    mount_points: bool = True
 
     @classmethod
     def find(cls, rootfs_dir: Path, image: str) -> ImageRoot | None:
@@ -79,7 +87,8 @@ class ImageRoot:
         workdir = rootfs_dir / (rootfs_dirname(image) + WORKDIR_SUFFIX)
         if not (path.is_dir() and workdir.is_file()):
             return None
-        return cls(path, workdir.read_text().strip() or "/")
+        made = all(_real_dir(path / point) for point in MOUNT_POINTS)
+        return cls(path, workdir.read_text().strip() or "/", made)
 
     @property
     def python(self) -> str:
@@ -207,6 +216,9 @@ def plan_sandbox(
         *root_args,
         *_scratch(tmp),
         *_episode_mounts(program, compiled, workspace, workspace_mount, mounts),
+        # An image shown entry by entry: its / (bubblewrap's own) read-only once every mount
+        # point is made, as the exported root's is.
+        *(["--remount-ro", "/"] if root is not None and not root.mount_points else []),
         "--chdir",
         workspace_mount,
         "--clearenv",
@@ -252,10 +264,30 @@ def _host_root(python_prefix: str) -> list[str]:
 def _image_root(root: ImageRoot) -> list[str]:
     """A task image's root, read-only. /sandbox as a tmpfs: the program and task files are
     mounted on it (a file mount point cannot be made inside the read-only root)."""
-    return [
-        *("--ro-bind", str(root.path), "/"),
-        *("--size", str(SANDBOX_DIR_SIZE_LIMIT), "--tmpfs", "/sandbox"),
-    ]
+    sandbox_dir = ["--size", str(SANDBOX_DIR_SIZE_LIMIT), "--tmpfs", "/sandbox"]
+    if root.mount_points:
+        return ["--ro-bind", str(root.path), "/", *sandbox_dir]
+    return [*_image_entries(root.path), *sandbox_dir]
+
+
+# What every sandbox mounts over an image's own entries of these names.
+_REPLACED = frozenset({"sandbox", "proc", "dev", "tmp"})
+
+
+def _image_entries(path: Path) -> list[str]:
+    """Each top-level entry of an image's root, read-only at the same place of bubblewrap's
+    root (its links as links): bwrap cannot make a mount point inside a read-only root that
+    lacks it. Other kinds of entries (devices, sockets) are left out."""
+    args: list[str] = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        target = f"/{entry.name}"
+        if entry.name in _REPLACED:
+            continue
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry.path), target]
+        elif entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False):
+            args += ["--ro-bind", entry.path, target]
+    return args
 
 
 def _scratch(tmp: Path | None) -> list[str]:
