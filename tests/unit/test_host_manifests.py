@@ -2,15 +2,19 @@
 tests/k8s/test_sandbox_host.py proves can run bubblewrap, sized by its slots, and a
 NetworkPolicy that lets it reach only Redis and the configured policy endpoints."""
 
+from pathlib import Path
+
 import pytest
 
 from rollout_worker.backends.host import agent
 from rollout_worker.backends.host.manifests import (
+    HOST_IMAGES,
     HOST_ROOT,
     HOST_SECCOMP_PROFILE,
     HOST_VOLUME,
     Endpoint,
     HostPool,
+    TaskImage,
     host_objects,
     pool_selector,
     redis_egress,
@@ -207,3 +211,75 @@ def test_pools_that_cannot_run_are_refused():
         host_objects(pool(slots=0))
     with pytest.raises(ValueError, match="unix"):
         host_objects(pool(redis_url="unix:///run/redis.sock"))
+
+
+def test_a_pool_carries_task_images_as_read_only_image_volumes_beside_their_workdirs():
+    images = (
+        TaskImage("rollout.local/harbor-task:1", "/app"),
+        TaskImage("registry.example/team/env@sha256:" + "a" * 64, pull_policy="Never"),
+    )
+    bare_policy, bare = host_objects(pool(name="hosts-a"))
+    policy, deployment = host_objects(pool(name="hosts-a", images=images))
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    # Each image a Kubernetes image volume (KEP-4639) with its pull policy, after an emptyDir
+    # of its own for the WORKDIR files the agent writes (uid 1000 may write there).
+    assert spec["volumes"][2:] == [
+        {"name": "images", "emptyDir": {"sizeLimit": "1Mi"}},
+        {
+            "name": "task-image-0",
+            "image": {"reference": "rollout.local/harbor-task:1", "pullPolicy": "IfNotPresent"},
+        },
+        {
+            "name": "task-image-1",
+            "image": {"reference": images[1].reference, "pullPolicy": "Never"},
+        },
+    ]
+    # ...mounted read-only where the agent's --rootfs finds it: <dir>/<rootfs_dirname(image)>.
+    assert container["volumeMounts"][2:] == [
+        {"name": "images", "mountPath": HOST_IMAGES},
+        {
+            "name": "task-image-0",
+            "mountPath": f"{HOST_IMAGES}/rollout.local_harbor-task_1",
+            "readOnly": True,
+        },
+        {
+            "name": "task-image-1",
+            "mountPath": f"{HOST_IMAGES}/registry.example_team_env_sha256_{'a' * 64}",
+            "readOnly": True,
+        },
+    ]
+    # The agent is told where they are and each one's WORKDIR (an image volume has no config).
+    command = container["command"]
+    assert command[len(bare["spec"]["template"]["spec"]["containers"][0]["command"]) :] == [
+        *("--rootfs", HOST_IMAGES),
+        *("--image-workdir", "rollout.local/harbor-task:1=/app"),
+        *("--image-workdir", f"{images[1].reference}=/"),
+    ]
+    parsed = agent.parse(["--redis-url", "redis://x", *command[command.index("--rootfs") :]])
+    assert parsed.rootfs == Path(HOST_IMAGES)
+    assert parsed.image_workdir == [(i.reference, i.workdir) for i in images]
+    # Nothing else changes: labels, policy, security, the pool's own volumes.
+    assert policy == bare_policy
+    assert deployment["metadata"] == bare["metadata"]
+    assert deployment["spec"]["template"]["metadata"] == bare["spec"]["template"]["metadata"]
+    bare_spec = bare["spec"]["template"]["spec"]
+    assert spec["volumes"][:2] == bare_spec["volumes"]
+    assert container["volumeMounts"][:2] == bare_spec["containers"][0]["volumeMounts"]
+    assert container["securityContext"] == bare_spec["containers"][0]["securityContext"]
+    assert {k: v for k, v in spec.items() if k not in ("volumes", "containers")} == {
+        k: v for k, v in bare_spec.items() if k not in ("volumes", "containers")
+    }
+    # A pool without images has no image volume nor image arguments at all.
+    assert "--rootfs" not in bare_spec["containers"][0]["command"]
+    assert all("image" not in v for v in bare_spec["volumes"])
+
+
+def test_task_images_a_pool_cannot_carry_are_refused():
+    with pytest.raises(ValueError, match="workdir 'app' is relative"):
+        host_objects(pool(images=(TaskImage("a/b:1", "app"),)))
+    # Two references that would share one folder under --rootfs.
+    with pytest.raises(ValueError, match="share the folder a_b_1"):
+        host_objects(pool(images=(TaskImage("a/b:1"), TaskImage("a/b_1"))))
+    with pytest.raises(ValueError, match="not an image reference"):
+        host_objects(pool(images=(TaskImage("a=b"),)))

@@ -196,3 +196,69 @@ def test_a_sandbox_hosts_bwrap_forbids_user_namespaces_inside(tmp_path, files):
     start = made.index("--unshare-all")
     assert made[start : start + 3] == ["--unshare-all", "--unshare-user", "--disable-userns"]
     assert made[: start + 1] + made[start + 3 :] == plan(tmp_path).argv
+
+
+def test_an_image_root_without_mount_points_is_shown_entry_by_entry_then_made_read_only(
+    tmp_path, files
+):
+    # A Kubernetes image volume holds the image as built: no /sandbox, /workspace, /logs...
+    # bwrap cannot make those inside a read-only bind of it ("Can't mkdir /sandbox: Read-only
+    # file system"), so each entry is shown at its place on bwrap's own root, which is then
+    # remounted read-only once every mount point is made.
+    T = str(tmp_path)
+    image = tmp_path / "root"
+    (image / "app").mkdir()
+    (image / "bin").symlink_to("usr/bin")
+    (image / ".dockerenv").write_text("")
+    (image / "proc").mkdir()  # mounted over anyway: not shown
+    os.mkfifo(image / "fifo")  # neither file nor folder: left out
+    made = plan(
+        tmp_path,
+        root=ImageRoot(image, "/app", mount_points=False),
+        mounts=mounts(tmp_path),
+        program=files["compiled_program"],
+    )
+    assert made.argv == [
+        "bwrap",
+        *NAMESPACES,
+        *IDENTITY,
+        *("--ro-bind", f"{T}/root/.dockerenv", "/.dockerenv"),
+        *("--ro-bind", f"{T}/root/app", "/app"),
+        *("--symlink", "usr/bin", "/bin"),
+        *("--ro-bind", f"{T}/root/usr", "/usr"),
+        *("--size", "1048576", "--tmpfs", "/sandbox"),
+        *DEV,
+        *("--size", "268435456", "--tmpfs", "/tmp"),
+        *("--ro-bind", f"{T}/c/episode.py", "/sandbox/episode.py"),
+        *("--bind", f"{T}/ws", "/app"),
+        *("--ro-bind", f"{T}/tasks.json", "/sandbox/tasks.json"),
+        *("--bind", f"{T}/logs", "/logs"),
+        *("--remount-ro", "/"),
+        *("--chdir", "/app", "--clearenv"),
+        *BASE_ENV,
+        *DEFAULT_PATH,
+        *REST_ENV,
+        *("--setenv", "ROLLOUT_WORKSPACE", "/app"),
+        *("--setenv", "HOME", "/app"),
+        *("--setenv", "ROLLOUT_COST_SOURCE", "proc"),
+        *("--setenv", "ROLLOUT_TASKS_FILE", "/sandbox/tasks.json"),
+        *("--", "/usr/local/bin/python3", "-B", "/sandbox/episode.py"),
+    ]
+
+
+def test_an_image_root_is_found_with_or_without_the_exports_mount_points(tmp_path):
+    rootfs = tmp_path / "rootfs"
+    image = rootfs / sandbox.rootfs_dirname("team/env:1")
+    (image / "usr").mkdir(parents=True)
+    assert ImageRoot.find(rootfs, "team/env:1") is None  # no WORKDIR beside it: not a root
+    (rootfs / "team_env_1.workdir").write_text("/app\n")
+    # As an image volume shows it: the image's own files only.
+    assert ImageRoot.find(rootfs, "team/env:1") == ImageRoot(image, "/app", mount_points=False)
+    for point in sandbox.MOUNT_POINTS[:-1]:
+        (image / point).mkdir()
+    (image / "dev").symlink_to("tmp")  # a link is no mount point bwrap can use
+    assert ImageRoot.find(rootfs, "team/env:1") == ImageRoot(image, "/app", mount_points=False)
+    (image / "dev").unlink()
+    (image / "dev").mkdir()
+    # As `rollout tasks build --rootfs` exports it: every mount point made.
+    assert ImageRoot.find(rootfs, "team/env:1") == ImageRoot(image, "/app", mount_points=True)

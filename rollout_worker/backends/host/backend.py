@@ -137,11 +137,15 @@ def image_problems(spec: BatchSpec, hosts: dict[str, dict[str, Any]]) -> list[st
         if not lacking:
             continue
         carried = {n: sorted(hosts[n].get("images") or []) for n in lacking}
-        some = "no sandbox host" if len(lacking) == len(hosts) else f"sandbox hosts {lacking}"
+        who = (
+            "no live sandbox host carries it"
+            if len(lacking) == len(hosts)
+            else f"sandbox hosts {lacking} do not carry it"
+        )
         problems.append(
-            f"task image {image} (folder {folder}): {some} carries it (they carry "
-            f"{carried}); any live host may take any episode, so every one must: add it to "
-            "the pool's images (the chart's hosts.images) or run the batch with isolation: pod"
+            f"task image {image} (folder {folder}): {who} (their images: {carried}); any "
+            "live host may take any episode, so every one must: add it to the pool's images "
+            "(the chart's hosts.images) or run the batch with isolation: pod"
         )
     return problems
 
