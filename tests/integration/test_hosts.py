@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,10 +35,12 @@ from rollout_worker.backends.host.backend import HostBackend
 from rollout_worker.backends.host.queue import HostQueue
 from rollout_worker.backends.host.run import Machine
 from rollout_worker.backends.local.run_file import run_document
+from rollout_worker.backends.local.sandbox import rootfs_dirname
 from rollout_worker.cli.policy_server import bundled_script, running
 from rollout_worker.cli.stack import LocalStack
 from rollout_worker.settings import Settings
 
+HARBOR = Path(__file__).resolve().parents[1] / "data" / "harbor"
 # Short leases: a lost host's episodes go back to the list after this, not the default 15 s.
 LEASE_SECONDS = 3.0
 # The scripted policy's answers to the fresh-workspace task: the first thing its episode does
@@ -334,6 +338,131 @@ def test_an_agent_refuses_to_start_without_redis(base):
     assert "unreachable" in done.stderr
 
 
+# -- task images ----------------------------------------------------------------------------
+# What an image task's episode runs in the test's image: its runner's Python, the task's bash
+# scripts and the tools they call.
+IMAGE_TOOLS = ("python3", "bash", "sh", "dash", "mkdir", "cat", "ls", "rm", "cp", "mv", "env")
+
+
+def _link(source: str | Path, target: str | Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem
+        shutil.copy2(source, target)
+
+
+def system_rootfs(dest: Path) -> None:
+    """A task image's root made of this machine's own files (no download, no Docker): the
+    system Python with its standard library, bash and a few tools, and the libraries they
+    load, hard-linked. Nothing of ours in it (no /sandbox, /workspace...): as a Kubernetes
+    image volume shows an image, unlike `rollout tasks build --rootfs`."""
+    python = Path(os.path.realpath("/usr/bin/python3"))
+    stdlib = Path("/usr/lib") / python.name
+    assert stdlib.is_dir(), f"no standard library for {python} at {stdlib}"
+    (dest / "usr" / "bin").mkdir(parents=True)
+    shutil.copytree(stdlib, dest / "usr" / "lib" / python.name, symlinks=True, copy_function=_link)
+    binaries = [python]
+    _link(python, dest / "usr" / "bin" / python.name)
+    for tool in IMAGE_TOOLS:
+        found, target = Path("/usr/bin") / tool, dest / "usr" / "bin" / tool
+        if found.is_symlink():
+            target.symlink_to(os.readlink(found))
+        else:
+            _link(found, target)
+        binaries.append(Path(os.path.realpath(found)))
+    modules = sorted(str(p) for p in (stdlib / "lib-dynload").glob("*.so"))
+    listed = subprocess.run(
+        ["ldd", *map(str, binaries), *modules], capture_output=True, text=True, timeout=60
+    ).stdout
+    for found in re.findall(r"(/\S+) \(0x[0-9a-f]+\)", listed):
+        relative = Path(found).relative_to("/")
+        if relative.parts[0] != "usr":  # merged /usr: /lib/x -> usr/lib/x
+            relative = Path("usr", *relative.parts)
+        target = dest / relative
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _link(os.path.realpath(found), target)
+    for top in ("bin", "lib", "lib64"):
+        (dest / top).symlink_to(f"usr/{top}")
+
+
+def image_task() -> dict:
+    """The Harbor task that is its image (environment/Dockerfile, WORKDIR /app), and in the
+    test's image the folder its Dockerfile copies (/app, writable by anyone)."""
+    (task,) = load_task_set(str(HARBOR), ["image-task"])
+    assert task["image"] and not task["files"] and task["workdir"] == "/app"
+    return task
+
+
+def carry(base: Path, image: str) -> Path:
+    """A hosts' --rootfs holding `image`'s root as an image volume would: its files only."""
+    rootfs = base / "images"
+    root = rootfs / rootfs_dirname(image)
+    system_rootfs(root)
+    app = root / "app"
+    app.mkdir()
+    shutil.copy(HARBOR / "image-task" / "environment" / "greet.py", app / "greet.py")
+    app.chmod(0o777)
+    (app / "greet.py").chmod(0o666)
+    rootfs.chmod(0o755)
+    return rootfs
+
+
+def tree(root: Path) -> list[tuple[str, int, int]]:
+    """Every path under `root` with its size and mtime: what an episode could have changed."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        for name in sorted([*dirs, *files]):
+            path = Path(folder) / name
+            st = path.lstat()
+            found.append((str(path.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return sorted(found)
+
+
+def test_an_image_task_is_refused_unless_every_live_host_carries_its_image(queue, redis_url, base):
+    task = image_task()
+    folder = rootfs_dirname(task["image"])
+    rootfs = base / "images"
+    (rootfs / folder).mkdir(parents=True)  # a mounted image, as far as the heartbeat goes
+    carrier = Host(
+        redis_url,
+        "h-carrier",
+        base,
+        1,
+        "--rootfs",
+        str(rootfs),
+        "--image-workdir",
+        f"{task['image']}=/app",
+    )
+    bare = Host(redis_url, "h-bare", base, 1)
+    wait_for(lambda: {"h-carrier", "h-bare"} <= set(queue.hosts()), 20, "both heartbeats")
+    assert queue.hosts()["h-carrier"]["images"] == [folder]
+    assert (rootfs / f"{folder}.workdir").read_text() == "/app\n"  # written by the agent
+    assert queue.hosts()["h-bare"]["images"] == []
+    backend = HostBackend(Settings(redis_url=redis_url))
+    request = {"backend": "kubernetes", "isolation": "host", "tasks": [task], "agent": "oracle"}
+    spec = parse_spec(request, max_episodes=None)
+    # Any host takes any episode: one host without the image and the batch is refused.
+    with pytest.raises(BackendUnavailable) as refused:
+        backend.preflight(spec)
+    assert (
+        f"task image {task['image']} (folder {folder}): sandbox hosts ['h-bare'] do not "
+        "carry it (their images: {'h-bare': []})" in str(refused.value)
+    )
+    assert carrier.stop() == 0
+    with pytest.raises(BackendUnavailable, match="no live sandbox host carries it"):
+        backend.preflight(spec)
+    assert queue.runs() == {}  # nothing was created
+    # Past preflight (a host that joined after it): the host without the image does not run
+    # the episode on its own root, it fails its start and says why.
+    enqueue(queue, spec, redis_url)
+    status = wait_for(lambda: queue.status(spec.batch_id, 0), 30, "the episode's end")
+    assert isinstance(status, dict) and status["reason"] == "StartError", status
+    assert status["node"] == "h-bare"
+    assert f"does not carry the task image {task['image']}" in bare.output()
+    assert bare.stop() == 0
+
+
 # -- whole batches through real Celery workers -----------------------------------------------
 def start_hosts(stack: LocalStack, base: Path, *names: str) -> list[Host]:
     hosts = [Host(stack.redis_url, name, base) for name in names]
@@ -465,3 +594,43 @@ def test_a_loop_stuck_longer_than_a_lease_loses_no_episode(queue, redis_url, bas
     agent.drain()
     loop.join(30)
     assert not loop.is_alive() and queue.hosts() == {}
+
+
+@pytest.mark.workers
+def test_an_image_task_runs_in_its_image_on_a_host_that_carries_it(client, stack, base):
+    task = image_task()
+    rootfs = carry(base, task["image"])
+    root = rootfs / rootfs_dirname(task["image"])
+    before = tree(root)
+    host = Host(
+        stack.redis_url,
+        "host-img",
+        base,
+        2,
+        "--rootfs",
+        str(rootfs),
+        "--image-workdir",
+        f"{task['image']}=/app",
+    )
+    queue = HostQueue(client.redis)
+    beat = wait_for(lambda: queue.hosts().get("host-img"), 30, "its heartbeat")
+    assert beat["images"] == [rootfs_dirname(task["image"])]
+    # The oracle writes /app/greet.py and the tests read it there: /app is the image's (the
+    # host's own root has none), the episode's copy of it at the image's WORKDIR.
+    batch = client.submit(
+        backend="kubernetes", isolation="host", tasks=[task], samples_per_task=2, agent="oracle"
+    ).batch_id
+    report = client.wait(batch, timeout=120)
+    rows = report["pods"]
+    assert [(r["status"], r["reward"]) for r in rows] == [("ok", 1), ("ok", 1)], (
+        report["errors"],
+        host.output(),
+    )
+    assert {r["node"] for r in rows} == {"host-img"}
+    assert len({r["pod"] for r in rows}) == 2  # a fresh sandbox each
+    # Shared by every episode, read-only: nothing was written into the image's root (the
+    # oracle's edit went to each episode's own copy of /app).
+    assert tree(root) == before
+    wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
+    wait_for(lambda: host.left() == [], 10, "the host's root emptied")
+    assert host.stop() == 0
