@@ -118,6 +118,9 @@ options:
   kwokControllerBinary: ${LOCALKUBE_BIN}/kwok
   etcdBinary: ${LOCALKUBE_BIN}/etcd
   disableQPSLimits: true
+  # Image volumes (the sandbox hosts' task images, docs/sandbox-hosts.md): beta and off by
+  # default in 1.34; the real node's kubelet has the same gate (node.sh).
+  kubeFeatureGates: ImageVolume=true
   enableCRDs:
   - Logs
   - ClusterLogs

@@ -348,6 +348,10 @@ evictionHard:
   nodefs.inodesFree: 1%
   imagefs.available: 1%
 maxPods: 110
+# Task images on sandbox hosts are image volumes (KEP-4639): beta but off by default in 1.34
+# (on by default from 1.35); the API server has the same gate (cluster.sh).
+featureGates:
+  ImageVolume: true
 # No CAP_SYS_RESOURCE here (see restrict_oom_score_adj in containerd.toml).
 oomScoreAdj: 0
 YAML

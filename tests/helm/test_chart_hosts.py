@@ -137,3 +137,38 @@ def test_keda_scales_hosts_on_their_work_list(render):
     assert auth["spec"]["secretTargetRef"][0]["name"] == "redis-pw"
     (trigger,) = one(with_password, "ScaledObject", HOSTS)["spec"]["triggers"]
     assert trigger["authenticationRef"] == {"name": HOSTS}
+
+
+def test_the_hosts_task_images_are_the_image_volumes_manifests_builds(render):
+    objects = render(
+        "hosts.enabled=true",
+        "hosts.slots=3",
+        "hosts.terminationGracePeriodSeconds=30",
+        "hosts.images[0].reference=rollout.local/harbor-task:1",
+        "hosts.images[0].workdir=/app",
+        "hosts.images[1].reference=registry.example/team/env:2",
+        "hosts.images[1].pullPolicy=Never",
+    )
+    pod = one(objects, "Deployment", HOSTS)["spec"]["template"]["spec"]
+    pool = manifests.HostPool(
+        namespace="rollout",
+        image="rollout.local/rollout-worker:host",
+        redis_url="redis://rel-rollout-redis:6379/0",
+        slots=3,
+        redis_secret=("rel-rollout-redis-url", "url"),
+        termination_grace_seconds=30,
+        images=(
+            manifests.TaskImage("rollout.local/harbor-task:1", "/app"),
+            manifests.TaskImage("registry.example/team/env:2", pull_policy="Never"),
+        ),
+    )
+    built = manifests.host_pod_spec(pool)
+    assert pod["volumes"] == built["volumes"]
+    (container,) = pod["containers"]
+    (want,) = built["containers"]
+    for key in ("command", "volumeMounts"):
+        assert container[key] == want[key], key
+    # Without images: no image volume and no --rootfs (the Pod of the test above).
+    plain = one(render("hosts.enabled=true"), "Deployment", HOSTS)["spec"]["template"]["spec"]
+    assert all("image" not in v for v in plain["volumes"])
+    assert "--rootfs" not in plain["containers"][0]["command"]
