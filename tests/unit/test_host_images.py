@@ -73,17 +73,21 @@ def test_a_batch_runs_only_where_every_live_host_carries_its_images():
 def test_a_host_tells_the_images_mounted_under_its_rootfs_with_their_workdirs(tmp_path: Path):
     rootfs = tmp_path / "images"
     (rootfs / FOLDER / "usr").mkdir(parents=True)  # what an image volume shows: its files
-    (rootfs / "not-mounted").mkdir()
+    (rootfs / "other-image").mkdir()
     args = agent.parse(
         [
             *("--redis-url", "redis://x", "--rootfs", str(rootfs)),
-            *("--image-workdir", f"{IMAGE}=/app", "--image-workdir", "not-mounted=/"),
+            *("--image-workdir", f"{IMAGE}=/app", "--image-workdir", "other-image=/"),
         ]
     )
     assert agent._images(rootfs) == []  # no WORKDIR beside them yet: no image root
-    agent.write_workdirs(args.rootfs, args.image_workdir)
+    # Written for both; the one whose root is not mounted is said (the agent logs it).
+    assert agent.write_workdirs(args.rootfs, args.image_workdir) == []
+    assert agent.write_workdirs(rootfs, [("rollout.local/absent:1", "/")]) == [
+        "rollout.local/absent:1"
+    ]
     assert (rootfs / f"{FOLDER}.workdir").read_text() == "/app\n"
-    assert agent._images(rootfs) == sorted([FOLDER, "not-mounted"])
+    assert agent._images(rootfs) == sorted([FOLDER, "other-image"])
     # The sandboxes find the root as the local backend's do, WORKDIR included.
     found = ImageRoot.find(rootfs, IMAGE)
     assert found is not None and (found.path, found.workdir) == (rootfs / FOLDER, "/app")
@@ -99,7 +103,7 @@ def test_a_host_tells_the_images_mounted_under_its_rootfs_with_their_workdirs(tm
         host = agent.Agent(redis.Redis(), name="h", slots=1, root=tmp_path / "r", machine=machine)
         return host.info()["images"]
 
-    assert told("bwrap") == sorted([FOLDER, "not-mounted"])
+    assert told("bwrap") == sorted([FOLDER, "other-image"])
     # Without bwrap an image task would run on the host's own root: it tells no image.
     assert told("none") == []
 

@@ -365,14 +365,19 @@ def _images(rootfs_dir: Path) -> list[str]:
     )
 
 
-def write_workdirs(rootfs_dir: Path, workdirs: list[tuple[str, str]]) -> None:
+def write_workdirs(rootfs_dir: Path, workdirs: list[tuple[str, str]]) -> list[str]:
     """Each mounted image's WORKDIR beside its root, as `rollout tasks build --rootfs` leaves
-    it: an image volume has no image config to read it from (the pool says it)."""
+    it: an image volume has no image config to read it from (the pool says it). The images
+    whose root is not there (not told in the heartbeat: their batches are refused)."""
+    missing = []
     for image, workdir in workdirs:
         path = rootfs_dir / (rootfs_dirname(image) + WORKDIR_SUFFIX)
         partial = path.with_name(f".{path.name}.partial")
         partial.write_text(workdir + "\n")
         partial.replace(path)
+        if not (rootfs_dir / rootfs_dirname(image)).is_dir():
+            missing.append(image)
+    return missing
 
 
 def _image_workdir(text: str) -> tuple[str, str]:
@@ -495,10 +500,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"rollout host: sandboxes need bubblewrap, but {problem}", file=sys.stderr)
         return 2
     try:
-        write_workdirs(args.rootfs, args.image_workdir)
+        missing = write_workdirs(args.rootfs, args.image_workdir)
     except OSError as exc:
         print(f"rollout host: cannot write the images' WORKDIRs: {exc}", file=sys.stderr)
         return 2
+    for image in missing:
+        # On Kubernetes: an API server or kubelet without the ImageVolume gate drops the volume.
+        print(f"rollout host: task image {image} has no root under {args.rootfs}", flush=True)
     client = redis_client(args.redis_url, socket_timeout=10, socket_connect_timeout=5)
     try:
         client.ping()
