@@ -7,7 +7,9 @@ one NetworkPolicy: no ingress; egress only to Redis (and DNS when Redis is named
 and to the policy endpoints the pool is given. The Pod is the one docs/sandbox-hosts.md and
 tests/k8s/test_sandbox_host.py prove on the real node: its own user namespace, an unmasked
 /proc, the Localhost seccomp profile that lets bubblewrap make its namespaces, uid 1000, no
-capabilities, no API token. Every object carries the owner label and the pool's name.
+capabilities, no API token. Every object carries the owner label and the pool's name. A pool
+may carry task images (`images`): each a read-only Kubernetes image volume under the agent's
+--rootfs, with its WORKDIR passed to the agent (an image volume has no image config).
 """
 
 from __future__ import annotations
