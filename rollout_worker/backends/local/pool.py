@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,68 @@ def exit_code(status_fd: int) -> int | None:
     return code
 
 
+def start_waiting(
+    home: Path,
+    *,
+    python: str,
+    python_prefix: str,
+    program: Path,
+    limits: Mapping[str, Any],
+    as_root: bool,
+    disable_userns: bool = False,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start one waiting sandbox in `home` (its workspace `ws`, its `io` folder, its `stderr`)
+    exactly as a cold one starts (bwrap, the same limits), waiting for its hand-over line on
+    stdin. Returns the process (stdin and stdout are pipes) and the read end of bwrap's status
+    pipe. Also a sandbox host's (host/warm.py), with `disable_userns` as its cold sandboxes."""
+    workspace, io = home / "ws", home / "io"
+    workspace.mkdir(parents=True)
+    io.mkdir()
+    home.chmod(0o755)
+    io.chmod(0o755)
+    read_end, write_end = os.pipe()
+    plan = plan_sandbox(
+        isolation="bwrap",
+        python=python,
+        python_prefix=python_prefix,
+        program=program,
+        workspace=workspace,
+        episode_id=home.name,
+        action="",
+        running_as_root=as_root,
+        extra_env={"ROLLOUT_HANDOVER": "stdin"},
+        mounts=[Mount(io, IO_MOUNT, "ROLLOUT_IO_DIR")],
+        status_fd=write_end,
+        disable_userns=disable_userns,
+    )
+    if plan.run_as:
+        os.chown(workspace, *plan.run_as)
+    try:
+        with open(home / "stderr", "wb") as err:
+            proc = subprocess.Popen(
+                plan.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                cwd=plan.cwd,
+                env=plan.env,
+                pass_fds=(write_end,),
+                start_new_session=True,
+                preexec_fn=rlimits(
+                    limits["memory_bytes"], limits["cpu_seconds"], limits.get("storage_bytes")
+                ),
+                user=plan.run_as[0] if plan.run_as else None,
+                group=plan.run_as[1] if plan.run_as else None,
+                extra_groups=[] if plan.run_as else None,
+            )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    return proc, read_end
+
+
 @dataclass
 class _Waiting:
     name: str
@@ -189,53 +252,18 @@ class PoolProcess:
         self.config = self.dir.read(self.dir.config) or self.config
 
     def start_one(self) -> None:
-
         name = f"warm-{secrets.token_hex(4)}"
-        home = self.dir.sandbox(name)
-        workspace, io = home / "ws", home / "io"
-        workspace.mkdir(parents=True)
-        io.mkdir()
-        home.chmod(0o755)
-        io.chmod(0o755)
-        read_end, write_end = os.pipe()
         c = self.config
-        plan = plan_sandbox(
-            isolation="bwrap",
+        proc, status = start_waiting(
+            self.dir.sandbox(name),
             python=c["python"],
             python_prefix=c["python_prefix"],
             program=self.dir.program,
-            workspace=workspace,
-            episode_id=name,
-            action="",
-            running_as_root=self.as_root,
-            extra_env={"ROLLOUT_HANDOVER": "stdin"},
-            mounts=[Mount(io, IO_MOUNT, "ROLLOUT_IO_DIR")],
-            status_fd=write_end,
+            limits=c["limits"],
+            as_root=self.as_root,
         )
-        if plan.run_as:
-            os.chown(workspace, *plan.run_as)
-        with open(home / "stderr", "wb") as err:
-            proc = subprocess.Popen(
-                plan.argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                cwd=plan.cwd,
-                env=plan.env,
-                pass_fds=(write_end,),
-                start_new_session=True,
-                preexec_fn=rlimits(
-                    c["limits"]["memory_bytes"],
-                    c["limits"]["cpu_seconds"],
-                    c["limits"].get("storage_bytes"),
-                ),
-                user=plan.run_as[0] if plan.run_as else None,
-                group=plan.run_as[1] if plan.run_as else None,
-                extra_groups=[] if plan.run_as else None,
-            )
-        os.close(write_end)
         pidfd = os.pidfd_open(proc.pid)
-        self.waiting[name] = _Waiting(name, proc, read_end, pidfd, time.time())
+        self.waiting[name] = _Waiting(name, proc, status, pidfd, time.time())
         self.selector.register(pidfd, selectors.EVENT_READ, ("waiting", name))
 
     def refill(self) -> None:
