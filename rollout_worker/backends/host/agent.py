@@ -39,6 +39,7 @@ from rollout_worker.backends.host import queue as host_queue
 from rollout_worker.backends.host.manifests import quantity
 from rollout_worker.backends.host.queue import HostQueue, Lease
 from rollout_worker.backends.host.run import HostRun, Machine
+from rollout_worker.backends.host.warm import evictions, starts
 from rollout_worker.backends.local.run_file import program_sha, write_program
 from rollout_worker.backends.local.sandbox import WORKDIR_SUFFIX, rootfs_dirname
 from rollout_worker.settings import Settings
@@ -119,6 +120,11 @@ class Renewer(threading.Thread):
         with self.lock:
             self.held.discard(lease)
             self.gone.discard(lease)
+
+    def busy(self) -> int:
+        """Slots the host's leases hold (taken and not ended, started or not)."""
+        with self.lock:
+            return len(self.held)
 
     def run(self) -> None:
         while not self.stop.wait(self.every):
@@ -230,6 +236,7 @@ class Agent:
             self.take_in()
             for run in list(self.runs.values()):
                 run.tick(time.time())
+            self.warm_up()
             self.renewer.info = self.info()  # what the renewer's next heartbeat tells
             for key, _ in self.selector.select(self.timeout(next_look)):
                 if key.data is None:
@@ -255,6 +262,8 @@ class Agent:
         """Draining: True once nothing runs (past the grace, what runs is abandoned)."""
         assert self.draining_since is not None
         self.taker.stop.set()
+        for run in self.runs.values():
+            run.kill_waiting()  # no more episodes come here: their slots are nobody's
         if self.taker.is_alive() and now - self.draining_since < self.grace:
             return False  # a take under way may still bring an episode: it runs
         if now - self.draining_since >= self.grace:
@@ -286,7 +295,50 @@ class Agent:
                 continue
             run = self.runs.get(lease.batch) or self.open_run(lease)
             if run is not None:
+                self.make_room(run, lease)
                 run.begin(lease)
+                if run.warm is not None:
+                    with contextlib.suppress(redis.RedisError):
+                        run.untaken = self.queue.untaken(lease.batch)
+
+    # -- warm sandboxes (host/warm.py) --------------------------------------------------------
+    def waiting(self) -> dict[str, int]:
+        return {b: len(run.warm) for b, run in self.runs.items() if run.warm is not None}
+
+    def make_room(self, run: HostRun, lease: Lease) -> None:
+        """Before a taken episode starts: kill the waiting sandboxes that would hold its slot
+        (none when it takes one of its batch's own)."""
+        using = lease.batch if run.uses_warm(lease) else None
+        for batch, count in evictions(
+            self.slots, self.renewer.busy(), self.waiting(), using
+        ).items():
+            warm = self.runs[batch].warm
+            if warm is not None:
+                warm.kill(count)
+
+    def warm_up(self) -> None:
+        """Each warm batch's waiting sandboxes to what it wants, in the slots no lease and no
+        waiting sandbox holds; what a batch no longer wants (stopped, past its deadline,
+        nothing left to take) killed."""
+        if self.draining_since is not None:
+            return
+        wants = {}
+        for batch, run in self.runs.items():
+            want = run.warm_wanted()
+            if want < 0 and run.warm is not None:
+                run.warm.kill(-want)
+            elif want > 0:
+                wants[batch] = want
+        if not wants:
+            return
+        for batch, count in starts(self.slots, self.renewer.busy(), self.waiting(), wants).items():
+            warm = self.runs[batch].warm
+            assert warm is not None  # only warm runs want some
+            try:
+                for _ in range(count):
+                    warm.start()
+            except (OSError, subprocess.SubprocessError, KeyError) as exc:
+                warm.give_up(repr(exc))
 
     def open_run(self, lease: Lease) -> HostRun | None:
         try:
@@ -335,8 +387,16 @@ class Agent:
                 continue
             if stopped and run.leases:
                 run.stopping = True  # its next tick kills with Stopped, as a local cancel
+            if stopped:
+                run.kill_waiting()
+            elif run.warm is not None:
+                with contextlib.suppress(redis.RedisError):
+                    run.untaken = self.queue.untaken(batch)
             idle_for = time.monotonic() - (run.idle_since or time.monotonic())
-            if run.idle and (stopped or idle_for >= IDLE_KEEP_SECONDS):
+            # A run whose sandboxes wait for its next episodes stays (they go when it has
+            # nothing left to take, is stopped or past its deadline: warm_up).
+            waits = run.warm is not None and len(run.warm) > 0
+            if run.idle and (stopped or (idle_for >= IDLE_KEEP_SECONDS and not waits)):
                 run.close()
                 del self.runs[batch]
 
@@ -345,6 +405,7 @@ class Agent:
         return {
             "slots": self.slots,
             "free": self.slots - held,
+            "waiting": sum(self.waiting().values()),  # warm sandboxes, in free slots
             "batches": sorted(batch for batch, run in self.runs.items() if run.all_leases()),
             "program_sha": program_sha(),
             "images": self.images,

@@ -31,6 +31,7 @@ from rollout_worker.backends.base import (
     handle_as,
 )
 from rollout_worker.backends.host.queue import HostQueue
+from rollout_worker.backends.host.warm import cold_reason
 from rollout_worker.backends.local.files import OWNER
 from rollout_worker.backends.local.run_file import program_sha
 from rollout_worker.backends.local.sandbox import rootfs_dirname
@@ -193,8 +194,10 @@ class HostBackend:
         ]
         if problems:
             raise BackendUnavailable("; ".join(problems))
-        if spec.warm_pool:
-            return ["warm_pool is not in host mode yet: the hosts start every sandbox cold"]
+        cold = cold_reason(spec, "bwrap") if spec.warm_pool else None
+        if cold is not None:
+            # Hosts keep waiting sandboxes per batch (host/warm.py); not for these tasks.
+            return [f"warm_pool: the hosts start this batch's episodes cold ({cold})"]
         return []
 
     def start_run(self, spec: BatchSpec, record: ReceiptUpdate) -> HostRunHandle:

@@ -483,6 +483,17 @@ class HostQueue:
         raw = self.redis.hgetall(k.host_batch_key(batch, "attempts"))
         return {int(i): list(orjson.loads(v)) for i, v in raw.items()}
 
+    def untaken(self, batch: str) -> int:
+        """The batch's episodes that no host holds and that have not ended: on the list, put
+        back after a lost host, or not yet released (0 once the run is gone). A host keeps
+        no more sandboxes of the batch waiting than this."""
+        pipe = self.redis.pipeline()
+        pipe.hget(k.host_batch_key(batch, "run"), "count")
+        pipe.hlen(k.host_batch_key(batch, "status"))
+        pipe.hlen(k.host_batch_key(batch, "taken"))
+        count, ended, taken = pipe.execute()
+        return max(0, int(count or 0) - int(ended) - int(taken))
+
     def stopped(self, batch: str) -> bool:
         """Cancelled or deleted: a host kills what it runs of this batch."""
         pipe = self.redis.pipeline()

@@ -26,12 +26,14 @@ import redis
 from rollout_wire.request import is_batch_id
 from rollout_worker.backends.base import MAX_LOG_BYTES
 from rollout_worker.backends.host.queue import HostQueue, Lease
+from rollout_worker.backends.host.warm import WARM_DIR, WarmSandboxes, cold_reason, wanted
 from rollout_worker.backends.local.files import LOG_CUT_MARK, RunDir, write_json_atomic
 from rollout_worker.backends.local.output import Running
 from rollout_worker.backends.local.phases import AGENT_PHASE, GRADE_PHASE
 from rollout_worker.backends.local.run_file import machine_fields, progress_fields
 from rollout_worker.backends.local.sandbox import ImageRoot
 from rollout_worker.backends.local.supervisor import Supervisor
+from rollout_worker.backends.local.warm_start import start_warm
 
 # A finish the queue did not take (Redis away) is tried again this often before it is given up
 # (the lease then expires and the episode runs again elsewhere, as after a lost host).
@@ -128,10 +130,38 @@ class HostRun(Supervisor):
         self.abandoned = False  # the host leaves: nothing more is recorded (leases expire)
         self.parallelism = self.count  # the leases bound it: each pending index holds one
         self.idle_since: float | None = time.monotonic()
+        # Its waiting sandboxes here (host/warm.py), when it asks some and its tasks allow.
+        self.warm: WarmSandboxes | None = None
+        # Its episodes no host holds and none ended (queue.untaken), as the agent last read
+        # it: at each take of one of them and each look.
+        self.untaken = 0
+        if cold_reason(self.spec, self.run["isolation"]) is None:
+            self.warm = WarmSandboxes(
+                self.dir.path / WARM_DIR, self.run, self.dir.program, selector, self
+            )
 
     @property
     def idle(self) -> bool:
         return not self.leases and not self.held and not self.running and not self.pending
+
+    def warm_wanted(self) -> int:
+        """How many more sandboxes it wants waiting here (negative: that many too many)."""
+        if self.warm is None:
+            return 0
+        if self.warm.broken or self.stopping or self.abandoned or time.time() >= self.run_deadline:
+            return -len(self.warm)
+        return wanted(self.spec.warm_pool, self.spec.parallelism, self.untaken, len(self.warm))
+
+    def uses_warm(self, lease: Lease) -> bool:
+        """Whether this taken episode starts in one of its waiting sandboxes (a first attempt
+        with one waiting; begin() decides the same way through start())."""
+        return (
+            self.warm is not None
+            and len(self.warm) > 0
+            and lease.attempt == 0
+            and lease.index not in self.leases
+            and not self.stopping
+        )
 
     def all_leases(self) -> list[Lease]:
         """Every lease this run holds here (the held ones are renewed too)."""
@@ -160,6 +190,43 @@ class HostRun(Supervisor):
             if self.proxy is not None:
                 self.proxy.close(index)
             self.refuse_start(index, ValueError(str(exc)))
+
+    def start(self, index: int, phase: str = AGENT_PHASE, since: float | None = None) -> None:
+        """A first attempt's agent starts in a waiting sandbox when the run has one (the local
+        supervisor's hand-over); anything else, or one that ended while it waited, cold."""
+        if (
+            phase == AGENT_PHASE
+            and self.warm is not None
+            and self.attempt(index) == 0
+            and not self.stopping
+            and (sandbox := self.warm.take()) is not None
+        ):
+            start_warm(self, index, sandbox)
+            if index not in self.pending:
+                return
+            self.pending.remove(index)  # start_warm gave it back: its sandbox had ended
+            self.warm.gone(sandbox)
+        super().start(index, phase, since)
+
+    def finish(self, item: Running) -> None:
+        if item.warm is not None and self.warm is not None:
+            self.warm.reap(item.warm)  # it exited (its pidfd said so): no zombie stays
+        super().finish(item)
+        if item.warm is not None:
+            # Retried (its next attempt starts cold): the supervisor's retry removes only a
+            # cold sandbox's workspace.
+            shutil.rmtree(item.warm.workspace.parent, ignore_errors=True)
+
+    def dispatch(self, kind: str, item: Any) -> None:
+        if kind == "waiting":
+            if self.warm is not None and item in self.warm.waiting:
+                self.warm.ended(item)
+            return
+        super().dispatch(kind, item)
+
+    def kill_waiting(self) -> None:
+        if self.warm is not None:
+            self.warm.kill()
 
     def lose(self, lease: Lease) -> None:
         """The queue gave the episode to someone else (lease expired and reaped, run
@@ -205,6 +272,7 @@ class HostRun(Supervisor):
         expire and the queue gives them to another host)."""
         self.abandoned = True
         self.stopping = True  # no retry, no grading sandbox
+        self.kill_waiting()
         for lease in self.held.values():
             self.ended(lease)
         self.held.clear()
@@ -264,7 +332,9 @@ class HostRun(Supervisor):
             shutil.rmtree(self.state_dir(index, phase), ignore_errors=True)
 
     def close(self) -> None:
-        """The host runs nothing of this batch any more: its folder goes."""
+        """The host runs nothing of this batch any more: its waiting sandboxes and its folder
+        go."""
+        self.kill_waiting()
         if self.proxy is not None:
             self.proxy.close_all()
         shutil.rmtree(self.dir.path, ignore_errors=True)
