@@ -634,3 +634,219 @@ def test_an_image_task_runs_in_its_image_on_a_host_that_carries_it(client, stack
     wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
     wait_for(lambda: host.left() == [], 10, "the host's root emptied")
     assert host.stop() == 0
+
+
+# -- warm sandboxes inside hosts (host/warm.py) ----------------------------------------------
+def sandbox_processes(root: Path) -> set[int]:
+    """Every process of the sandboxes under `root`: each bwrap and all it started."""
+    found = set(sandboxes(root))
+    todo = list(found)
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += children - found
+            found |= children
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (a zombie is reaped by nobody but its parent)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def waiting_homes(host: Host, batch: str) -> list[str]:
+    """The homes of the batch's waiting (and handed-out) sandboxes on the host."""
+    warm = host.root / batch / "warm"
+    return sorted(p.name for p in warm.iterdir()) if warm.is_dir() else []
+
+
+def watch(host: Host, queue: HostQueue, batch: str, until: Callable[[], bool], timeout: float):
+    """Until `until()`: the most sandboxes the host ran beyond the batch's episodes it held
+    (its waiting ones) and every process of its sandboxes seen meanwhile."""
+    most, seen = 0, set()
+    end = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < end, f"not within {timeout:.0f}s: {host.output()[-3000:]}"
+        held = len(queue.taken(batch))
+        running = sandboxes(host.root)
+        most = max(most, len(running) - held)
+        seen |= sandbox_processes(host.root)
+        time.sleep(0.05)
+    return most, seen
+
+
+def test_a_warm_host_batch_hands_first_attempts_to_waiting_sandboxes_and_leaves_none(
+    queue, redis_url, base
+):
+    host = Host(redis_url, "h-warm", base, 3)
+    with running(turn_seconds=1.0) as server:
+        spec = slow_spec(server.url, count=3, parallelism=1, warm_pool=2)
+        enqueue(queue, spec, redis_url)
+        batch = spec.batch_id
+        most, seen = watch(host, queue, batch, lambda: len(queue.statuses(batch)) == 3, 90)
+        # When the last episode ended, no sandbox of the batch waited any more (the host keeps
+        # none beyond the episodes left to take), though its run is still open there.
+        left_at_end = sandboxes(host.root), waiting_homes(host, batch)
+    statuses = queue.statuses(batch)
+    assert {s["phase"] for s in statuses.values()} == {"Succeeded"}, statuses
+    # One episode at a time (parallelism 1), and a sandbox waited beside it for the next.
+    assert most >= 1, host.output()
+    # The first taken started cold; each next one in a sandbox the host had started before
+    # it took that episode (its end records the sandbox and when it started), one each.
+    first, *rest = sorted(statuses.values(), key=lambda s: s["created_at"])
+    assert "pool_created_at" not in first["timing"] and "sandbox" not in first, first
+    assert all(s["timing"]["pool_created_at"] < s["created_at"] for s in rest), rest
+    assert len({s["sandbox"] for s in rest}) == 2
+    assert all(s["episode_id"] == f"rollout-{batch}-{s['index']}" for s in statuses.values())
+    assert left_at_end == ([], []), (left_at_end, host.output()[-3000:])
+    wait_for(lambda: not alive(seen), 5, f"every process of its sandboxes gone: {alive(seen)}")
+    wait_for(lambda: host.left() == [], 15, f"{host.root} emptied")
+    assert host.stop() == 0
+
+
+def test_a_waiting_sandbox_gives_its_slot_to_another_batchs_episode(queue, redis_url, base):
+    host = Host(redis_url, "h-warm-evict", base, 2)
+    with running(turn_seconds=1.0) as server:
+        warm = slow_spec(server.url, count=2, parallelism=1, warm_pool=1)
+        enqueue(queue, warm, redis_url)
+        wait_for(
+            lambda: len(queue.taken(warm.batch_id)) == 1 and len(sandboxes(host.root)) == 2,
+            20,
+            "one episode running and one sandbox waiting: both slots held",
+        )
+        (waiting,) = waiting_homes(host, warm.batch_id)
+        cold = slow_spec(server.url, count=1)
+        enqueue(queue, cold, redis_url)
+        most = 0
+        while len(queue.statuses(cold.batch_id)) < 1 or len(queue.statuses(warm.batch_id)) < 2:
+            most = max(most, len(sandboxes(host.root)))
+            assert host.proc.poll() is None, host.output()
+            time.sleep(0.02)
+    # The other batch's episode took the waiting sandbox's slot: never more sandboxes than
+    # slots, and that sandbox was killed, not handed to an episode of another batch.
+    assert most == 2, host.output()[-3000:]
+    (other,) = queue.statuses(cold.batch_id).values()
+    assert other["phase"] == "Succeeded" and "sandbox" not in other, other
+    statuses = queue.statuses(warm.batch_id)
+    assert {s["phase"] for s in statuses.values()} == {"Succeeded"}, statuses
+    assert waiting not in {s.get("sandbox") for s in statuses.values()}, statuses
+    wait_for(lambda: not sandboxes(host.root) and host.left() == [], 15, "the host emptied")
+    assert host.stop() == 0
+
+
+def test_a_draining_host_kills_its_waiting_sandboxes_at_once(queue, redis_url, base):
+    host = Host(redis_url, "h-warm-drain", base, 2)
+    with running(turn_seconds=1.0) as server:
+        spec = slow_spec(server.url, count=3, parallelism=1, warm_pool=2)
+        enqueue(queue, spec, redis_url)
+        batch = spec.batch_id
+        wait_for(
+            lambda: len(queue.taken(batch)) == 1 and len(sandboxes(host.root)) == 2,
+            20,
+            "one episode running and one sandbox waiting",
+        )
+        seen = sandbox_processes(host.root)
+        host.proc.send_signal(signal.SIGTERM)
+        # The waiting one goes at once; the running episode ends as it would have.
+        wait_for(lambda: len(sandboxes(host.root)) == 1, 3, "the waiting sandbox killed")
+        assert queue.statuses(batch) == {}, "the running episode had ended already"
+        assert host.proc.wait(30) == 0
+    statuses = queue.statuses(batch)
+    assert list(statuses) == [0] and statuses[0]["phase"] == "Succeeded", statuses
+    assert queue.taken(batch) == {}  # the rest is left for other hosts
+    assert sandboxes(host.root) == [] and host.left() == []
+    wait_for(lambda: not alive(seen), 5, f"every process of its sandboxes gone: {alive(seen)}")
+
+
+@pytest.mark.workers
+def test_a_warm_pool_host_batch_runs_from_waiting_sandboxes_each_counted_once(client, stack, base):
+    (host,) = start_hosts(stack, base, "host-w0")
+    tasks = [*load_task_set("bundled", only=["shipping-boundary"]), FRESH_TASK]
+    with running(script=script()) as server:
+        request = host_batch(server.url, tasks, parallelism=1, warm_pool=2)
+        batch = client.submit(**request).batch_id
+        report = client.wait(batch, timeout=120)
+    rows = sorted(report["pods"], key=lambda r: r["created_at"])
+    count = 2 * len(tasks)
+    assert sorted(r["index"] for r in rows) == list(range(count)), report["errors"]
+    assert [(r["status"], r["reward"]) for r in rows] == [("ok", 1)] * count, report["errors"]
+    # The report counts the episodes the hosts ran warm: all but the first one taken (one at a
+    # time, and the first had nothing waiting yet), each in its own waiting sandbox.
+    assert report["warm_episodes"] == count - 1, rows
+    warm = [r for r in rows if "pool_created_at" in r["timing"]]
+    assert "pool_created_at" not in rows[0]["timing"] and warm == rows[1:], rows
+    assert all(r["timing"]["pool_created_at"] < r["created_at"] for r in warm), warm
+    assert len({r["timing"]["pool_created_at"] for r in warm}) == len(warm)
+    assert len({r["pod"] for r in rows}) == count
+    for row in warm:
+        # The hand-over line made it this episode: its events carry its own episode id.
+        log = client.redis.hget(k.logs_key(batch), str(row["index"])).decode()
+        events = [orjson.loads(line) for line in log.splitlines() if line.startswith("{")]
+        assert events and all(e.get("episode_id") == row["pod"] for e in events), log[-2000:]
+    assert report["infrastructure_failures"] == 0 and report["lost_episodes"] == 0
+    entries = [decode_entry(d) for _, d in client.redis.xrange(k.stream_key(batch))]
+    streamed = [e.index for e in entries if e.type == k.ENTRY_EPISODE]
+    assert sorted(streamed) == list(range(count))
+    wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
+    wait_for(lambda: host.left() == [] and not sandboxes(host.root), 10, "the host emptied")
+    assert host.stop() == 0
+
+
+@pytest.mark.workers
+def test_a_quota_met_with_sandboxes_waiting_on_a_host_leaves_nothing_behind(client, stack, base):
+    host = Host(stack.redis_url, "host-q0", base, 4)
+    queue = HostQueue(client.redis)
+    wait_for(lambda: "host-q0" in queue.hosts(), 30, "the host heartbeating")
+    found = script()
+    fast, *slow = ["stack-pop", "clamp-range", "palindrome", "leap-year"]
+    found["tasks"][fast]["plans"][0][0]["delay"] = 4  # long enough to see the sandboxes wait
+    for task in slow:
+        found["tasks"][task] = {"plans": [[{"tool": "submit", "arguments": {}, "delay": 120}]]}
+    tasks = load_task_set("bundled", only=[fast, *slow])
+    with running(script=found) as server:
+        policy = {"url": server.url, "request_timeout_seconds": 150, "max_retries": 0}
+        request = host_batch(
+            server.url,
+            tasks,
+            samples_per_task=1,
+            parallelism=2,
+            warm_pool=2,
+            groups_wanted=1,
+            policy=policy,
+        )
+        batch = client.submit(**request).batch_id
+        # Two episodes running, two sandboxes waiting in the host's two other slots.
+        most, seen = watch(host, queue, batch, lambda: client.report(batch) is not None, 90)
+        report = client.wait(batch, timeout=60)
+    assert most == 2, host.output()[-3000:]
+    assert report["status"] == "succeeded", report["errors"]
+    assert [g.split(":")[1] for g in report["quota"]["counted"]] == [fast]
+    rows = {r["task_id"]: r for r in report["pods"]}
+    assert sorted(r["index"] for r in report["pods"]) == [0, 1, 2, 3], report["errors"]
+    assert (rows[fast]["status"], rows[fast]["reward"]) == ("ok", 1), rows[fast]
+    assert all(rows[t]["status"] == "aborted" and rows[t]["reward"] == 0 for t in slow), rows
+    entries = [decode_entry(d) for _, d in client.redis.xrange(k.stream_key(batch))]
+    streamed = [e.index for e in entries if e.type == k.ENTRY_EPISODE]
+    assert sorted(streamed) == [0, 1, 2, 3]
+    # Nothing of it left on the host: no sandbox waiting or running, no process, no folder.
+    wait_for(lambda: not sandboxes(host.root), 10, "the host's sandboxes gone")
+    wait_for(lambda: not alive(seen), 5, f"every process of its sandboxes gone: {alive(seen)}")
+    wait_for(lambda: host.left() == [], 15, f"{host.root} emptied")
+    wait_for(lambda: not batch_keys(client.redis, batch), 30, "the run's host keys deleted")
+    assert host.stop() == 0
