@@ -201,7 +201,17 @@ class HostRun(Supervisor):
             and not self.stopping
             and (sandbox := self.warm.take()) is not None
         ):
-            start_warm(self, index, sandbox)
+            try:
+                start_warm(self, index, sandbox)
+            except BaseException:
+                # Not handed over (its policy socket, its log): it goes, the episode's start
+                # fails as a cold one's would (begin). Its stdin may be closed already.
+                if not any(item.warm is sandbox for item in self.running.values()):
+                    for fd in (sandbox.out, sandbox.status, sandbox.pidfd):
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+                self.warm.gone(sandbox)
+                raise
             if index not in self.pending:
                 return
             self.pending.remove(index)  # start_warm gave it back: its sandbox had ended
