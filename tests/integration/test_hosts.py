@@ -676,7 +676,9 @@ def waiting_homes(host: Host, batch: str) -> list[str]:
     return sorted(p.name for p in warm.iterdir()) if warm.is_dir() else []
 
 
-def watch(host: Host, queue: HostQueue, batch: str, until: Callable[[], bool], timeout: float):
+def watch(
+    host: Host, queue: HostQueue, batch: str, until: Callable[[], bool], timeout: float
+) -> tuple[int, set[int]]:
     """Until `until()`: the most sandboxes the host ran beyond the batch's episodes it held
     (its waiting ones) and every process of its sandboxes seen meanwhile."""
     most, seen = 0, set()

@@ -322,7 +322,7 @@ class Agent:
         nothing left to take) killed."""
         if self.draining_since is not None:
             return
-        wants = {}
+        wants: dict[str, int] = {}
         for batch, run in self.runs.items():
             want = run.warm_wanted()
             if want < 0 and run.warm is not None:
