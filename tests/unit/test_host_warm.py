@@ -34,9 +34,9 @@ def test_batches_a_waiting_sandbox_cannot_run_start_cold() -> None:
     # Hidden tests: a waiting sandbox has no grader's sandbox behind it.
     hidden = file_tasks(tests={"test_x.py": "assert True\n"})
     assert "graded apart" in str(cold_reason(spec(tasks=hidden, policy=POLICY), "bwrap"))
-    # A Harbor workdir: a waiting sandbox's workspace is /workspace.
-    moved = file_tasks(workdir="/app")
-    assert "has workdir" in str(cold_reason(spec(tasks=moved, policy=POLICY), "bwrap"))
+    # Env tables: a hand-over line carries no secret.
+    secret = file_tasks(env={"environment": {"TOKEN": "x"}})
+    assert "has env" in str(cold_reason(spec(tasks=secret, policy=POLICY), "bwrap"))
 
 
 def test_a_batch_wants_no_more_than_its_pool_its_parallelism_and_what_is_left() -> None:
