@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from rollout_wire.request import parse_spec
-from rollout_worker.backends.host import agent
+from rollout_worker.backends.host import agent, images
 from rollout_worker.backends.host.backend import _task_problems, image_problems
 from rollout_worker.backends.host.run import Machine
 from rollout_worker.backends.local.sandbox import ImageRoot
@@ -80,14 +80,14 @@ def test_a_host_tells_the_images_mounted_under_its_rootfs_with_their_workdirs(tm
             *("--image-workdir", f"{IMAGE}=/app", "--image-workdir", "other-image=/"),
         ]
     )
-    assert agent._images(rootfs) == []  # no WORKDIR beside them yet: no image root
+    assert images.carried_images(rootfs) == []  # no WORKDIR beside them yet: no image root
     # Written for both; the one whose root is not mounted is said (the agent logs it).
-    assert agent.write_workdirs(args.rootfs, args.image_workdir) == []
-    assert agent.write_workdirs(rootfs, [("rollout.local/absent:1", "/")]) == [
+    assert images.write_workdirs(args.rootfs, args.image_workdir) == []
+    assert images.write_workdirs(rootfs, [("rollout.local/absent:1", "/")]) == [
         "rollout.local/absent:1"
     ]
     assert (rootfs / f"{FOLDER}.workdir").read_text() == "/app\n"
-    assert agent._images(rootfs) == sorted([FOLDER, "other-image"])
+    assert images.carried_images(rootfs) == sorted([FOLDER, "other-image"])
     # The sandboxes find the root as the local backend's do, WORKDIR included.
     found = ImageRoot.find(rootfs, IMAGE)
     assert found is not None and (found.path, found.workdir) == (rootfs / FOLDER, "/app")

@@ -36,12 +36,12 @@ import redis
 from rollout_wire.redis_url import redis_client
 from rollout_wire.urls import redacted
 from rollout_worker.backends.host import queue as host_queue
+from rollout_worker.backends.host.images import carried_images, image_workdir, write_workdirs
 from rollout_worker.backends.host.manifests import quantity
 from rollout_worker.backends.host.queue import HostQueue, Lease
 from rollout_worker.backends.host.run import HostRun, Machine
 from rollout_worker.backends.host.warm import evictions, starts
 from rollout_worker.backends.local.run_file import program_sha, write_program
-from rollout_worker.backends.local.sandbox import WORKDIR_SUFFIX, rootfs_dirname
 from rollout_worker.settings import Settings
 
 LOOK_SECONDS = 1.0  # how often the agent reads its batches' flags (cancelled, deleted)
@@ -185,7 +185,7 @@ class Agent:
         self.selector.register(self.taker.wake, selectors.EVENT_READ, None)
         self.draining_since: float | None = None
         # Without bwrap an image task would run on the host's own root: none told.
-        self.images = _images(machine.rootfs_dir) if machine.isolation == "bwrap" else []
+        self.images = carried_images(machine.rootfs_dir) if machine.isolation == "bwrap" else []
         # At least three renewals per lease: one lost call never loses an episode. Its own
         # client (main gives it short timeouts), so the loop's Redis calls never delay it.
         self.renewer = Renewer(
@@ -415,40 +415,6 @@ class Agent:
         }
 
 
-def _images(rootfs_dir: Path) -> list[str]:
-    """The task images' root filesystems here, by their folder names (sandbox.rootfs_dirname)."""
-    if not rootfs_dir.is_dir():
-        return []
-    return sorted(
-        path.name
-        for path in rootfs_dir.iterdir()
-        if path.is_dir() and (rootfs_dir / (path.name + WORKDIR_SUFFIX)).is_file()
-    )
-
-
-def write_workdirs(rootfs_dir: Path, workdirs: list[tuple[str, str]]) -> list[str]:
-    """Each mounted image's WORKDIR beside its root, as `rollout tasks build --rootfs` leaves
-    it: an image volume has no image config to read it from (the pool says it). The images
-    whose root is not there (not told in the heartbeat: their batches are refused)."""
-    missing = []
-    for image, workdir in workdirs:
-        path = rootfs_dir / (rootfs_dirname(image) + WORKDIR_SUFFIX)
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(workdir + "\n")
-        partial.replace(path)
-        if not (rootfs_dir / rootfs_dirname(image)).is_dir():
-            missing.append(image)
-    return missing
-
-
-def _image_workdir(text: str) -> tuple[str, str]:
-    """`IMAGE=WORKDIR` (no image reference holds "=")."""
-    image, sep, workdir = text.partition("=")
-    if not image or not sep or not workdir.startswith("/"):
-        raise argparse.ArgumentTypeError(f"not IMAGE=/WORKDIR: {text!r}")
-    return image, workdir
-
-
 def bwrap_problem(*extra: str) -> str | None:
     """None when bubblewrap builds a sandbox here with `extra` options, run as the sandboxes
     run (uid 1000 when the agent is root), else why not."""
@@ -510,7 +476,7 @@ def parse(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace
     parser.add_argument("--rootfs", type=Path, default=Path("/rootfs"), help="image roots")
     parser.add_argument(
         "--image-workdir",
-        type=_image_workdir,
+        type=image_workdir,
         action="append",
         default=[],
         metavar="IMAGE=WORKDIR",
