@@ -102,7 +102,9 @@ def test_preflight_refuses_before_anything_exists(backend):
     image_task = TASK | {"id": "i", "image": "rollout.local/i:1", "files": {}}
     env_task = TASK | {"id": "e", "env": {"verifier": {"TOKEN": "${TOKEN}"}}}
     why = refused(backend, spec(tasks=[image_task, env_task], policy=POLICY, agent_env="/venv"))
-    for part in ("runs in its image rollout.local/i:1", "'e' has env tables", "agent_env /venv"):
+    # The live host carries no task image: refused by its heartbeat (backend.image_problems).
+    image = "task image rollout.local/i:1 (folder rollout.local_i_1): no live sandbox host"
+    for part in (image, "'e' has env tables", "agent_env /venv"):
         assert part in why
     assert "memory bytes" in why and "over a host slot's (1048576)" in why
     assert backend.queue.runs() == {} and backend.queue.redis.llen(k.HOSTS_TODO_KEY) == 0
