@@ -231,3 +231,31 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_idle_limit(proxy, m
         started = time.monotonic()
         assert conn.recv(65536) == b""
         assert time.monotonic() - started < 4
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_in_a_folder_too_deep_for_sun_path_is_served(policy, tmp_path):
+    # A host's warm sandbox folder (root/runs/<batch>/warm/<name>/io) easily passes the 107
+    # bytes a unix socket address holds; the sandbox reaches it through its own short mount.
+    deep = tmp_path.joinpath(*["a-rather-long-folder-name"] * 5)
+    deep.mkdir(parents=True)
+    path = deep / "policy.sock"
+    assert len(str(path)) >= 108  # sun_path: 107 bytes and its NUL
+    proxy = PolicyProxy(PolicyEndpoint(url=policy.url), timeout=5)
+    try:
+        assert proxy.open(0, EpisodeIdentity(EPISODE, "g", "t", 0), path=path) == path
+        assert path.is_socket()
+        short = tmp_path / "io"
+        short.symlink_to(deep)  # as the sandbox's /sandbox/io mount
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(5)
+            conn.connect(str(short / "policy.sock"))
+            conn.sendall(post(f"Content-Length: {len(BODY)}\r\nConnection: close\r\n", BODY))
+            answer = b""
+            while piece := conn.recv(65536):
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert [(m, p) for m, p, _ in policy.requests] == [("POST", COMPLETIONS)]
+    finally:
+        proxy.close_all()
+    assert not path.exists()

@@ -50,6 +50,8 @@ CLIENT_IDLE_SECONDS = 30.0
 # sandbox opening sockets without end would otherwise cost the host a thread each). The runner
 # holds one at a time.
 MAX_CONNECTIONS = 16
+# sockaddr_un's sun_path: 108 bytes with the terminating NUL.
+SUN_PATH_MAX = 108
 # Response headers a sandbox gets from the policy server (the rest stay here).
 PASSED_HEADERS = ("X-Policy-Version",)
 IDENTITY_HEADERS = {
@@ -255,7 +257,24 @@ class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
         self.proxy = proxy
         self.answered = 0  # chat completions answered 200 (under the proxy's lock)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.path = Path(path)  # server_bind's: the address as asked, however long
         super().__init__(path, _Handler)
+
+    def server_bind(self) -> None:
+        """Bind at the path however deep its folder is: a sun_path holds at most 107 bytes,
+        and a host's root, run and warm-sandbox folders easily go past that (the sandbox
+        connects through its own short mount). The folder is reached through a descriptor of
+        it, /proc/self/fd/N/<name>, which is short."""
+        path = self.path
+        if len(os.fsencode(path)) < SUN_PATH_MAX:
+            super().server_bind()
+            return
+        folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            self.socket.bind(f"/proc/self/fd/{folder}/{path.name}")
+        finally:
+            os.close(folder)
+        self.server_address = str(path)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
