@@ -16,6 +16,18 @@ pytestmark = pytest.mark.helm
 HOSTS = "rel-rollout-host"
 
 
+def chart_pod(**fields: object) -> dict:
+    """The host Pod manifests.py builds for the release the tests render (`rel`)."""
+    pool = manifests.HostPool(
+        namespace="rollout",
+        image="rollout.local/rollout-worker:host",
+        redis_url="redis://rel-rollout-redis:6379/0",
+        redis_secret=("rel-rollout-redis-url", "url"),
+        **fields,
+    )
+    return manifests.host_pod_spec(pool)
+
+
 def test_hosts_are_off_by_default(render):
     objects = render()
     assert not [o for o in objects if o["metadata"]["name"] == HOSTS]
@@ -31,15 +43,7 @@ def test_the_host_pod_is_the_one_manifests_builds(render):
     deployment = one(objects, "Deployment", HOSTS)
     assert deployment["spec"]["replicas"] == 5
     pod = deployment["spec"]["template"]["spec"]
-    pool = manifests.HostPool(
-        namespace="rollout",
-        image="rollout.local/rollout-worker:host",
-        redis_url="redis://rel-rollout-redis:6379/0",
-        slots=3,
-        redis_secret=("rel-rollout-redis-url", "url"),
-        termination_grace_seconds=30,
-    )
-    built = manifests.host_pod_spec(pool)
+    built = chart_pod(slots=3, termination_grace_seconds=30)
     for key in (
         "hostUsers",
         "automountServiceAccountToken",
@@ -150,19 +154,14 @@ def test_the_hosts_task_images_are_the_image_volumes_manifests_builds(render):
         "hosts.images[1].pullPolicy=Never",
     )
     pod = one(objects, "Deployment", HOSTS)["spec"]["template"]["spec"]
-    pool = manifests.HostPool(
-        namespace="rollout",
-        image="rollout.local/rollout-worker:host",
-        redis_url="redis://rel-rollout-redis:6379/0",
+    built = chart_pod(
         slots=3,
-        redis_secret=("rel-rollout-redis-url", "url"),
         termination_grace_seconds=30,
         images=(
             manifests.TaskImage("rollout.local/harbor-task:1", "/app"),
             manifests.TaskImage("registry.example/team/env:2", pull_policy="Never"),
         ),
     )
-    built = manifests.host_pod_spec(pool)
     assert pod["volumes"] == built["volumes"]
     (container,) = pod["containers"]
     (want,) = built["containers"]
