@@ -6,6 +6,7 @@ is generated from it (`docker/env_doc.py`) and docker-compose.yml passes each on
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import sys
@@ -65,6 +66,11 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_WARM_HANDOVER_THREADS": "Kubernetes: warm Pods claimed and handed their episodes "
     "at once by one worker (each hand-over is an attach, mostly waiting on the API server; "
     "default 32, sized by benchmarks/bench_warm.py)",
+    "ROLLOUT_WARM_HANDOVER_FROM": "Kubernetes: hand warm Pods their episodes over a direct TCP "
+    "connection from the workers (a CIDR holding the workers' addresses, e.g. their Pod CIDR, "
+    "or the node's IP/32 where workers run on the node); each pool Pod then listens on one "
+    "port, open to that CIDR only, until its episode arrives (token-checked); attach through "
+    "the API server stays the fallback (default: empty, attach only)",
     "ROLLOUT_REDIS_OUTAGE_SECONDS": "clients (rollout run, trainer-stub, the trainer API): how "
     "long Redis may be unreachable before the client gives up with one clear error (default 60)",
 }
@@ -98,6 +104,9 @@ class Settings:
     # Sized by a burst of 100 claims (bench_warm): 4, 16, 32, 64 threads gave every episode
     # ready 13.0, 8.2, 5.6, 5.1 s after submit; past 32 each claim waits longer for little.
     warm_handover_threads: int = 32
+    # Direct hand-over (kube/handover.py): the CIDR allowed to reach a waiting Pod's port; None:
+    # attach only.
+    warm_handover_from: str | None = None
     agent_envs: tuple[str, ...] = ()
     rootfs_dir: Path = Path(tempfile.gettempdir()) / "rollout-rootfs"
 
@@ -132,6 +141,14 @@ class Settings:
                 f"ROLLOUT_WARM_HANDOVER_THREADS must be at least 1, got "
                 f"{self.warm_handover_threads}"
             )
+        if self.warm_handover_from is not None:
+            try:
+                ipaddress.ip_network(self.warm_handover_from)
+            except ValueError as exc:
+                problems.append(
+                    f"ROLLOUT_WARM_HANDOVER_FROM {self.warm_handover_from!r} is not a CIDR "
+                    f"(such as 10.244.0.0/16 or 10.89.0.1/32): {exc}"
+                )
         if self.warm_pool_budget < 0 or not self.warm_pool_idle_seconds > 0:
             problems.append(
                 "ROLLOUT_WARM_POOL_BUDGET must be >= 0 and ROLLOUT_WARM_POOL_IDLE_SECONDS > 0"
@@ -190,6 +207,7 @@ class Settings:
         number("ROLLOUT_WARM_POOL_BUDGET", "warm_pool_budget", int)
         number("ROLLOUT_WARM_POOL_IDLE_SECONDS", "warm_pool_idle_seconds", float)
         number("ROLLOUT_WARM_HANDOVER_THREADS", "warm_handover_threads", int)
+        values["warm_handover_from"] = env.get("ROLLOUT_WARM_HANDOVER_FROM", "").strip() or None
         values["kubeconfig"] = env.get("KUBECONFIG") or None
         values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
         values.update(overrides)

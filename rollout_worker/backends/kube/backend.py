@@ -95,7 +95,12 @@ class KubernetesBackend:
         self.net = client.NetworkingV1Api(self.api)
         self.watches = PodWatches()
         self.pools = WarmPools(
-            self._call, self._text, self.core, self.net, settings.warm_handover_threads
+            self._call,
+            self._text,
+            self.core,
+            self.net,
+            settings.warm_handover_threads,
+            settings.warm_handover_from,
         )
         self.program = episode_program_text()  # read once: pool keys, ConfigMaps
         self._jobs: dict[str, tuple[float, list[dict[str, Any]]]] = {}

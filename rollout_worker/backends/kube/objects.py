@@ -372,20 +372,65 @@ def pool_network_policy(spec: BatchSpec, key: str) -> dict[str, Any]:
     return network_policy_manifest(spec, pool_namespace(key), pool_labels(key))
 
 
+# Direct hand-over (kube/handover.py): the port a waiting Pod listens on, the variables that
+# tell its runner (task.py wait_for_handover), and the second policy that opens that port.
+HANDOVER_PORT = 7433
+HANDOVER_PORT_ENV = "ROLLOUT_HANDOVER_PORT"
+HANDOVER_TOKEN_ENV = "ROLLOUT_HANDOVER_TOKEN"
+HANDOVER_POLICY_NAME = "warm-handover"
+
+
+def pool_handover_policy(key: str, cidr: str) -> dict[str, Any]:
+    """One ingress rule: TCP to the hand-over port from the workers' CIDR. A policy of its own
+    beside deny-all (policies add up): a pool namespace made by an attach-only worker gets it
+    from the first direct-mode fill. The runner closes the port before its episode runs."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": HANDOVER_POLICY_NAME,
+            "namespace": pool_namespace(key),
+            "labels": pool_labels(key),
+        },
+        "spec": {
+            "podSelector": {},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"ipBlock": {"cidr": cidr}}],
+                    "ports": [{"protocol": "TCP", "port": HANDOVER_PORT}],
+                }
+            ],
+        },
+    }
+
+
 def pool_lifetime_seconds(spec: BatchSpec, idle_seconds: float) -> int:
     return math.ceil(idle_seconds) + LIFETIME_EXTRA_SECONDS + spec.episode_timeout_seconds
 
 
-def pool_pod_manifest(spec: BatchSpec, key: str, idle_seconds: float) -> dict[str, Any]:
-    """A pool Pod: a cold sandbox's spec (same isolation), waiting on stdin for its episode.
+def pool_pod_manifest(
+    spec: BatchSpec, key: str, idle_seconds: float, *, handover_token: str | None = None
+) -> dict[str, Any]:
+    """A pool Pod: a cold sandbox's spec (same isolation), waiting on stdin for its episode
+    and, given a `handover_token` (one per Pod), on HANDOVER_PORT too (direct hand-over).
     No startup probe: a probe execs into every waiting Pod each second."""
     image = pool_image(spec)
     if image is None:
         raise ValueError("a pool serves batches of one image")
     env = [{"name": "ROLLOUT_HANDOVER", "value": "stdin"}]
+    if handover_token is not None:
+        env += [
+            {"name": HANDOVER_PORT_ENV, "value": str(HANDOVER_PORT)},
+            {"name": HANDOVER_TOKEN_ENV, "value": handover_token},
+        ]
     lifetime = pool_lifetime_seconds(spec, idle_seconds)
     pod_spec = sandbox_pod_spec(spec, image, env, lifetime, warm=True)
     pod_spec["containers"][0] |= {"stdin": True, "stdinOnce": True}
+    if handover_token is not None:
+        pod_spec["containers"][0]["ports"] = [
+            {"name": "handover", "containerPort": HANDOVER_PORT, "protocol": "TCP"}
+        ]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -5,7 +5,8 @@ and hand-over line in `backends/warm.py`).
   a budget of waiting Pods over all pools.
 - `claim`: take waiting Pods for a batch's first episodes, each by a patch the server refuses if
   another batch got there first; the receipt names each Pod (and its UID) before its patch.
-- hand-over (in `claim`, right after each Pod's own claim): write the episode to the Pod's stdin
+- hand-over (in `claim`, right after each Pod's own claim): send the episode straight to the
+  Pod's port (`handover.py`, with ROLLOUT_WARM_HANDOVER_FROM), else write it to its stdin
   (attach), confirmed by its first event on stdout; a Pod the line cannot reach is deleted (its
   episode fails, it is not lost).
 - `drain`: delete a pool's waiting Pods and, once no claimed Pod is left in it, its namespace.
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client
@@ -36,7 +38,7 @@ from rollout_wire.request import BatchSpec
 from rollout_wire.states import EVENT_KEY_MARK
 from rollout_worker.backends import warm
 from rollout_worker.backends.base import ReceiptUpdate, WarmClaim
-from rollout_worker.backends.kube import objects, read
+from rollout_worker.backends.kube import handover, objects, read
 from rollout_worker.backends.kube.namespaces import delete_namespace
 from rollout_worker.backends.kube.pod_spec import CONTAINER_NAME
 
@@ -54,6 +56,8 @@ class Claimed:
     name: str
     uid: str
     claimed_at: float
+    # Where its runner also listens (a Pod made for the direct hand-over), else None.
+    direct: handover.Direct | None = field(default=None, compare=False, repr=False)
 
     @property
     def claim(self) -> WarmClaim:
@@ -69,11 +73,15 @@ class WarmPools:
         core: client.CoreV1Api,
         net: client.NetworkingV1Api,
         threads: int,
+        handover_from: str | None = None,
     ) -> None:
         # Claims, hand-overs and Pod creations of one call run on at most this many threads:
         # each is a round trip to the API server (a hand-over an attach), so the threads
         # overlap waits, not CPU (ROLLOUT_WARM_HANDOVER_THREADS).
         self.threads = threads
+        # ROLLOUT_WARM_HANDOVER_FROM: the CIDR a waiting Pod's hand-over port is open to; set,
+        # new Pods listen there and claimed ones that do are handed over directly.
+        self.handover_from = handover_from
         self._call = call
         self._text = text
         self.core = core
@@ -156,16 +164,27 @@ class WarmPools:
         have = len(idle) - len(ended)
         room = max(0, budget - self.idle_total())
         wanted = max(0, min(size - have, room))
-        manifest = objects.pool_pod_manifest(spec, key, idle_seconds)
         namespace = objects.pool_namespace(key)
-        created = list(
-            self._threads(
-                lambda _: self._call(
-                    "create pool pod", self.core.create_namespaced_pod, namespace, manifest
-                ),
-                range(wanted),
+        if wanted and self.handover_from:
+            # Before the Pods: a policy applies from a Pod's start on some CNIs. Here, not in
+            # ensure: a feeder fills a pool an attach-only worker may have made.
+            with contextlib.suppress(ResourceConflict):
+                self._call(
+                    "create pool networkpolicy",
+                    self.net.create_namespaced_network_policy,
+                    namespace,
+                    objects.pool_handover_policy(key, self.handover_from),
+                )
+
+        def create(_: int) -> Any:
+            # A token per Pod: knowing one Pod's spec hands over to no other.
+            token = secrets.token_hex(16) if self.handover_from else None
+            manifest = objects.pool_pod_manifest(spec, key, idle_seconds, handover_token=token)
+            return self._call(
+                "create pool pod", self.core.create_namespaced_pod, namespace, manifest
             )
-        )
+
+        created = list(self._threads(create, range(wanted)))
         return {"waiting": have, "created": len(created), "budget_left": room - len(created)}
 
     # -- a batch takes Pods ------------------------------------------------------------------
@@ -245,15 +264,28 @@ class WarmPools:
             self._hand_over(spec, namespace, c)
 
     def _hand_over(self, spec: BatchSpec, namespace: str, c: Claimed) -> None:
-        """Write a claimed Pod's episode to its stdin. A Pod the line could not reach (no
+        """Hand a claimed Pod its episode: directly when both sides can (`handover.py`), else
+        (or when that fails) by writing it to its stdin. A Pod the line could not reach (no
         attach, no write) is deleted: its collector then records why its episode failed (never
         lost, never silent). A Pod that got its line but says nothing yet is left running."""
+        line = warm.handover_line(spec, c.index)
+        if self.handover_from and c.direct is not None:
+            sent = handover.send(c.direct, line, CONFIRM_SECONDS)
+            if sent is handover.Sent.ACKED:
+                return
+            # Sent without an ack: the runner may have it (a runner takes one line; its first
+            # event says so), so the attach only goes to one that has not.
+            if sent is handover.Sent.UNCONFIRMED and self._handed_over(namespace, c):
+                return
+            log.warning(
+                "direct hand-over to warm Pod %s (episode %d) %s; handing over by attach",
+                c.name,
+                c.index,
+                sent.value,
+            )
         try:
             confirmed = _attach_and_write(
-                self.core.api_client.configuration,
-                namespace,
-                c.name,
-                warm.handover_line(spec, c.index),
+                self.core.api_client.configuration, namespace, c.name, line
             )
         except Exception as exc:  # no attach or no write: the episode never got its line
             log.warning(
@@ -382,6 +414,7 @@ def _claimed(pod: dict[str, Any]) -> Claimed:
         name=meta["name"],
         uid=meta["uid"],
         claimed_at=float((meta.get("annotations") or {}).get(k.ANNOTATION_CLAIMED_AT) or 0),
+        direct=handover.direct_target(pod),
     )
 
 

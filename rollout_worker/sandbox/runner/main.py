@@ -20,7 +20,7 @@ from .policy import Policy
 from .processes import harden
 from .runner import Runner
 from .seed import SEED_FROM_ENV, SEED_TO_ENV, seed
-from .task import episode_identity, load_task, take_handover, take_hidden_tests
+from .task import episode_identity, load_task, take_hidden_tests, wait_for_handover
 
 
 def agent(workspace: str) -> int:
@@ -63,7 +63,7 @@ def main() -> int:
     if os.environ.get("ROLLOUT_PHASE") == "seed":
         # Before any episode: the image's workdir copied into the workspace volume (seed.py).
         return seed(os.environ[SEED_FROM_ENV], os.environ[SEED_TO_ENV])
-    if os.environ.get("ROLLOUT_HANDOVER") == "stdin" and not take_handover(sys.stdin):
+    if os.environ.get("ROLLOUT_HANDOVER") == "stdin" and not wait_for_handover(sys.stdin):
         return 0
     workspace = os.environ.get("ROLLOUT_WORKSPACE", "/workspace")
     os.chdir(workspace)

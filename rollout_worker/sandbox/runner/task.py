@@ -3,8 +3,13 @@ sandbox's hand-over line; the hidden tests taken out of the agent's reach."""
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import json
 import os
+import selectors
+import socket
+import time
 import typing
 
 from .errors import InfrastructureError
@@ -117,11 +122,104 @@ def take_handover(stream: typing.TextIO) -> bool:
     line = stream.readline()
     if not line.strip():
         return False
-    handover = json.loads(line)
+    apply_handover(json.loads(line))
+    return True
+
+
+def apply_handover(handover: dict) -> None:
     os.environ.update({str(k): str(v) for k, v in handover["env"].items()})
     if "tasks" in handover:
         with open(os.environ["ROLLOUT_TASKS_FILE"], "w") as handle:
             json.dump(handover["tasks"], handle)
     if isinstance(handover.get("hidden_tests"), dict):
         HANDED_TESTS.update(handover["hidden_tests"])
+
+
+# Direct hand-over (the worker's kube/handover.py): besides stdin, a waiting Pod listens on
+# this port for `token\n` + the same line, answered `ok\n`. Anything arriving there is hostile:
+# a connection gets HANDOVER_READ_SECONDS and HANDOVER_MAX_BYTES, then is closed.
+HANDOVER_PORT_ENV = "ROLLOUT_HANDOVER_PORT"
+HANDOVER_TOKEN_ENV = "ROLLOUT_HANDOVER_TOKEN"
+HANDOVER_READ_SECONDS = 5.0
+HANDOVER_MAX_BYTES = 8 << 20
+HANDOVER_ACK = b"ok\n"
+
+
+def wait_for_handover(stdin: typing.TextIO) -> bool:
+    """take_handover, or (with HANDOVER_PORT_ENV and HANDOVER_TOKEN_ENV set) the first of
+    stdin and a connection on that port that brings the token and a good line. The token
+    leaves the environment at once (the agent never sees it); the listener is closed before
+    this returns, so nothing of the episode can inherit or reach it."""
+    token = os.environ.pop(HANDOVER_TOKEN_ENV, "")
+    port = os.environ.pop(HANDOVER_PORT_ENV, "")
+    if not token or not port.isdigit():
+        return take_handover(stdin)
+    listener = socket.create_server(("", int(port)), backlog=8)
+    try:
+        chosen = selectors.DefaultSelector()
+        chosen.register(stdin, selectors.EVENT_READ)
+        chosen.register(listener, selectors.EVENT_READ)
+        while True:
+            for ready, _ in chosen.select():
+                if ready.fileobj is not listener:
+                    return take_handover(stdin)
+                if direct_handover(listener, token.encode()):
+                    stdin_to_devnull(stdin)
+                    return True
+    finally:
+        listener.close()
+
+
+def direct_handover(listener: socket.socket, token: bytes) -> bool:
+    """Take one connection: True once its line is applied and acknowledged; False (closed,
+    the runner keeps waiting) on a wrong token, garbage, too long a line or too slow a peer."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return False
+    with conn:
+        try:
+            handover = json.loads(read_handover(conn, token))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(handover, dict) or not isinstance(handover.get("env"), dict):
+            return False
+        apply_handover(handover)
+        # Taken even if the ack is lost: the worker then finds the episode's first event.
+        with contextlib.suppress(OSError):
+            conn.sendall(HANDOVER_ACK)
     return True
+
+
+def read_handover(conn: socket.socket, token: bytes) -> bytes:
+    """The line of `token\nline\n`; ValueError on a wrong token (as soon as its line is in),
+    or when it does not come whole within HANDOVER_READ_SECONDS and HANDOVER_MAX_BYTES."""
+    deadline = time.monotonic() + HANDOVER_READ_SECONDS
+    data = b""
+    checked = False
+    while data.count(b"\n") < 2:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(data) > HANDOVER_MAX_BYTES:
+            raise ValueError("hand-over too slow or too long")
+        conn.settimeout(left)
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            raise ValueError("hand-over connection closed early")
+        data += chunk
+        if not checked and b"\n" in data:
+            if not hmac.compare_digest(data.split(b"\n", 1)[0], token):
+                raise ValueError("wrong hand-over token")
+            checked = True
+    _, line, rest = data.split(b"\n", 2)
+    if rest or len(line) > HANDOVER_MAX_BYTES:
+        raise ValueError("hand-over too long")
+    return line
+
+
+def stdin_to_devnull(stdin: typing.TextIO) -> None:
+    """Handed over directly, stdin (no attach ever came) stays an open pipe nobody writes:
+    /dev/null in its place gives the episode the end of input an attach's would (and a
+    late attach's line goes nowhere: a runner takes one line)."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, stdin.fileno())
+    os.close(null)
