@@ -25,8 +25,12 @@ A burst (issue 26): `--count 100 --cpu-request 10m --memory-request 16Mi` (100 s
 waiting on a 2-core node need a small request; the pool budget is raised to fit), with
 `--handover-threads N` for the claims and hand-overs one worker runs at once.
 
+On the real node the workers hand warm Pods their episodes directly (a TCP connection to the
+Pod, ROLLOUT_WARM_HANDOVER_FROM = the node's IP; kube/handover.py); `--attach` hands them
+over through the API server's attach only, as before.
+
     python -m benchmarks.bench_warm [--backend kubernetes|local] [--rounds 3] [--count 10]
-        [--handover-threads N] [--cpu-request Q --memory-request Q]
+        [--handover-threads N] [--cpu-request Q --memory-request Q] [--attach]
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class KubeTarget:
         assert key is not None
         self.namespace = objects.pool_namespace(key)
         self.env = {"KUBECONFIG": str(self.cluster.kubeconfig)}
+        self.handover_from = kc.handover_from(self.cluster)
         self.where = f"the real node {self.node.name}"
 
     def waiting(self) -> int:
@@ -134,6 +139,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--warm-only", action="store_true", help="no cold or drained batches: the burst alone"
     )
+    parser.add_argument(
+        "--attach", action="store_true", help="hand over by attach only (no direct hand-over)"
+    )
     args = parser.parse_args()
     require_rounds(parser, args.rounds)
     return args
@@ -152,6 +160,8 @@ def batch_shape(
     env = dict(target.env) | {"ROLLOUT_WARM_POOL_BUDGET": str(max(64, 2 * args.count))}
     if args.handover_threads:
         env["ROLLOUT_WARM_HANDOVER_THREADS"] = str(args.handover_threads)
+    if isinstance(target, KubeTarget) and target.handover_from and not args.attach:
+        env["ROLLOUT_WARM_HANDOVER_FROM"] = target.handover_from
     if isinstance(target, KubeTarget) and "resources" in fields:
         spec = parse_spec(fields | {"count": 1}, max_episodes=None)
         key = warm_pools.pool_key(spec, episode_program_text())

@@ -442,8 +442,12 @@ def kwok_logs(k8s_cluster, k8s_namespace, tmp_path):
 @pytest.fixture(scope="session")
 def real_stack(k8s_cluster):
     """A private redis-server, a control worker and two collectors whose Kubernetes backend
-    talks to ``k8s_cluster`` (for batches on the real node)."""
+    talks to ``k8s_cluster`` (for batches on the real node). On the local cluster they hand
+    warm Pods their episodes directly (tests/integration/test_warm_pool.py keeps one test on
+    attach)."""
     env = {"KUBECONFIG": str(k8s_cluster.kubeconfig)}
+    if direct := kc.handover_from(k8s_cluster):
+        env["ROLLOUT_WARM_HANDOVER_FROM"] = direct
     with LocalStack(collectors=2, extra_env=env) as stack:
         stack.wait_ready()
         yield stack

@@ -108,11 +108,35 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
         assert container.security_context.allow_privilege_escalation is False
         assert container.stdin and container.stdin_once
         assert not container.env or not any(e.name == "ROLLOUT_ACTION" for e in container.env)
-    policies = (
-        NetworkingV1Api(k8s_cluster.api_client).list_namespaced_network_policy(namespace).items
+    # real_stack hands over directly (ROLLOUT_WARM_HANDOVER_FROM): each Pod listens on the
+    # hand-over port with a token of its own, open to that CIDR only, beside the deny-all.
+    direct = kc.handover_from(k8s_cluster)
+    assert direct is not None
+    tokens = {
+        e.value
+        for p in waiting
+        for e in p.spec.containers[0].env
+        if e.name == objects.HANDOVER_TOKEN_ENV
+    }
+    assert len(tokens) == SIZE
+    policies = {
+        p.metadata.name: p
+        for p in NetworkingV1Api(k8s_cluster.api_client)
+        .list_namespaced_network_policy(namespace)
+        .items
+    }
+    assert sorted(policies) == ["deny-all", objects.HANDOVER_POLICY_NAME]
+    deny = policies["deny-all"].spec
+    assert deny.policy_types == ["Ingress", "Egress"] and not deny.egress and not deny.ingress
+    opened = k8s_cluster.api_client.sanitize_for_serialization(
+        policies[objects.HANDOVER_POLICY_NAME].spec
     )
-    assert [p.spec.policy_types for p in policies] == [["Ingress", "Egress"]]
-    assert not policies[0].spec.egress and not policies[0].spec.ingress  # deny all
+    assert opened["ingress"] == [
+        {
+            "from": [{"ipBlock": {"cidr": direct}}],
+            "ports": [{"protocol": "TCP", "port": objects.HANDOVER_PORT}],
+        }
+    ]
 
     # The next batch takes SIZE episodes from the pool and runs the rest cold.
     second = client.submit(**fields, count=SIZE + 1, parallelism=SIZE + 1)
@@ -135,6 +159,9 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
         assert [e["event"] for e in events] == ["ready", "reward"]
         assert all(e["episode_id"] == name for e in events)
     assert rows[SIZE]["pod"] not in pool_names and "handover_seconds" not in rows[SIZE]["timing"]
+    # Every one went directly: a failed direct hand-over logs its fall back to attach.
+    logs = "".join(p.read_text(errors="replace") for p in real_stack.dir.glob("worker-*.log"))
+    assert "handing over by attach" not in logs
     deadline = time.monotonic() + 60
     while client.receipt(second.batch_id).get("records") != "complete":
         assert time.monotonic() < deadline, client.receipt(second.batch_id)
@@ -171,13 +198,20 @@ def test_batches_take_episodes_from_the_warm_pool_with_every_cold_guarantee(
     client.close()
 
 
-def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(real_node, k8s_cluster):
+@pytest.mark.parametrize("handover", ["attach", "direct"])
+def test_a_redelivered_start_takes_the_same_warm_pods_and_cancel_stops_them(
+    real_node, k8s_cluster, handover
+):
     """In-process (no workers): the backend's own start_run run twice, as a redelivered submit
-    would, then cancel_run and delete_run."""
+    would, then cancel_run and delete_run. With "attach" the hand-over goes through the API
+    server only (the other tests here use real_stack, which hands over directly)."""
     from rollout_worker.backends.kube.backend import KubernetesBackend
     from rollout_worker.settings import Settings
 
-    backend = KubernetesBackend(Settings(kubeconfig=str(k8s_cluster.kubeconfig)))
+    direct = kc.handover_from(k8s_cluster) if handover == "direct" else None
+    assert direct or handover == "attach"
+    settings = Settings(kubeconfig=str(k8s_cluster.kubeconfig), warm_handover_from=direct)
+    backend = KubernetesBackend(settings)
     fields = real_node.batch_fields() | {"backend": "kubernetes"}
     spec = parse_spec(fields | {"count": 2, "action": "hang"}, max_episodes=None)
     key = backend.pool_key(spec)

@@ -399,6 +399,25 @@ def _ready_real_nodes(cluster: Cluster) -> list[str]:
     return sorted(n.metadata.name for n in nodes if _node_ready(n))
 
 
+def handover_from(cluster: Cluster) -> str | None:
+    """ROLLOUT_WARM_HANDOVER_FROM for workers run as processes of this machine: the local real
+    node's IP/32 (their connections to its Pods leave from its bridge, whose address is the
+    node IP). The node's InternalIP when it is up, else the address node.sh gives it
+    (LOCALKUBE_NODE_IP, else 10.89.<ROLLOUT_LOCALKUBE_NODE_ID>.1). None on another cluster:
+    its Pod IPs are not this machine's to reach, the hand-over goes by attach."""
+    if not cluster.local:
+        return None
+    nodes = cluster.core.list_node(
+        label_selector=f"{REAL_NODE_LABEL_KEY}={REAL_NODE_LABEL_VALUE}"
+    ).items
+    for node in nodes:
+        for address in node.status.addresses or []:
+            if address.type == "InternalIP":
+                return f"{address.address}/32"
+    node_id = os.environ.get("ROLLOUT_LOCALKUBE_NODE_ID") or "0"
+    return f"{os.environ.get('LOCALKUBE_NODE_IP') or f'10.89.{node_id}.1'}/32"
+
+
 def ensure_real_node(cluster: Cluster) -> RealNode:
     """A Ready real node: on the local cluster ``cluster.sh node-up`` starts it if needed.
 
