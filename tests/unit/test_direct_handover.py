@@ -300,8 +300,8 @@ def test_the_token_leaves_the_process_environment_for_good(monkeypatch, tmp_path
 class _FakeRunner:
     """A local TCP server playing the runner: reads token + line, answers `answer` or nothing."""
 
-    def __init__(self, answer: bytes | None) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, answer: bytes | None, port: int = 0) -> None:
+        self.server = socket.create_server(("127.0.0.1", port))
         self.port = self.server.getsockname()[1]
         self.got = b""
         self.answer = answer
@@ -326,7 +326,8 @@ class _FakeRunner:
         self.server.close()
 
 
-def test_send_sends_token_and_line_and_reads_the_ack():
+def test_send_sends_token_and_line_and_reads_the_ack(monkeypatch):
+    monkeypatch.setattr(handover, "CONNECT_SECONDS", 0.3)
     fake = _FakeRunner(b"ok\n")
     assert handover.send(fake.target(), b'{"env": {}}\n', 5) is handover.Sent.ACKED
     fake.close()
@@ -341,6 +342,21 @@ def test_send_sends_token_and_line_and_reads_the_ack():
     assert handover.send(closed, b"{}\n", 5) is handover.Sent.UNREACHED
 
 
+def test_a_runner_that_listens_a_moment_after_its_pod_runs_is_still_reached_directly():
+    port = _free_port()
+    late: list[_FakeRunner] = []
+
+    def listen_late() -> None:
+        time.sleep(0.3)
+        late.append(_FakeRunner(b"ok\n", port))
+
+    threading.Thread(target=listen_late, daemon=True).start()
+    target = handover.Direct("127.0.0.1", port, "tok")
+    assert handover.send(target, b"{}\n", 5) is handover.Sent.ACKED  # refused, then reached
+    late[0].close()
+    assert late[0].got == b"tok\n{}\n"
+
+
 @pytest.fixture
 def attach(monkeypatch):
     """The attach, stubbed: records the Pods it was asked to hand over."""
@@ -349,6 +365,7 @@ def attach(monkeypatch):
         pools, "_attach_and_write", lambda _c, _ns, name, line: calls.append((name, line)) or True
     )
     monkeypatch.setattr(pools, "CONFIRM_SECONDS", 0.3)
+    monkeypatch.setattr(handover, "CONNECT_SECONDS", 0.3)
     return calls
 
 

@@ -24,6 +24,7 @@ from rollout_worker.backends.kube import objects
 # A Pod on the node's network answers a connect within milliseconds; past this it is not
 # reachable directly (no route, a policy dropping the SYN) and the attach takes over.
 CONNECT_SECONDS = 1.0
+REFUSED_PAUSE_SECONDS = 0.02
 ACK = b"ok\n"
 
 
@@ -61,9 +62,8 @@ def direct_target(pod: dict[str, Any]) -> Direct | None:
 
 def send(target: Direct, line: bytes, confirm_seconds: float) -> Sent:
     """Connect, send the token and the line, wait up to `confirm_seconds` for the ack."""
-    try:
-        conn = socket.create_connection((target.ip, target.port), timeout=CONNECT_SECONDS)
-    except OSError:
+    conn = _connect(target)
+    if conn is None:
         return Sent.UNREACHED
     with conn:
         try:
@@ -72,6 +72,23 @@ def send(target: Direct, line: bytes, confirm_seconds: float) -> Sent:
             # Part of it may have gone: the runner may have read it all before the error.
             return Sent.UNCONFIRMED
         return Sent.ACKED if _ack(conn, confirm_seconds) else Sent.UNCONFIRMED
+
+
+def _connect(target: Direct) -> socket.socket | None:
+    """A connection within CONNECT_SECONDS. Refused is tried again until then: a Pod counts as
+    waiting once its container runs, a moment before its runner listens (stdin buffers an
+    attach's line meanwhile; a port does not)."""
+    deadline = time.monotonic() + CONNECT_SECONDS
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            return socket.create_connection((target.ip, target.port), timeout=left)
+        except ConnectionRefusedError:
+            time.sleep(min(REFUSED_PAUSE_SECONDS, max(0.0, deadline - time.monotonic())))
+        except OSError:
+            return None
 
 
 def _ack(conn: socket.socket, seconds: float) -> bool:

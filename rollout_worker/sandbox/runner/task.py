@@ -154,7 +154,10 @@ def wait_for_handover(stdin: typing.TextIO) -> bool:
     port = os.environ.pop(HANDOVER_PORT_ENV, "")
     if not token or not port.isdigit():
         return take_handover(stdin)
-    listener = socket.create_server(("", int(port)), backlog=8)
+    try:
+        listener = socket.create_server(("", int(port)), backlog=8)
+    except OSError:
+        return take_handover(stdin)  # no port: the worker's connection fails, it attaches
     try:
         chosen = selectors.DefaultSelector()
         chosen.register(stdin, selectors.EVENT_READ)
