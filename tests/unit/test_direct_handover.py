@@ -23,6 +23,7 @@ from rollout_wire.states import EVENT_KEY_MARK
 from rollout_worker.backends import warm
 from rollout_worker.backends.kube import handover, objects, pools
 from rollout_worker.backends.kube.pools import Claimed, WarmPools
+from rollout_worker.sandbox import episode_program_text as program_text
 from rollout_worker.settings import Settings
 from tests.runner_program import episode
 
@@ -416,3 +417,38 @@ def test_the_worker_hands_over_to_the_real_runner_directly(runner, attach):
     _hand_over(handover.Direct("127.0.0.1", r.port, "s3cret"))
     assert r.done() is True and attach == []
     assert r.environ["ROLLOUT_BATCH_ID"] == spec().batch_id
+
+
+def test_a_waiting_runner_program_takes_its_episode_over_the_port_and_runs_it(tmp_path):
+    """The program as it ships, in its own process: stdin stays open (no attach ever comes),
+    the line arrives on the port, the demo episode runs to its reward."""
+    runner_file = tmp_path / "program" / "episode.py"
+    runner_file.parent.mkdir()
+    runner_file.write_text(program_text())
+    (tmp_path / "ws").mkdir()
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-B", str(runner_file)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={
+            "PATH": os.environ["PATH"],
+            "EPISODE_ID": "warm-x",
+            "ROLLOUT_HANDOVER": "stdin",
+            "ROLLOUT_WORKSPACE": str(tmp_path / "ws"),
+            PORT_ENV: str(port),
+            TOKEN_ENV: "s3cret",
+        },
+    )
+    try:
+        target = handover.Direct("127.0.0.1", port, "s3cret")
+        assert handover.send(target, warm.handover_line(spec(action="fix"), 0), 10) is (
+            handover.Sent.ACKED
+        )
+        out, err = proc.communicate(timeout=60)  # closes stdin: the episode has its line
+    finally:
+        proc.kill()
+    events = [json.loads(x) for x in out.decode().splitlines()]
+    assert [e["event"] for e in events] == ["ready", "reward"], err.decode()
+    assert events[1]["reward"] == 1 and proc.returncode == 0
