@@ -158,8 +158,8 @@ def wait_for_handover(stdin: typing.TextIO) -> bool:
         listener = socket.create_server(("", int(port)), backlog=8)
     except OSError:
         return take_handover(stdin)  # no port: the worker's connection fails, it attaches
+    chosen = selectors.DefaultSelector()
     try:
-        chosen = selectors.DefaultSelector()
         chosen.register(stdin, selectors.EVENT_READ)
         chosen.register(listener, selectors.EVENT_READ)
         while True:
@@ -170,6 +170,7 @@ def wait_for_handover(stdin: typing.TextIO) -> bool:
                     stdin_to_devnull(stdin)
                     return True
     finally:
+        chosen.close()
         listener.close()
 
 
@@ -198,9 +199,10 @@ def read_handover(conn: socket.socket, token: bytes) -> bytes:
     """The line of `token\nline\n`; ValueError on a wrong token (as soon as its line is in),
     or when it does not come whole within HANDOVER_READ_SECONDS and HANDOVER_MAX_BYTES."""
     deadline = time.monotonic() + HANDOVER_READ_SECONDS
-    data = b""
-    checked = False
-    while data.count(b"\n") < 2:
+    data = bytearray()
+    newlines = 0
+    given = b""
+    while newlines < 2:
         left = deadline - time.monotonic()
         if left <= 0 or len(data) > HANDOVER_MAX_BYTES:
             raise ValueError("hand-over too slow or too long")
@@ -209,11 +211,12 @@ def read_handover(conn: socket.socket, token: bytes) -> bytes:
         if not chunk:
             raise ValueError("hand-over connection closed early")
         data += chunk
-        if not checked and b"\n" in data:
-            if not hmac.compare_digest(data.split(b"\n", 1)[0], token):
-                raise ValueError("wrong hand-over token")
-            checked = True
-    _, line, rest = data.split(b"\n", 2)
+        if not newlines and b"\n" in chunk:
+            given = bytes(data[: data.index(b"\n")])
+        newlines += chunk.count(b"\n")
+        if newlines and not hmac.compare_digest(given, token):
+            raise ValueError("wrong hand-over token")
+    _, line, rest = bytes(data).split(b"\n", 2)
     if rest or len(line) > HANDOVER_MAX_BYTES:
         raise ValueError("hand-over too long")
     return line
