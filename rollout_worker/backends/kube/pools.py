@@ -76,8 +76,8 @@ class WarmPools:
         handover_from: str | None = None,
     ) -> None:
         # Claims, hand-overs and Pod creations of one call run on at most this many threads:
-        # each is a round trip to the API server (a hand-over an attach), so the threads
-        # overlap waits, not CPU (ROLLOUT_WARM_HANDOVER_THREADS).
+        # each is a round trip (to the API server; a hand-over an attach or a connection to the
+        # Pod), so the threads overlap waits, not CPU (ROLLOUT_WARM_HANDOVER_THREADS).
         self.threads = threads
         # ROLLOUT_WARM_HANDOVER_FROM: the CIDR a waiting Pod's hand-over port is open to; set,
         # new Pods listen there and claimed ones that do are handed over directly.
