@@ -100,6 +100,10 @@ def test_a_warm_pool_batch_runs_in_waiting_sandboxes_of_the_host_pod_and_leaves_
     hosts = warm_hosts
     (pod,) = hosts.names()
     hosts.idle()
+    # The agent in the Pod builds its sandboxes, the waiting ones too (the run document it
+    # localises carries it), with --disable-userns, as it says at its start.
+    said = hosts.cluster.core.read_namespaced_pod_log(pod, hosts.namespace)
+    assert "user namespaces inside: forbidden" in said, said[-2000:]
     batch = hosts.submit(
         tasks=load_task_set("bundled", only=[FAST_TASK]),
         samples_per_task=COUNT,
