@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,3 +331,22 @@ def resolve_in_root(root: Path, path: str) -> str:
             raise ValueError(f"the image's WORKDIR {path!r} is not a directory in its root")
         resolved.append(part)
     return "/" + "/".join(resolved)
+
+
+# sockaddr_un's sun_path: 108 bytes with the terminating NUL.
+SUN_PATH_MAX = 108
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """An AF_UNIX address for `path` to bind or connect to within the block, however deep its
+    folder: a run's, a pool's or a host's folders easily pass sun_path's 107 bytes. Past them
+    the folder is reached through a descriptor of it, /proc/self/fd/N/<name>."""
+    if len(os.fsencode(path)) < SUN_PATH_MAX:
+        yield str(path)
+        return
+    folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_wire.policy import PolicyEndpoint
+from rollout_worker.backends.local.files import unix_address
 
 MAX_BODY = 8 * 2**20
 # A Content-Length as RFC 9110 spells it: ASCII digits only (int() also takes "+5", "5_0",
@@ -50,8 +51,6 @@ CLIENT_IDLE_SECONDS = 30.0
 # sandbox opening sockets without end would otherwise cost the host a thread each). The runner
 # holds one at a time.
 MAX_CONNECTIONS = 16
-# sockaddr_un's sun_path: 108 bytes with the terminating NUL.
-SUN_PATH_MAX = 108
 # Response headers a sandbox gets from the policy server (the rest stay here).
 PASSED_HEADERS = ("X-Policy-Version",)
 IDENTITY_HEADERS = {
@@ -261,20 +260,11 @@ class _EpisodeServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
         super().__init__(path, _Handler)
 
     def server_bind(self) -> None:
-        """Bind at the path however deep its folder is: a sun_path holds at most 107 bytes,
-        and a host's root, run and warm-sandbox folders easily go past that (the sandbox
-        connects through its own short mount). The folder is reached through a descriptor of
-        it, /proc/self/fd/N/<name>, which is short."""
-        path = self.path
-        if len(os.fsencode(path)) < SUN_PATH_MAX:
-            super().server_bind()
-            return
-        folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
-        try:
-            self.socket.bind(f"/proc/self/fd/{folder}/{path.name}")
-        finally:
-            os.close(folder)
-        self.server_address = str(path)
+        # However deep the folder (a host's warm sandbox's is): the sandbox connects through
+        # its own short mount.
+        with unix_address(self.path) as address:
+            self.socket.bind(address)
+        self.server_address = str(self.path)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):

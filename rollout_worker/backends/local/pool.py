@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from rollout_worker.backends.local.files import daemonize, write_json_atomic
+from rollout_worker.backends.local.files import daemonize, unix_address, write_json_atomic
 from rollout_worker.backends.local.sandbox import Mount, plan_sandbox, rlimits
 
 IO_MOUNT = "/sandbox/io"
@@ -110,7 +110,8 @@ def take(
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout)
         try:
-            sock.connect(str(pool_dir.socket))
+            with unix_address(pool_dir.socket) as address:
+                sock.connect(address)
             sock.send(orjson.dumps({"take": count, "refill": refill}))
             while True:
                 data, fds, _flags, _addr = socket.recv_fds(sock, REQUEST_BYTES, 4)
@@ -141,7 +142,8 @@ def ask(pool_dir: PoolDir, request: dict[str, Any], timeout: float = 2.0) -> dic
     """Send a control request (fill, drain, status) to a running pool."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout)
-        sock.connect(str(pool_dir.socket))
+        with unix_address(pool_dir.socket) as address:
+            sock.connect(address)
         sock.send(orjson.dumps(request))
         answer = orjson.loads(sock.recv(REQUEST_BYTES))
     return answer if isinstance(answer, dict) else {}
@@ -341,7 +343,8 @@ class PoolProcess:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with contextlib.suppress(FileNotFoundError):
             self.dir.socket.unlink()
-        server.bind(str(self.dir.socket))
+        with unix_address(self.dir.socket) as address:
+            server.bind(address)
         server.listen(64)
         self.selector.register(server, selectors.EVENT_READ, ("server", None))
         self.refill()
