@@ -64,8 +64,8 @@ SETTINGS_DOC: dict[str, str] = {
     "ROLLOUT_WARM_POOL_IDLE_SECONDS": "a warm pool no batch asked to refill for this long is "
     "emptied by the sweeper (default 900)",
     "ROLLOUT_WARM_HANDOVER_THREADS": "Kubernetes: warm Pods claimed and handed their episodes "
-    "at once by one worker (each hand-over is an attach, mostly waiting on the API server; "
-    "default 32, sized by benchmarks/bench_warm.py)",
+    "at once by one worker (default 32 when hand-overs go by attach through the API server, "
+    "4 with ROLLOUT_WARM_HANDOVER_FROM; sized by benchmarks/bench_warm.py)",
     "ROLLOUT_WARM_HANDOVER_FROM": "Kubernetes: hand warm Pods their episodes over a direct TCP "
     "connection from the workers (a CIDR holding the workers' addresses, e.g. their Pod CIDR, "
     "or the node's IP/32 where workers run on the node); each pool Pod then listens on one "
@@ -79,6 +79,16 @@ SETTINGS_DOC: dict[str, str] = {
 def _default_python() -> str:
     system = "/usr/bin/python3"
     return system if os.access(system, os.X_OK) else sys.executable
+
+
+# Warm Pods claimed and handed their episodes at once by one worker, sized by bench_warm on
+# the 2-core real node. By attach (~40 ms of node CPU each) a burst of 100 had every episode
+# ready 13.0, 8.2, 5.6, 5.1 s after submit with 4, 16, 32, 64 threads. Direct (a connection
+# to the Pod) the claim patches are what crowd the node: a burst of 10 gets claim -> ready
+# p50 62 ms with 4 threads against 107 ms with 32, and a burst of 100 its report as soon
+# (22.6 s against 22.9 s; its last episode ready at 4.0 s against 2.7 s).
+ATTACH_HANDOVER_THREADS = 32
+DIRECT_HANDOVER_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -101,9 +111,8 @@ class Settings:
     kube_context: str | None = None
     warm_pool_budget: int = 64
     warm_pool_idle_seconds: float = 900.0
-    # Sized by a burst of 100 claims (bench_warm): 4, 16, 32, 64 threads gave every episode
-    # ready 13.0, 8.2, 5.6, 5.1 s after submit; past 32 each claim waits longer for little.
-    warm_handover_threads: int = 32
+    # None: by the hand-over (warm_handover_threads_used).
+    warm_handover_threads: int | None = None
     # Direct hand-over (kube/handover.py): the CIDR allowed to reach a waiting Pod's port; None:
     # attach only.
     warm_handover_from: str | None = None
@@ -136,7 +145,7 @@ class Settings:
             )
         if not self.pod_create_rate >= 0:  # also refuses NaN
             problems.append("ROLLOUT_POD_CREATE_RATE must be >= 0 (0: do not check)")
-        if self.warm_handover_threads < 1:
+        if self.warm_handover_threads is not None and self.warm_handover_threads < 1:
             problems.append(
                 f"ROLLOUT_WARM_HANDOVER_THREADS must be at least 1, got "
                 f"{self.warm_handover_threads}"
@@ -212,6 +221,14 @@ class Settings:
         values["kube_context"] = env.get("ROLLOUT_KUBE_CONTEXT") or None
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def warm_handover_threads_used(self) -> int:
+        """Claims and hand-overs one worker runs at once: ROLLOUT_WARM_HANDOVER_THREADS, else
+        by how Pods are handed their episodes (ATTACH_ / DIRECT_HANDOVER_THREADS)."""
+        if self.warm_handover_threads is not None:
+            return self.warm_handover_threads
+        return DIRECT_HANDOVER_THREADS if self.warm_handover_from else ATTACH_HANDOVER_THREADS
 
     def with_redis(self, redis_url: str) -> Settings:
         return replace(self, redis_url=redis_url)

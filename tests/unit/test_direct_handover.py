@@ -98,6 +98,18 @@ def test_the_handover_cidr_setting_is_read_and_a_bad_one_refused_at_start():
             Settings.from_env({"ROLLOUT_WARM_HANDOVER_FROM": bad})
 
 
+def test_hand_over_threads_default_by_the_hand_over_and_an_explicit_count_wins():
+    # bench_warm: direct, 4 threads meet the 100 ms p50 that 32 miss; attach keeps 32.
+    assert Settings.from_env({}).warm_handover_threads_used == 32
+    direct = {"ROLLOUT_WARM_HANDOVER_FROM": "10.89.0.1/32"}
+    assert Settings.from_env(direct).warm_handover_threads_used == 4
+    for env in ({}, direct):
+        chosen = Settings.from_env(env | {"ROLLOUT_WARM_HANDOVER_THREADS": "9"})
+        assert chosen.warm_handover_threads_used == 9
+    with pytest.raises(ConfigError, match="ROLLOUT_WARM_HANDOVER_THREADS"):
+        Settings.from_env({"ROLLOUT_WARM_HANDOVER_THREADS": "0"})
+
+
 class _Api:
     """Any client method: returns its own name and arguments (for _Calls)."""
 

@@ -99,7 +99,7 @@ class KubernetesBackend:
             self._text,
             self.core,
             self.net,
-            settings.warm_handover_threads,
+            settings.warm_handover_threads_used,
             settings.warm_handover_from,
         )
         self.program = episode_program_text()  # read once: pool keys, ConfigMaps
